@@ -1,0 +1,27 @@
+# ds_module(NAME SOURCES ... [DEPS ...] [PRIVATE_DEPS ...])
+# A static library ds_NAME. DEPS are the earlier modules it may use.
+function(ds_module NAME)
+  cmake_parse_arguments(M "" "" "SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
+  add_library(ds_${NAME} STATIC ${M_SOURCES})
+  target_include_directories(ds_${NAME}
+    PUBLIC ${PROJECT_SOURCE_DIR}/include
+    PRIVATE ${PROJECT_SOURCE_DIR}/src)
+  target_link_libraries(ds_${NAME} PUBLIC ${M_DEPS} PRIVATE ${M_PRIVATE_DEPS})
+endfunction()
+
+# ds_test(NAME SOURCES ... DEPS ...)
+# A GoogleTest executable whose cases are registered with CTest one by one.
+# Tests find checked-in data through the DS_SOURCE_DIR macro.
+function(ds_test NAME)
+  if(NOT DELTASYNC_BUILD_TESTS)
+    return()
+  endif()
+  cmake_parse_arguments(T "" "" "SOURCES;DEPS" ${ARGN})
+  add_executable(${NAME} ${T_SOURCES})
+  target_include_directories(${NAME} PRIVATE ${PROJECT_SOURCE_DIR}/src)
+  target_link_libraries(${NAME} PRIVATE ${T_DEPS} GTest::gtest GTest::gtest_main)
+  target_compile_definitions(${NAME} PRIVATE DS_SOURCE_DIR="${PROJECT_SOURCE_DIR}"
+                                             DS_BINARY_DIR="${PROJECT_BINARY_DIR}")
+  gtest_discover_tests(${NAME} DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60
+                       PROPERTIES TIMEOUT 600)
+endfunction()

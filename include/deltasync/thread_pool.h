@@ -1,0 +1,46 @@
+// A fixed-size pool of worker threads with a blocking parallel-for.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <functional>
+#include <mutex>
+#include <queue>
+#include <thread>
+#include <vector>
+
+namespace deltasync {
+
+class ThreadPool {
+ public:
+  // `num_threads` == 0 means std::thread::hardware_concurrency() (at least 1).
+  explicit ThreadPool(size_t num_threads = 0);
+  // Finishes every queued task, then joins the workers.
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  size_t size() const { return workers_.size(); }
+
+  // Queues `task`. Tasks must not throw.
+  void Submit(std::function<void()> task);
+
+  // Runs fn(i) for i in [0, n) on the pool and the calling thread, returning
+  // when all calls have returned. Safe to call from several threads at once;
+  // must not be called from inside a pool task (it would wait on itself).
+  void ParallelFor(size_t n, const std::function<void(size_t)>& fn);
+
+  // The process-wide default pool (hardware_concurrency threads).
+  static ThreadPool& Default();
+
+ private:
+  void WorkerLoop();
+
+  std::vector<std::thread> workers_;
+  std::queue<std::function<void()>> tasks_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+};
+
+}  // namespace deltasync
