@@ -1,0 +1,70 @@
+// Bit-exact, element-granular diff of new tensor bytes against a snapshot,
+// fused with the snapshot refresh.
+//
+// Elements are compared as integers of their size (1, 2, 4 or 8 bytes): no
+// thresholds, and NaN payloads or -0.0 vs +0.0 are simply different bit
+// patterns. Element size 1 is also the byte-level mode for unknown dtypes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "deltasync/status.h"
+#include "deltasync/thread_pool.h"
+
+namespace deltasync {
+
+// What changed in one tensor. Positions are element indices, ascending and
+// unique; `pos32` is used while numel < 2^32, `pos64` otherwise (the other
+// vector stays empty). `new_values` / `old_values` hold the changed
+// elements' bytes, elem_size each, in position order.
+struct ChangeSet {
+  uint64_t numel = 0;
+  uint32_t elem_size = 1;
+  bool wide = false;  // positions in pos64
+  std::vector<uint32_t> pos32;
+  std::vector<uint64_t> pos64;
+  std::vector<uint8_t> new_values;
+  std::vector<uint8_t> old_values;  // empty unless DiffOptions::keep_old_values
+
+  uint64_t count() const { return wide ? pos64.size() : pos32.size(); }
+  uint64_t position(uint64_t i) const { return wide ? pos64[i] : pos32[i]; }
+  double density() const { return numel ? static_cast<double>(count()) / numel : 0.0; }
+  void Clear();
+};
+
+// Implementations of the element-compare loop. All produce identical output.
+enum class DiffKernel : uint8_t { kScalar, kAvx2, kAvx512 };
+
+std::string_view DiffKernelName(DiffKernel kernel);
+// Kernels this CPU can run (always includes kScalar).
+std::vector<DiffKernel> AvailableDiffKernels();
+// The fastest available kernel (AVX-512 > AVX2 > scalar).
+DiffKernel BestDiffKernel();
+
+struct DiffOptions {
+  uint32_t elem_size = 2;         // 1, 2, 4 or 8
+  bool refresh_snapshot = true;   // copy new into snapshot in the same pass
+  bool keep_old_values = true;    // fill ChangeSet::old_values
+  DiffKernel kernel = BestDiffKernel();
+  // Worker pool for large tensors; nullptr = single-threaded.
+  ThreadPool* pool = nullptr;
+  // Tensors smaller than this are diffed by one thread.
+  size_t parallel_chunk_bytes = 4u << 20;
+};
+
+// Compares `new_bytes` against `snapshot` (same length, a multiple of
+// elem_size) and fills `out`. With refresh_snapshot, `snapshot` equals
+// `new_bytes` afterwards. InvalidArgument on length/element-size mismatch or
+// an unavailable kernel.
+Status DiffTensor(std::span<const uint8_t> new_bytes, std::span<uint8_t> snapshot,
+                  const DiffOptions& options, ChangeSet* out);
+
+// Counts differing elements without recording them (statistics only).
+Result<uint64_t> CountChanged(std::span<const uint8_t> a, std::span<const uint8_t> b,
+                              uint32_t elem_size);
+
+}  // namespace deltasync
