@@ -46,9 +46,9 @@ std::vector<DiffKernel> AvailableDiffKernels();
 DiffKernel BestDiffKernel();
 
 struct DiffOptions {
-  uint32_t elem_size = 2;         // 1, 2, 4 or 8
-  bool refresh_snapshot = true;   // copy new into snapshot in the same pass
-  bool keep_old_values = true;    // fill ChangeSet::old_values
+  uint32_t elem_size = 2;        // 1, 2, 4 or 8
+  bool refresh_snapshot = true;  // copy new into snapshot in the same pass
+  bool keep_old_values = true;   // fill ChangeSet::old_values
   DiffKernel kernel = BestDiffKernel();
   // Worker pool for large tensors; nullptr = single-threaded.
   ThreadPool* pool = nullptr;

@@ -18,16 +18,16 @@ namespace deltasync {
 // value is never reused or renumbered.
 enum class StatusCode : int {
   kOk = 0,
-  kInvalidArgument = 1,    // the caller passed something unusable
-  kNotFound = 2,           // a named file, tensor or version does not exist
-  kCorruption = 3,         // stored bytes violate their format or checksum
-  kIOError = 4,            // the operating system refused an operation
-  kOutOfRange = 5,         // an index, offset or size past a limit
-  kUnsupported = 6,        // well-formed but not handled (unknown dtype, ...)
-  kAlreadyExists = 7,      // refusing to overwrite
-  kFailedPrecondition = 8, // the system is not in a state that allows it
-  kAborted = 9,            // cancelled or interrupted
-  kInternal = 10,          // a broken invariant: a bug, never bad input
+  kInvalidArgument = 1,     // the caller passed something unusable
+  kNotFound = 2,            // a named file, tensor or version does not exist
+  kCorruption = 3,          // stored bytes violate their format or checksum
+  kIOError = 4,             // the operating system refused an operation
+  kOutOfRange = 5,          // an index, offset or size past a limit
+  kUnsupported = 6,         // well-formed but not handled (unknown dtype, ...)
+  kAlreadyExists = 7,       // refusing to overwrite
+  kFailedPrecondition = 8,  // the system is not in a state that allows it
+  kAborted = 9,             // cancelled or interrupted
+  kInternal = 10,           // a broken invariant: a bug, never bad input
 };
 
 // The name of a code, e.g. "Corruption". Never empty.
@@ -41,13 +41,17 @@ class [[nodiscard]] Status {
   Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {}
 
   static Status OK() { return Status(); }
-  static Status InvalidArgument(std::string msg) { return {StatusCode::kInvalidArgument, std::move(msg)}; }
+  static Status InvalidArgument(std::string msg) {
+    return {StatusCode::kInvalidArgument, std::move(msg)};
+  }
   static Status NotFound(std::string msg) { return {StatusCode::kNotFound, std::move(msg)}; }
   static Status Corruption(std::string msg) { return {StatusCode::kCorruption, std::move(msg)}; }
   static Status IOError(std::string msg) { return {StatusCode::kIOError, std::move(msg)}; }
   static Status OutOfRange(std::string msg) { return {StatusCode::kOutOfRange, std::move(msg)}; }
   static Status Unsupported(std::string msg) { return {StatusCode::kUnsupported, std::move(msg)}; }
-  static Status AlreadyExists(std::string msg) { return {StatusCode::kAlreadyExists, std::move(msg)}; }
+  static Status AlreadyExists(std::string msg) {
+    return {StatusCode::kAlreadyExists, std::move(msg)};
+  }
   static Status FailedPrecondition(std::string msg) {
     return {StatusCode::kFailedPrecondition, std::move(msg)};
   }
@@ -79,7 +83,7 @@ class [[nodiscard]] Status {
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
+  Result(T value) : v_(std::move(value)) {}        // NOLINT(google-explicit-constructor)
   Result(Status status) : v_(std::move(status)) {  // NOLINT(google-explicit-constructor)
     assert(!std::get<Status>(v_).ok() && "Result constructed from an OK Status");
     if (std::get<Status>(v_).ok()) v_ = Status::Internal("Result constructed from an OK Status");
@@ -116,10 +120,10 @@ class [[nodiscard]] Result {
 #define DS_CONCAT_(a, b) DS_CONCAT_INNER_(a, b)
 
 // Returns the Status of `expr` from the enclosing function if it is not OK.
-#define DS_RETURN_IF_ERROR(expr)                         \
-  do {                                                   \
-    ::deltasync::Status ds_status_ = (expr);             \
-    if (!ds_status_.ok()) return ds_status_;             \
+#define DS_RETURN_IF_ERROR(expr)             \
+  do {                                       \
+    ::deltasync::Status ds_status_ = (expr); \
+    if (!ds_status_.ok()) return ds_status_; \
   } while (0)
 
 // `DS_ASSIGN_OR_RETURN(auto x, F());` declares x from F()'s value, or returns

@@ -12,9 +12,9 @@ TEST(DTypeTest, SafetensorsNamesAndSizes) {
     const char* name;
     size_t size;
   };
-  const Row rows[] = {{"BOOL", 1}, {"U8", 1},  {"I8", 1},   {"F8_E4M3", 1}, {"F8_E5M2", 1},
-                      {"I16", 2},  {"U16", 2}, {"F16", 2},  {"BF16", 2},    {"I32", 4},
-                      {"U32", 4},  {"F32", 4}, {"I64", 8},  {"U64", 8},     {"F64", 8}};
+  const Row rows[] = {{"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E4M3", 1}, {"F8_E5M2", 1},
+                      {"I16", 2},  {"U16", 2}, {"F16", 2}, {"BF16", 2},    {"I32", 4},
+                      {"U32", 4},  {"F32", 4}, {"I64", 8}, {"U64", 8},     {"F64", 8}};
   ASSERT_EQ(std::size(rows), static_cast<size_t>(kNumDTypes));
   for (const Row& row : rows) {
     Result<DType> d = ParseDType(row.name);
