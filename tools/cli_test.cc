@@ -1,0 +1,127 @@
+// Runs the real `deltasync` binary and checks the CLI contract.
+#include <sys/wait.h>
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+#include "deltasync/checkpoint.h"
+#include "deltasync/checksum.h"
+
+namespace deltasync {
+namespace {
+
+struct CliRun {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+CliRun RunCli(const std::string& args) {
+  const std::string dir = testing::TempDir();
+  const std::string out_path = dir + "/cli_out.txt", err_path = dir + "/cli_err.txt";
+  const std::string cmd =
+      std::string(DS_CLI_PATH) + " " + args + " >" + out_path + " 2>" + err_path;
+  const int status = std::system(cmd.c_str());
+  CliRun r;
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = ReadFile(out_path);
+  r.err = ReadFile(err_path);
+  return r;
+}
+
+int CountLines(const std::string& s) {
+  int n = 0;
+  for (char c : s) n += c == '\n';
+  return n;
+}
+
+TEST(CliTest, HelpListsCommands) {
+  CliRun r = RunCli("--help");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.out.find("inspect"), std::string::npos);
+  EXPECT_NE(r.out.find("checksum"), std::string::npos);
+}
+
+TEST(CliTest, UnknownSubcommandFails) {
+  CliRun r = RunCli("frobnicate");
+  EXPECT_NE(r.exit_code, 0);
+}
+
+TEST(CliTest, ChecksumPrintsSha256sumStyleLines) {
+  const std::string path = testing::TempDir() + "/cli_checksum_input.bin";
+  std::string data(100000, '\0');
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 31 % 256);
+  std::ofstream(path, std::ios::binary) << data;
+  std::span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(data.data()), data.size());
+  for (const char* algo : {"xxh3-128", "xxh3-64", "blake3", "adler32"}) {
+    CliRun r = RunCli(std::string("checksum --algo ") + algo + " " + path + " " + path);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const std::string line = ChecksumHex(*ParseChecksumAlgo(algo), bytes) + "  " + path + "\n";
+    EXPECT_EQ(r.out, line + line) << algo;
+  }
+}
+
+TEST(CliTest, ChecksumErrorsAreOneLineAndNonZero) {
+  CliRun missing = RunCli("checksum --algo xxh3-128 /nonexistent/file.bin");
+  EXPECT_EQ(missing.exit_code, 1);
+  EXPECT_EQ(CountLines(missing.err), 1) << missing.err;
+  EXPECT_NE(missing.err.find("/nonexistent/file.bin"), std::string::npos);
+
+  CliRun bad_algo = RunCli("checksum --algo md5 /dev/null");
+  EXPECT_NE(bad_algo.exit_code, 0);
+  EXPECT_EQ(CountLines(bad_algo.err), 1) << bad_algo.err;
+  EXPECT_NE(bad_algo.err.find("md5"), std::string::npos);
+}
+
+TEST(CliTest, InspectCheckpointTextAndJson) {
+  const std::string dir = testing::TempDir() + "/cli_inspect_ckpt";
+  std::vector<uint8_t> a(2 * 3 * 2, 1), b(16 * 4, 2);
+  std::vector<TensorView> tensors = {{"layer.a", DType::kBF16, {2, 3}, a},
+                                     {"layer.b", DType::kF32, {16}, b}};
+  CheckpointWriteOptions opts;
+  opts.max_shard_bytes = 8;  // forces two shards and an index
+  ASSERT_TRUE(WriteCheckpoint(dir, tensors, opts).ok());
+
+  CliRun text = RunCli("inspect " + dir);
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("layer.a"), std::string::npos);
+  EXPECT_NE(text.out.find("BF16"), std::string::npos);
+  EXPECT_NE(text.out.find("[2, 3]"), std::string::npos);
+  EXPECT_NE(text.out.find("total: 2 tensors, 76 bytes"), std::string::npos) << text.out;
+
+  CliRun js = RunCli("inspect --json " + dir);
+  ASSERT_EQ(js.exit_code, 0) << js.err;
+  nlohmann::json j = nlohmann::json::parse(js.out);
+  EXPECT_EQ(j["totals"]["tensors"], 2);
+  EXPECT_EQ(j["totals"]["bytes"], 76);
+  EXPECT_EQ(j["sharded"], true);
+  EXPECT_EQ(j["files"].size(), 2u);
+  EXPECT_EQ(j["tensors"][0]["name"], "layer.a");
+  EXPECT_EQ(j["tensors"][0]["shape"], nlohmann::json::array({2, 3}));
+  EXPECT_EQ(j["totals"]["by_dtype"]["F32"]["bytes"], 64);
+}
+
+TEST(CliTest, InspectCorruptFileNamesFileInOneLine) {
+  const std::string path = testing::TempDir() + "/cli_corrupt.safetensors";
+  std::ofstream(path, std::ios::binary) << std::string("\xff\xff\xff\xff\xff\xff\xff\x7f{}", 10);
+  CliRun r = RunCli("inspect " + path);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_EQ(CountLines(r.err), 1) << r.err;
+  EXPECT_NE(r.err.find(path), std::string::npos) << r.err;
+  EXPECT_TRUE(r.out.empty());
+}
+
+}  // namespace
+}  // namespace deltasync

@@ -1,0 +1,32 @@
+// Shared plumbing for the deltasync subcommands.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <functional>
+#include <string>
+
+#include "deltasync/status.h"
+
+namespace deltasync::cli {
+
+// A subcommand's body: returns the process exit code. Errors are reported
+// through Fail() so that every command prints them the same way.
+using CommandFn = std::function<int()>;
+
+// Prints "deltasync: <message>" as one line on stderr and returns the exit
+// code for `status` (1 for any error; usage errors exit 2 through CLI11).
+int Fail(const Status& status);
+int Fail(const std::string& message);
+
+// True when stdout is a terminal (progress output is only shown then).
+bool StdoutIsTerminal();
+
+// Human-readable byte counts: "512 B", "1.5 KiB", "3.20 GiB".
+std::string FormatBytes(uint64_t bytes);
+
+// Each subcommand registers itself on the root app and stores its body in
+// `run`, which main() calls after a successful parse.
+void RegisterChecksum(CLI::App& app, CommandFn* run);
+void RegisterInspect(CLI::App& app, CommandFn* run);
+
+}  // namespace deltasync::cli

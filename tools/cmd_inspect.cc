@@ -1,0 +1,130 @@
+// deltasync inspect PATH [--json]: tensors, dtypes, shapes, bytes, metadata
+// and totals of a safetensors file or a checkpoint directory.
+#include <sys/stat.h>
+
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "cli_util.h"
+#include "deltasync/checkpoint.h"
+
+namespace deltasync::cli {
+namespace {
+
+struct DTypeTotal {
+  uint64_t tensors = 0;
+  uint64_t bytes = 0;
+};
+
+nlohmann::json ShapeJson(const std::vector<int64_t>& shape) {
+  nlohmann::json arr = nlohmann::json::array();
+  for (int64_t d : shape) arr.push_back(d);
+  return arr;
+}
+
+int InspectCheckpoint(const Checkpoint& ckpt, bool json) {
+  std::map<std::string, DTypeTotal> by_dtype;
+  uint64_t total_bytes = 0;
+  for (const auto& [name, t] : ckpt.tensors()) {
+    DTypeTotal& d = by_dtype[std::string(DTypeName(t.dtype))];
+    ++d.tensors;
+    d.bytes += t.nbytes();
+    total_bytes += t.nbytes();
+  }
+  // Per-file __metadata__ and the index metadata, kept apart.
+  std::map<std::string, std::map<std::string, std::string>> file_metadata;
+  for (const auto& f : ckpt.files()) {
+    if (!f->metadata().empty()) file_metadata[f->path()] = f->metadata();
+  }
+
+  if (json) {
+    nlohmann::json out;
+    out["path"] = ckpt.path();
+    out["kind"] =
+        ckpt.sharded() ? "checkpoint" : (ckpt.files().size() == 1 ? "safetensors" : "checkpoint");
+    out["sharded"] = ckpt.sharded();
+    nlohmann::json files = nlohmann::json::array();
+    for (const auto& f : ckpt.files()) {
+      files.push_back(
+          {{"path", f->path()}, {"bytes", f->file_size()}, {"tensors", f->tensors().size()}});
+    }
+    out["files"] = files;
+    nlohmann::json tensors = nlohmann::json::array();
+    for (const auto& [name, t] : ckpt.tensors()) {
+      Result<std::string> file = ckpt.FileOf(name);
+      tensors.push_back({{"name", name},
+                         {"dtype", DTypeName(t.dtype)},
+                         {"shape", ShapeJson(t.shape)},
+                         {"numel", t.numel()},
+                         {"bytes", t.nbytes()},
+                         {"file", file.ok() ? *file : ""}});
+    }
+    out["tensors"] = tensors;
+    out["index_metadata"] = ckpt.index().metadata;
+    out["file_metadata"] = file_metadata;
+    nlohmann::json dtypes = nlohmann::json::object();
+    for (const auto& [dt, tot] : by_dtype)
+      dtypes[dt] = {{"tensors", tot.tensors}, {"bytes", tot.bytes}};
+    out["totals"] = {
+        {"tensors", ckpt.tensors().size()}, {"bytes", total_bytes}, {"by_dtype", dtypes}};
+    std::cout << out.dump(2) << std::endl;
+    return 0;
+  }
+
+  std::cout << ckpt.path() << ": " << ckpt.tensors().size() << " tensors in " << ckpt.files().size()
+            << (ckpt.files().size() == 1 ? " file" : " files")
+            << (ckpt.sharded() ? " (indexed)" : "") << "\n";
+  size_t name_width = 4;
+  for (const auto& [name, t] : ckpt.tensors()) name_width = std::max(name_width, name.size());
+  std::cout << "  " << std::left << std::setw(static_cast<int>(name_width)) << "name"
+            << "  " << std::setw(8) << "dtype" << std::setw(22) << "shape" << std::right
+            << std::setw(14) << "bytes"
+            << "\n";
+  for (const auto& [name, t] : ckpt.tensors()) {
+    std::cout << "  " << std::left << std::setw(static_cast<int>(name_width)) << name << "  "
+              << std::setw(8) << DTypeName(t.dtype) << std::setw(22) << ShapeToString(t.shape)
+              << std::right << std::setw(14) << t.nbytes() << "\n";
+  }
+  if (!ckpt.index().metadata.empty()) {
+    std::cout << "index metadata:\n";
+    for (const auto& [k, v] : ckpt.index().metadata) std::cout << "  " << k << " = " << v << "\n";
+  }
+  for (const auto& [file, md] : file_metadata) {
+    std::cout << "metadata of " << file << ":\n";
+    for (const auto& [k, v] : md) std::cout << "  " << k << " = " << v << "\n";
+  }
+  std::cout << "total: " << ckpt.tensors().size() << " tensors, " << total_bytes << " bytes ("
+            << FormatBytes(total_bytes) << ")\n";
+  for (const auto& [dt, tot] : by_dtype) {
+    std::cout << "  " << std::left << std::setw(8) << dt << std::right << std::setw(8)
+              << tot.tensors << " tensors " << std::setw(16) << tot.bytes << " bytes\n";
+  }
+  return 0;
+}
+
+}  // namespace
+
+void RegisterInspect(CLI::App& app, CommandFn* run) {
+  struct Opts {
+    std::string path;
+    bool json = false;
+  };
+  auto opts = std::make_shared<Opts>();
+  CLI::App* cmd = app.add_subcommand(
+      "inspect",
+      "Show the tensors, dtypes, shapes, sizes and metadata of a safetensors file or "
+      "a checkpoint directory");
+  cmd->add_option("path", opts->path, "A .safetensors file or a checkpoint directory")->required();
+  cmd->add_flag("--json", opts->json, "Machine-readable output");
+  cmd->callback([opts, run] {
+    *run = [opts]() -> int {
+      Result<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(opts->path);
+      if (!ckpt.ok()) return Fail(ckpt.status());
+      return InspectCheckpoint(**ckpt, opts->json);
+    };
+  });
+}
+
+}  // namespace deltasync::cli
