@@ -33,16 +33,23 @@ struct ChangeSet {
   uint64_t count() const { return wide ? pos64.size() : pos32.size(); }
   uint64_t position(uint64_t i) const { return wide ? pos64[i] : pos32[i]; }
   double density() const { return numel ? static_cast<double>(count()) / numel : 0.0; }
+  // Back to the empty state (numel 0, elem_size 1, narrow), keeping the
+  // vectors' capacity for reuse.
   void Clear();
 };
 
 // Implementations of the element-compare loop. All produce identical output.
 enum class DiffKernel : uint8_t { kScalar, kAvx2, kAvx512 };
 
+// "scalar", "avx2" or "avx512".
 std::string_view DiffKernelName(DiffKernel kernel);
-// Kernels this CPU can run (always includes kScalar).
+// The kernel whose DiffKernelName is `name`; InvalidArgument otherwise. Does
+// not check that this CPU can run it.
+Result<DiffKernel> ParseDiffKernel(std::string_view name);
+// Kernels this CPU (and OS) can run, slowest first; always starts with
+// kScalar. Off x86-64 only kScalar exists.
 std::vector<DiffKernel> AvailableDiffKernels();
-// The fastest available kernel (AVX-512 > AVX2 > scalar).
+// The fastest available kernel (AVX-512 > AVX2 > scalar). Detected once.
 DiffKernel BestDiffKernel();
 
 struct DiffOptions {
@@ -50,20 +57,31 @@ struct DiffOptions {
   bool refresh_snapshot = true;  // copy new into snapshot in the same pass
   bool keep_old_values = true;   // fill ChangeSet::old_values
   DiffKernel kernel = BestDiffKernel();
-  // Worker pool for large tensors; nullptr = single-threaded.
+  // Worker pool for large tensors; nullptr = single-threaded. The calling
+  // thread works too, so a pool of N workers runs N + 1 chunks at a time.
+  // DiffTensor must then not be called from inside one of its tasks.
   ThreadPool* pool = nullptr;
-  // Tensors smaller than this are diffed by one thread.
+  // With a pool, tensors larger than this are cut into chunks of this many
+  // bytes (rounded down to whole elements) diffed in parallel; smaller ones
+  // are diffed by the calling thread. The output never depends on it.
   size_t parallel_chunk_bytes = 4u << 20;
 };
 
 // Compares `new_bytes` against `snapshot` (same length, a multiple of
-// elem_size) and fills `out`. With refresh_snapshot, `snapshot` equals
-// `new_bytes` afterwards. InvalidArgument on length/element-size mismatch or
-// an unavailable kernel.
+// elem_size) and replaces the contents of `out` with the changed elements.
+// With refresh_snapshot, `snapshot` equals `new_bytes` afterwards; only the
+// vector-sized blocks that hold a change are written, so mostly-unchanged
+// memory stays clean (this is what lets the fused pass run at copy speed).
+// The two spans may be the same memory but must not partially overlap.
+// InvalidArgument (naming the problem) on a bad element size, a length
+// mismatch, a length that is not whole elements, overlap, a null `out`, or
+// a kernel this CPU cannot run; `out` and `snapshot` are untouched then.
 Status DiffTensor(std::span<const uint8_t> new_bytes, std::span<uint8_t> snapshot,
                   const DiffOptions& options, ChangeSet* out);
 
-// Counts differing elements without recording them (statistics only).
+// Counts differing elements of `a` and `b` without recording them
+// (statistics only), with the best kernel and one thread. Same argument
+// rules and errors as DiffTensor.
 Result<uint64_t> CountChanged(std::span<const uint8_t> a, std::span<const uint8_t> b,
                               uint32_t elem_size);
 

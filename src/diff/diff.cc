@@ -1,0 +1,307 @@
+#include "deltasync/diff.h"
+
+#include <algorithm>
+#include <memory>
+#include <string>
+
+#include "diff/diff_internal.h"
+
+namespace deltasync {
+
+namespace {
+
+using diff_internal::ChangeSink;
+using diff_internal::CountRangeFn;
+using diff_internal::DiffRangeFn;
+using diff_internal::KernelVariant;
+
+// Kernels see at most this many bytes per call, so the output arrays need
+// room for one window's elements beyond what was found so far, not for the
+// whole tensor.
+constexpr size_t kWindowBytes = size_t{64} << 10;
+
+bool IsValidElemSize(uint32_t elem_size) {
+  return elem_size == 1 || elem_size == 2 || elem_size == 4 || elem_size == 8;
+}
+
+bool CpuRuns(DiffKernel kernel) {
+  switch (kernel) {
+    case DiffKernel::kScalar: return true;
+#if defined(__x86_64__)
+    case DiffKernel::kAvx2:
+      __builtin_cpu_init();
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi") &&
+             __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt");
+    case DiffKernel::kAvx512:
+      __builtin_cpu_init();
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2") &&
+             __builtin_cpu_supports("popcnt");
+#else
+    case DiffKernel::kAvx2:
+    case DiffKernel::kAvx512: return false;
+#endif
+  }
+  return false;
+}
+
+// Callers have checked CpuRuns(kernel) and the element size.
+DiffRangeFn SelectDiffFn(DiffKernel kernel, const KernelVariant& variant) {
+  switch (kernel) {
+    case DiffKernel::kScalar: return diff_internal::ScalarDiffFn(variant);
+#if defined(__x86_64__)
+    case DiffKernel::kAvx2: return diff_internal::Avx2DiffFn(variant);
+    case DiffKernel::kAvx512: return diff_internal::Avx512DiffFn(variant);
+#else
+    default: break;
+#endif
+  }
+  return nullptr;
+}
+
+CountRangeFn SelectCountFn(DiffKernel kernel, uint32_t elem_size) {
+  switch (kernel) {
+    case DiffKernel::kScalar: return diff_internal::ScalarCountFn(elem_size);
+#if defined(__x86_64__)
+    case DiffKernel::kAvx2: return diff_internal::Avx2CountFn(elem_size);
+    case DiffKernel::kAvx512: return diff_internal::Avx512CountFn(elem_size);
+#else
+    default: break;
+#endif
+  }
+  return nullptr;
+}
+
+// `what` names the caller; `first`/`second` name its two operands.
+Status CheckOperands(std::string_view what, std::string_view first, std::string_view second,
+                     size_t first_size, size_t second_size, uint32_t elem_size) {
+  if (!IsValidElemSize(elem_size)) {
+    return Status::InvalidArgument(std::string(what) + ": element size " +
+                                   std::to_string(elem_size) + " is not 1, 2, 4 or 8");
+  }
+  if (first_size != second_size) {
+    return Status::InvalidArgument(std::string(what) + ": length mismatch, " + std::string(first) +
+                                   " has " + std::to_string(first_size) + " bytes but " +
+                                   std::string(second) + " has " + std::to_string(second_size));
+  }
+  if (first_size % elem_size != 0) {
+    return Status::InvalidArgument(std::string(what) + ": length " + std::to_string(first_size) +
+                                   " bytes is not a multiple of element size " +
+                                   std::to_string(elem_size));
+  }
+  return Status::OK();
+}
+
+// Uninitialized, growable storage for the changes of one chunk. Zero-filling
+// (as std::vector::resize would) is avoided because the arrays are sized for
+// the worst case of a window, not for what is actually found.
+class ChangeBuffer {
+ public:
+  explicit ChangeBuffer(const KernelVariant& variant) : variant_(variant) {}
+
+  // Makes room for `more` changes beyond count().
+  void Reserve(size_t more) {
+    if (count_ + more <= capacity_) return;
+    const size_t capacity = std::max(count_ + more, capacity_ * 2);
+    const size_t value_bytes = capacity * variant_.elem_size;
+    if (variant_.wide) {
+      Regrow(pos64_, count_, capacity);
+    } else {
+      Regrow(pos32_, count_, capacity);
+    }
+    Regrow(new_values_, count_ * variant_.elem_size, value_bytes);
+    if (variant_.keep_old) Regrow(old_values_, count_ * variant_.elem_size, value_bytes);
+    capacity_ = capacity;
+  }
+
+  // Where the next change goes.
+  ChangeSink Tail() const {
+    const size_t value_offset = count_ * variant_.elem_size;
+    ChangeSink sink;
+    if (variant_.wide) {
+      sink.pos64 = pos64_.get() + count_;
+    } else {
+      sink.pos32 = pos32_.get() + count_;
+    }
+    sink.new_values = new_values_.get() + value_offset;
+    if (variant_.keep_old) sink.old_values = old_values_.get() + value_offset;
+    return sink;
+  }
+
+  void Commit(size_t added) { count_ += added; }
+  size_t count() const { return count_; }
+
+  void AppendTo(ChangeSet* out) const {
+    if (count_ == 0) return;
+    const size_t value_bytes = count_ * variant_.elem_size;
+    if (variant_.wide) {
+      out->pos64.insert(out->pos64.end(), pos64_.get(), pos64_.get() + count_);
+    } else {
+      out->pos32.insert(out->pos32.end(), pos32_.get(), pos32_.get() + count_);
+    }
+    out->new_values.insert(out->new_values.end(), new_values_.get(),
+                           new_values_.get() + value_bytes);
+    if (variant_.keep_old) {
+      out->old_values.insert(out->old_values.end(), old_values_.get(),
+                             old_values_.get() + value_bytes);
+    }
+  }
+
+ private:
+  template <typename T>
+  static void Regrow(std::unique_ptr<T[]>& array, size_t keep, size_t capacity) {
+    std::unique_ptr<T[]> grown = std::make_unique_for_overwrite<T[]>(capacity);
+    if (keep != 0) std::copy(array.get(), array.get() + keep, grown.get());
+    array = std::move(grown);
+  }
+
+  KernelVariant variant_;
+  size_t count_ = 0;
+  size_t capacity_ = 0;
+  std::unique_ptr<uint32_t[]> pos32_;
+  std::unique_ptr<uint64_t[]> pos64_;
+  std::unique_ptr<uint8_t[]> new_values_;
+  std::unique_ptr<uint8_t[]> old_values_;
+};
+
+// Diffs elements [first, first + numel) into `buffer`, one window at a time.
+void DiffRange(DiffRangeFn fn, uint32_t elem_size, const uint8_t* new_bytes, uint8_t* snapshot,
+               uint64_t first, size_t numel, ChangeBuffer* buffer) {
+  const size_t window_numel = kWindowBytes / elem_size;
+  for (size_t done = 0; done < numel;) {
+    const size_t n = std::min(window_numel, numel - done);
+    const size_t offset = (first + done) * elem_size;
+    buffer->Reserve(n);
+    buffer->Commit(fn(new_bytes + offset, snapshot + offset, n, first + done, buffer->Tail()));
+    done += n;
+  }
+}
+
+}  // namespace
+
+void ChangeSet::Clear() {
+  numel = 0;
+  elem_size = 1;
+  wide = false;
+  pos32.clear();
+  pos64.clear();
+  new_values.clear();
+  old_values.clear();
+}
+
+std::string_view DiffKernelName(DiffKernel kernel) {
+  switch (kernel) {
+    case DiffKernel::kScalar: return "scalar";
+    case DiffKernel::kAvx2: return "avx2";
+    case DiffKernel::kAvx512: return "avx512";
+  }
+  return "unknown";
+}
+
+Result<DiffKernel> ParseDiffKernel(std::string_view name) {
+  for (DiffKernel kernel : {DiffKernel::kScalar, DiffKernel::kAvx2, DiffKernel::kAvx512}) {
+    if (name == DiffKernelName(kernel)) return kernel;
+  }
+  return Status::InvalidArgument("unknown diff kernel \"" + std::string(name) +
+                                 "\" (expected scalar, avx2 or avx512)");
+}
+
+std::vector<DiffKernel> AvailableDiffKernels() {
+  std::vector<DiffKernel> kernels;
+  for (DiffKernel kernel : {DiffKernel::kScalar, DiffKernel::kAvx2, DiffKernel::kAvx512}) {
+    if (CpuRuns(kernel)) kernels.push_back(kernel);
+  }
+  return kernels;
+}
+
+DiffKernel BestDiffKernel() {
+  static const DiffKernel best = AvailableDiffKernels().back();
+  return best;
+}
+
+namespace diff_internal {
+
+Status DiffTensorImpl(std::span<const uint8_t> new_bytes, std::span<uint8_t> snapshot,
+                      const DiffOptions& options, bool force_wide, ChangeSet* out) {
+  if (out == nullptr) return Status::InvalidArgument("DiffTensor: output ChangeSet is null");
+  const uint32_t elem_size = options.elem_size;
+  DS_RETURN_IF_ERROR(CheckOperands("DiffTensor", "new tensor", "snapshot", new_bytes.size(),
+                                   snapshot.size(), elem_size));
+  if (!CpuRuns(options.kernel)) {
+    return Status::InvalidArgument("DiffTensor: kernel " +
+                                   std::string(DiffKernelName(options.kernel)) +
+                                   " is not available on this CPU");
+  }
+  const size_t bytes = new_bytes.size();
+  const auto new_begin = reinterpret_cast<uintptr_t>(new_bytes.data());
+  const auto old_begin = reinterpret_cast<uintptr_t>(snapshot.data());
+  if (bytes != 0 && new_begin != old_begin && new_begin < old_begin + bytes &&
+      old_begin < new_begin + bytes) {
+    return Status::InvalidArgument("DiffTensor: new tensor and snapshot partially overlap");
+  }
+
+  const uint64_t numel = bytes / elem_size;
+  KernelVariant variant;
+  variant.elem_size = elem_size;
+  variant.refresh = options.refresh_snapshot;
+  variant.keep_old = options.keep_old_values;
+  variant.wide = force_wide || numel > uint64_t{UINT32_MAX};
+  const DiffRangeFn fn = SelectDiffFn(options.kernel, variant);
+  if (fn == nullptr) return Status::Internal("DiffTensor: no kernel instantiation");
+
+  out->Clear();
+  out->numel = numel;
+  out->elem_size = elem_size;
+  out->wide = variant.wide;
+
+  // Chunks are whole elements; one chunk unless a pool is given and the
+  // tensor is larger than a chunk.
+  const size_t chunk_bytes =
+      std::max<size_t>(elem_size, options.parallel_chunk_bytes / elem_size * elem_size);
+  const size_t chunk_numel = chunk_bytes / elem_size;
+  const size_t num_chunks = (options.pool != nullptr && bytes > chunk_bytes)
+                                ? (bytes + chunk_bytes - 1) / chunk_bytes
+                                : 1;
+  std::vector<ChangeBuffer> buffers;
+  buffers.reserve(num_chunks);
+  for (size_t i = 0; i < num_chunks; ++i) buffers.emplace_back(variant);
+  const auto diff_chunk = [&](size_t chunk) {
+    const uint64_t first = uint64_t{chunk} * chunk_numel;
+    const size_t n = num_chunks == 1 ? numel : std::min<uint64_t>(chunk_numel, numel - first);
+    DiffRange(fn, elem_size, new_bytes.data(), snapshot.data(), first, n, &buffers[chunk]);
+  };
+  if (num_chunks == 1) {
+    diff_chunk(0);
+  } else {
+    options.pool->ParallelFor(num_chunks, diff_chunk);
+  }
+
+  size_t total = 0;
+  for (const ChangeBuffer& buffer : buffers) total += buffer.count();
+  if (variant.wide) {
+    out->pos64.reserve(total);
+  } else {
+    out->pos32.reserve(total);
+  }
+  out->new_values.reserve(total * elem_size);
+  if (variant.keep_old) out->old_values.reserve(total * elem_size);
+  for (const ChangeBuffer& buffer : buffers) buffer.AppendTo(out);
+  return Status::OK();
+}
+
+}  // namespace diff_internal
+
+Status DiffTensor(std::span<const uint8_t> new_bytes, std::span<uint8_t> snapshot,
+                  const DiffOptions& options, ChangeSet* out) {
+  return diff_internal::DiffTensorImpl(new_bytes, snapshot, options, /*force_wide=*/false, out);
+}
+
+Result<uint64_t> CountChanged(std::span<const uint8_t> a, std::span<const uint8_t> b,
+                              uint32_t elem_size) {
+  DS_RETURN_IF_ERROR(CheckOperands("CountChanged", "a", "b", a.size(), b.size(), elem_size));
+  const CountRangeFn fn = SelectCountFn(BestDiffKernel(), elem_size);
+  if (fn == nullptr) return Status::Internal("CountChanged: no kernel instantiation");
+  return fn(a.data(), b.data(), a.size() / elem_size);
+}
+
+}  // namespace deltasync
