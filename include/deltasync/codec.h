@@ -1,0 +1,166 @@
+// Per-tensor delta encodings: turning a ChangeSet into bytes, and applying
+// those bytes to a receiver's copy of the tensor in place.
+//
+// Five encodings, chosen by name (docs/format.md, "Delta encodings",
+// describes each byte by byte):
+//   dense      the tensor's new bytes, raw (the seeding pass).
+//   indices    verl's (positions, values) pairs behind a 24-byte header.
+//   xor        vime/slime: one zstd frame decompressing to new ^ old.
+//   overwrite  vime/slime: one zstd frame decompressing to u32 K, K u32 byte
+//              positions, K new bytes.
+//   sparse     ours: gap-coded positions + byte-plane-split XOR values, zstd;
+//              falls back per tensor to whole-tensor XOR planes when denser.
+//
+// Encoders read only the ChangeSet (and, for dense, the new bytes): the diff
+// has already refreshed the snapshot, so the old values of changed elements
+// exist only in ChangeSet::old_values. Decoders stream through bounded buffers
+// (one decode chunk, or one format block for sparse) and never allocate in
+// proportion to the tensor, so applying a delta to a huge tensor costs no more
+// memory than applying it to a small one.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "deltasync/diff.h"
+#include "deltasync/status.h"
+
+namespace deltasync {
+
+// Values are stable: they may be stored (e.g. in flush frames), never reused.
+enum class Encoding : uint8_t {
+  kDense = 0,
+  kIndices = 1,
+  kXor = 2,
+  kOverwrite = 3,
+  kSparse = 4,
+};
+
+// "dense", "indices", "xor", "overwrite" or "sparse"; the names used in
+// index metadata (`delta_encoding`) and on the command line.
+std::string_view EncodingName(Encoding encoding);
+
+// Inverse of EncodingName (exact, lowercase). InvalidArgument naming the
+// accepted values for anything else.
+Result<Encoding> ParseEncoding(std::string_view name);
+
+// Every encoding, in enum order (for CLIs, benchmarks and tests).
+std::span<const Encoding> AllEncodings();
+
+// How the sparse encoding lays out one tensor. kAuto picks per tensor by
+// density (trying both in the band where either can win).
+enum class SparseMode : uint8_t {
+  kAuto = 0,
+  kPositions = 1,  // gap-coded positions + XOR planes of the changed elements
+  kXorPlanes = 2,  // XOR planes of every element (dense fallback)
+};
+
+struct EncodeOptions {
+  // zstd level for xor, overwrite and sparse. vime/slime always use 1, and at
+  // this data's entropy higher levels buy almost nothing for much more time.
+  int zstd_level = 1;
+  // Adds zstd's content checksum (4 bytes per frame) so that a corrupted frame
+  // fails to decode instead of applying wrong bytes. The peer's decoder
+  // accepts frames with or without it.
+  bool zstd_checksum = true;
+  SparseMode sparse_mode = SparseMode::kAuto;
+  // Bytes of zeros-and-XOR (xor) or positions (overwrite) staged per step
+  // while streaming into the compressor. Rounded down to whole elements.
+  size_t chunk_bytes = size_t{1} << 20;
+};
+
+struct DecodeOptions {
+  // Bytes decompressed per step before being applied (xor, overwrite).
+  size_t chunk_bytes = size_t{1} << 20;
+  // Largest zstd window a frame may ask for (log2 bytes). Bounds decoder
+  // memory against hostile frames; level-1 frames use at most 2^19.
+  int zstd_window_log_max = 27;
+};
+
+// One encoding: its capabilities and its two directions. Implementations are
+// stateless singletons (GetCodec), safe to use from many threads at once.
+class Codec {
+ public:
+  virtual ~Codec() = default;
+
+  virtual Encoding encoding() const = 0;
+  std::string_view name() const { return EncodingName(encoding()); }
+
+  // Encode needs ChangeSet::old_values (DiffOptions::keep_old_values).
+  virtual bool needs_old_values() const = 0;
+  // DecodeApply reads the target's current contents, so the target must hold
+  // exactly the base the delta was made against. False only for dense.
+  virtual bool needs_base() const = 0;
+  // Applying the same bytes twice leaves the same result as applying them
+  // once. False for xor and sparse (XOR is an involution: twice reverts).
+  virtual bool idempotent() const = 0;
+
+  // Appends the encoding of one tensor to *out (existing bytes are kept, so
+  // several tensors can be packed into one buffer). `new_bytes` is the
+  // tensor's new contents; `changes` is its diff against the base, with
+  // ascending unique positions and changes.numel * changes.elem_size ==
+  // new_bytes.size() (dense reads only new_bytes and ignores `changes`).
+  // InvalidArgument when the ChangeSet is inconsistent or lacks old values
+  // that this encoding needs; Unsupported when the tensor exceeds what the
+  // format can address (overwrite: 2^32 bytes). On error *out may hold a
+  // partial encoding past its original size.
+  virtual Status Encode(std::span<const uint8_t> new_bytes, const ChangeSet& changes,
+                        const EncodeOptions& options, std::vector<uint8_t>* out) const = 0;
+
+  // Applies `encoded` (exactly one tensor's encoding) to `target` in place.
+  // `elem_size` (1, 2, 4 or 8) must match the encoder's; target.size() must
+  // be a multiple of it. Corruption when the bytes violate the format, do not
+  // fit the target, or fail the zstd checksum; never reads or writes outside
+  // `encoded` and `target`. Decoding streams, so on error the target may have
+  // been partly updated: callers must treat it as damaged (the store verifies
+  // per-tensor checksums and never serves a partial checkpoint).
+  virtual Status DecodeApply(std::span<const uint8_t> encoded, std::span<uint8_t> target,
+                             uint32_t elem_size, const DecodeOptions& options) const = 0;
+};
+
+// The implementation of `encoding`; lives for the whole program.
+const Codec& GetCodec(Encoding encoding);
+
+// GetCodec(encoding).Encode(...).
+Status Encode(Encoding encoding, std::span<const uint8_t> new_bytes, const ChangeSet& changes,
+              const EncodeOptions& options, std::vector<uint8_t>* out);
+
+// GetCodec(encoding).DecodeApply(...).
+Status DecodeApply(Encoding encoding, std::span<const uint8_t> encoded, std::span<uint8_t> target,
+                   uint32_t elem_size, const DecodeOptions& options = {});
+
+// The fixed fields of a sparse encoding, for inspection tools.
+struct SparseHeader {
+  SparseMode mode = SparseMode::kPositions;  // never kAuto
+  uint32_t elem_size = 0;
+  uint64_t numel = 0;
+  uint64_t count = 0;  // changed elements
+};
+inline constexpr size_t kSparseHeaderBytes = 24;
+
+// Parses and checks the header at the start of a sparse encoding (magic,
+// version, mode, element size, count <= numel). Corruption otherwise.
+Result<SparseHeader> ReadSparseHeader(std::span<const uint8_t> encoded);
+
+// The information-theoretic size of a delta under a simple model: positions
+// i.i.d. with probability p = count / numel, and XOR values (new ^ old, one
+// elem_size-wide symbol per changed element) i.i.d. with their empirical
+// distribution. Real encoders are measured against it.
+struct EntropyBound {
+  uint64_t numel = 0;
+  uint64_t count = 0;
+  double position_bytes = 0;  // numel * H2(p) / 8
+  double value_bytes = 0;     // count * H(xor symbols) / 8
+  double total_bytes() const { return position_bytes + value_bytes; }
+  // 0 when nothing changed.
+  double bytes_per_changed() const { return count ? total_bytes() / count : 0.0; }
+};
+
+// Computes the bound for `changes`, which must carry old values.
+// InvalidArgument when it does not or its vectors disagree in size.
+Result<EntropyBound> EntropyBoundBytes(const ChangeSet& changes);
+
+}  // namespace deltasync

@@ -1,0 +1,134 @@
+#include "deltasync/codec.h"
+
+#include <array>
+#include <string>
+
+#include "codec/codec_internal.h"
+
+namespace deltasync {
+namespace {
+
+constexpr std::array<Encoding, 5> kAllEncodings = {
+    Encoding::kDense, Encoding::kIndices, Encoding::kXor, Encoding::kOverwrite, Encoding::kSparse};
+
+}  // namespace
+
+std::string_view EncodingName(Encoding encoding) {
+  switch (encoding) {
+    case Encoding::kDense: return "dense";
+    case Encoding::kIndices: return "indices";
+    case Encoding::kXor: return "xor";
+    case Encoding::kOverwrite: return "overwrite";
+    case Encoding::kSparse: return "sparse";
+  }
+  return "unknown";
+}
+
+Result<Encoding> ParseEncoding(std::string_view name) {
+  for (Encoding encoding : kAllEncodings) {
+    if (EncodingName(encoding) == name) return encoding;
+  }
+  return Status::InvalidArgument("unknown delta encoding '" + std::string(name) +
+                                 "' (expected dense, indices, xor, overwrite or sparse)");
+}
+
+std::span<const Encoding> AllEncodings() { return kAllEncodings; }
+
+const Codec& GetCodec(Encoding encoding) {
+  switch (encoding) {
+    case Encoding::kDense: return codec_internal::DenseCodec();
+    case Encoding::kIndices: return codec_internal::IndicesCodec();
+    case Encoding::kXor: return codec_internal::XorCodec();
+    case Encoding::kOverwrite: return codec_internal::OverwriteCodec();
+    case Encoding::kSparse: return codec_internal::SparseCodec();
+  }
+  // Only reachable through a value cast from outside the enum; dense is the
+  // one codec whose misuse cannot corrupt a base silently (sizes must match).
+  return codec_internal::DenseCodec();
+}
+
+Status Encode(Encoding encoding, std::span<const uint8_t> new_bytes, const ChangeSet& changes,
+              const EncodeOptions& options, std::vector<uint8_t>* out) {
+  return GetCodec(encoding).Encode(new_bytes, changes, options, out);
+}
+
+Status DecodeApply(Encoding encoding, std::span<const uint8_t> encoded, std::span<uint8_t> target,
+                   uint32_t elem_size, const DecodeOptions& options) {
+  return GetCodec(encoding).DecodeApply(encoded, target, elem_size, options);
+}
+
+namespace codec_internal {
+
+void XorInto(uint8_t* dst, const uint8_t* src, size_t n) {
+  size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    uint64_t d[4], s[4];
+    std::memcpy(d, dst + i, 32);
+    std::memcpy(s, src + i, 32);
+    for (int k = 0; k < 4; ++k) d[k] ^= s[k];
+    std::memcpy(dst + i, d, 32);
+  }
+  for (; i < n; ++i) dst[i] ^= src[i];
+}
+
+Status ValidateChangeSet(std::span<const uint8_t> new_bytes, const ChangeSet& changes,
+                         bool need_old_values, std::string_view encoding_name) {
+  auto fail = [&](const std::string& what) {
+    return Status::InvalidArgument(std::string(encoding_name) + " encode: " + what);
+  };
+  const uint64_t es = changes.elem_size;
+  if (!IsValidElemSize(es)) {
+    return fail("element size " + std::to_string(es) + " (expected 1, 2, 4 or 8)");
+  }
+  uint64_t numel_bytes = 0;
+  if (__builtin_mul_overflow(changes.numel, es, &numel_bytes) || numel_bytes != new_bytes.size()) {
+    return fail("ChangeSet describes " + std::to_string(changes.numel) + " elements of " +
+                std::to_string(es) + " bytes but the tensor has " +
+                std::to_string(new_bytes.size()) + " bytes");
+  }
+  if ((changes.wide ? changes.pos32.size() : changes.pos64.size()) != 0) {
+    return fail("ChangeSet holds positions in both the 32- and the 64-bit vector");
+  }
+  const uint64_t count = changes.count();
+  if (count > changes.numel) {
+    return fail(std::to_string(count) + " changed elements out of " +
+                std::to_string(changes.numel));
+  }
+  if (changes.new_values.size() != count * es) {
+    return fail("new_values holds " + std::to_string(changes.new_values.size()) +
+                " bytes, expected " + std::to_string(count * es));
+  }
+  if (need_old_values && changes.old_values.size() != count * es) {
+    return fail(
+        "needs the old values of changed elements (DiffOptions::keep_old_values): "
+        "old_values holds " +
+        std::to_string(changes.old_values.size()) + " bytes, expected " +
+        std::to_string(count * es));
+  }
+  uint64_t next_allowed = 0;
+  for (uint64_t i = 0; i < count; ++i) {
+    uint64_t pos = changes.position(i);
+    if (pos < next_allowed || pos >= changes.numel) {
+      return fail("position " + std::to_string(pos) + " at index " + std::to_string(i) +
+                  " is out of order or not below numel " + std::to_string(changes.numel));
+    }
+    next_allowed = pos + 1;
+  }
+  return Status::OK();
+}
+
+Status ValidateTarget(std::span<const uint8_t> target, uint32_t elem_size) {
+  if (!IsValidElemSize(elem_size)) {
+    return Status::InvalidArgument("element size " + std::to_string(elem_size) +
+                                   " (expected 1, 2, 4 or 8)");
+  }
+  if (target.size() % elem_size != 0) {
+    return Status::InvalidArgument("target of " + std::to_string(target.size()) +
+                                   " bytes is not a whole number of " + std::to_string(elem_size) +
+                                   "-byte elements");
+  }
+  return Status::OK();
+}
+
+}  // namespace codec_internal
+}  // namespace deltasync

@@ -1,0 +1,114 @@
+// Test data for the codec tests: tensor pairs with controlled changes and
+// realistic BF16 optimizer steps, plus their ChangeSets.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "deltasync/diff.h"
+
+namespace deltasync::codec_test {
+
+struct TensorPair {
+  std::vector<uint8_t> old_bytes;
+  std::vector<uint8_t> new_bytes;
+  uint32_t elem_size = 1;
+  size_t numel() const { return old_bytes.size() / elem_size; }
+};
+
+// Flips bits of one element (possibly none: callers retry). Low-bit flips
+// model optimizer steps; whole-element noise models everything else.
+inline void ChangeElement(uint8_t* element, uint32_t elem_size, std::mt19937_64& rng) {
+  if (rng() & 1) {
+    element[0] ^= static_cast<uint8_t>(1 + rng() % 7);
+    return;
+  }
+  for (uint32_t b = 0; b < elem_size; ++b) element[b] ^= static_cast<uint8_t>(rng());
+}
+
+// Random old bytes; every element in `positions` is changed in new.
+inline TensorPair MakePairAt(size_t numel, uint32_t elem_size, const std::vector<size_t>& positions,
+                             uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  TensorPair pair;
+  pair.elem_size = elem_size;
+  pair.old_bytes.resize(numel * elem_size);
+  for (uint8_t& b : pair.old_bytes) b = static_cast<uint8_t>(rng());
+  pair.new_bytes = pair.old_bytes;
+  for (size_t pos : positions) {
+    uint8_t* element = pair.new_bytes.data() + pos * elem_size;
+    std::vector<uint8_t> before(element, element + elem_size);
+    do {
+      ChangeElement(element, elem_size, rng);
+    } while (std::memcmp(element, before.data(), elem_size) == 0);
+  }
+  return pair;
+}
+
+// About `density` of the elements changed, at i.i.d. positions (1.0: all).
+inline TensorPair MakePair(size_t numel, uint32_t elem_size, double density, uint64_t seed) {
+  std::mt19937_64 rng(seed ^ 0x5eed);
+  std::bernoulli_distribution pick(density);
+  std::vector<size_t> positions;
+  for (size_t i = 0; i < numel; ++i) {
+    if (density >= 1.0 || pick(rng)) positions.push_back(i);
+  }
+  return MakePairAt(numel, elem_size, positions, seed);
+}
+
+// IEEE binary32 -> bfloat16, round to nearest even (as torch does).
+inline uint16_t ToBf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// BF16 weights before and after one Adam-like step: fp32 master weights
+// ~N(0, 0.02) move by `step` in a random direction and are re-rounded, so
+// only elements whose rounding flips change (~1-3% for step ~ 3e-7..6e-7).
+inline TensorPair MakeBf16Step(size_t numel, float step, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> weight(0.0f, 0.02f);
+  TensorPair pair;
+  pair.elem_size = 2;
+  pair.old_bytes.resize(numel * 2);
+  pair.new_bytes.resize(numel * 2);
+  for (size_t i = 0; i < numel; ++i) {
+    float w = weight(rng);
+    uint16_t before = ToBf16(w);
+    uint16_t after = ToBf16(w - ((rng() & 1) ? step : -step));
+    std::memcpy(&pair.old_bytes[2 * i], &before, 2);
+    std::memcpy(&pair.new_bytes[2 * i], &after, 2);
+  }
+  return pair;
+}
+
+// The ChangeSet a trainer would produce: DiffTensor against a snapshot that
+// holds the old bytes, keeping old values.
+inline ChangeSet DiffPair(const TensorPair& pair) {
+  std::vector<uint8_t> snapshot = pair.old_bytes;
+  DiffOptions options;
+  options.elem_size = pair.elem_size;
+  options.refresh_snapshot = true;
+  options.keep_old_values = true;
+  ChangeSet changes;
+  Status status = DiffTensor(pair.new_bytes, snapshot, options, &changes);
+  EXPECT_TRUE(status.ok()) << status.ToString();
+  EXPECT_EQ(snapshot, pair.new_bytes);
+  return changes;
+}
+
+// new ^ old over every byte: the content of a vime xor frame.
+inline std::vector<uint8_t> XorImage(const TensorPair& pair) {
+  std::vector<uint8_t> image(pair.new_bytes.size());
+  for (size_t i = 0; i < image.size(); ++i) image[i] = pair.new_bytes[i] ^ pair.old_bytes[i];
+  return image;
+}
+
+}  // namespace deltasync::codec_test

@@ -1,0 +1,43 @@
+// dense: the tensor's new bytes, raw. Used for the seeding pass, where every
+// element is "changed" and positions would only add bytes.
+#include <string>
+
+#include "codec/codec_internal.h"
+
+namespace deltasync::codec_internal {
+namespace {
+
+class DenseCodecImpl final : public Codec {
+ public:
+  Encoding encoding() const override { return Encoding::kDense; }
+  bool needs_old_values() const override { return false; }
+  bool needs_base() const override { return false; }
+  bool idempotent() const override { return true; }
+
+  Status Encode(std::span<const uint8_t> new_bytes, const ChangeSet& /*changes*/,
+                const EncodeOptions& /*options*/, std::vector<uint8_t>* out) const override {
+    out->insert(out->end(), new_bytes.begin(), new_bytes.end());
+    return Status::OK();
+  }
+
+  Status DecodeApply(std::span<const uint8_t> encoded, std::span<uint8_t> target,
+                     uint32_t elem_size, const DecodeOptions& /*options*/) const override {
+    DS_RETURN_IF_ERROR(ValidateTarget(target, elem_size).WithContext("dense decode"));
+    if (encoded.size() != target.size()) {
+      return Status::Corruption("dense decode: " + std::to_string(encoded.size()) +
+                                " encoded bytes for a tensor of " + std::to_string(target.size()) +
+                                " bytes");
+    }
+    if (!encoded.empty()) std::memcpy(target.data(), encoded.data(), encoded.size());
+    return Status::OK();
+  }
+};
+
+}  // namespace
+
+const Codec& DenseCodec() {
+  static const DenseCodecImpl codec;
+  return codec;
+}
+
+}  // namespace deltasync::codec_internal

@@ -1,0 +1,187 @@
+// overwrite: vime/slime's idempotent disk encoding. One zstd frame whose
+// content is a little-endian u32 count K, K u32 byte positions, then the K
+// new bytes. Only bytes that actually differ are listed, so a changed BF16
+// element whose high byte survived costs one entry, not two.
+//
+// The decoder reads positions and values from two cursors over the same
+// frame when they do not fit one decode chunk: memory stays bounded at the
+// price of decompressing the position section twice.
+#include <algorithm>
+#include <limits>
+#include <memory>
+#include <string>
+
+#include "codec/codec_internal.h"
+#include "codec/zstd_stream.h"
+
+namespace deltasync::codec_internal {
+namespace {
+
+constexpr uint64_t kMaxAddressableBytes = uint64_t{1} << 32;
+
+Status Corrupt(const std::string& what) { return Status::Corruption("overwrite decode: " + what); }
+
+// Feeds fixed-size records into a writer through a bounded staging buffer.
+class StagedWriter {
+ public:
+  StagedWriter(ZstdFrameWriter* writer, size_t capacity)
+      : writer_(writer), buffer_(new uint8_t[capacity]), capacity_(capacity) {}
+  // Room for at least `n` more bytes, flushing to the writer if needed.
+  Status Reserve(size_t n, uint8_t** dst) {
+    if (used_ + n > capacity_) DS_RETURN_IF_ERROR(Drain());
+    *dst = buffer_.get() + used_;
+    used_ += n;
+    return Status::OK();
+  }
+  Status Drain() {
+    Status status = writer_->Write({buffer_.get(), used_});
+    used_ = 0;
+    return status;
+  }
+
+ private:
+  ZstdFrameWriter* writer_;
+  std::unique_ptr<uint8_t[]> buffer_;
+  size_t capacity_;
+  size_t used_ = 0;
+};
+
+class OverwriteCodecImpl final : public Codec {
+ public:
+  Encoding encoding() const override { return Encoding::kOverwrite; }
+  bool needs_old_values() const override { return true; }
+  bool needs_base() const override { return true; }
+  bool idempotent() const override { return true; }
+
+  Status Encode(std::span<const uint8_t> new_bytes, const ChangeSet& changes,
+                const EncodeOptions& options, std::vector<uint8_t>* out) const override {
+    DS_RETURN_IF_ERROR(ValidateChangeSet(new_bytes, changes, true, "overwrite"));
+    if (new_bytes.size() > kMaxAddressableBytes) {
+      return Status::Unsupported(
+          "overwrite encode: the format's u32 byte positions cannot "
+          "address a tensor of " +
+          std::to_string(new_bytes.size()) + " bytes");
+    }
+    const size_t es = changes.elem_size;
+    const uint64_t count = changes.count();
+    const uint8_t* new_values = changes.new_values.data();
+    const uint8_t* old_values = changes.old_values.data();
+    uint64_t differing = 0;
+    for (uint64_t i = 0; i < count * es; ++i) differing += new_values[i] != old_values[i];
+    if (differing > std::numeric_limits<uint32_t>::max()) {
+      return Status::Unsupported("overwrite encode: " + std::to_string(differing) +
+                                 " changed bytes exceed the format's u32 count");
+    }
+
+    ZstdFrameWriter writer(out);
+    DS_RETURN_IF_ERROR(writer.Begin(options.zstd_level, options.zstd_checksum, 4 + 5 * differing)
+                           .WithContext("overwrite encode"));
+    StagedWriter staged(&writer, std::max<size_t>(options.chunk_bytes, 4 * es));
+    uint8_t* dst = nullptr;
+    DS_RETURN_IF_ERROR(staged.Reserve(4, &dst));
+    StoreLE32(dst, static_cast<uint32_t>(differing));
+    for (uint64_t i = 0; i < count; ++i) {
+      const uint64_t base = changes.position(i) * es;
+      for (size_t b = 0; b < es; ++b) {
+        if (new_values[i * es + b] == old_values[i * es + b]) continue;
+        DS_RETURN_IF_ERROR(staged.Reserve(4, &dst).WithContext("overwrite encode"));
+        StoreLE32(dst, static_cast<uint32_t>(base + b));
+      }
+    }
+    for (uint64_t i = 0; i < count * es; ++i) {
+      if (new_values[i] == old_values[i]) continue;
+      DS_RETURN_IF_ERROR(staged.Reserve(1, &dst).WithContext("overwrite encode"));
+      *dst = new_values[i];
+    }
+    DS_RETURN_IF_ERROR(staged.Drain().WithContext("overwrite encode"));
+    return writer.Finish().WithContext("overwrite encode");
+  }
+
+  Status DecodeApply(std::span<const uint8_t> encoded, std::span<uint8_t> target,
+                     uint32_t elem_size, const DecodeOptions& options) const override {
+    DS_RETURN_IF_ERROR(ValidateTarget(target, elem_size).WithContext("overwrite decode"));
+    Result<uint64_t> header_size = ZstdFrameContentSize(encoded);
+    if (!header_size.ok()) return header_size.status().WithContext("overwrite decode");
+    const uint64_t content_size = *header_size;
+    ZstdFrameReader positions;
+    DS_RETURN_IF_ERROR(
+        positions.Begin(encoded, options.zstd_window_log_max, 0).WithContext("overwrite decode"));
+    uint8_t count_bytes[4];
+    DS_RETURN_IF_ERROR(positions.Read(count_bytes, 4).WithContext("overwrite decode"));
+    const uint64_t count = LoadLE32(count_bytes);
+    if (count > target.size()) {
+      return Corrupt(std::to_string(count) + " positions for a tensor of " +
+                     std::to_string(target.size()) + " bytes");
+    }
+    const uint64_t expected_size = 4 + 5 * count;
+    if (content_size != kZstdUnknownSize && content_size != expected_size) {
+      return Corrupt("frame content is " + std::to_string(content_size) + " bytes, but K = " +
+                     std::to_string(count) + " needs " + std::to_string(expected_size));
+    }
+    const size_t chunk_bytes = std::max<size_t>(options.chunk_bytes, 5);
+    if (5 * count <= chunk_bytes) {
+      return ApplyBuffered(&positions, count, target);
+    }
+    return ApplyTwoCursors(encoded, &positions, count, target, chunk_bytes, options);
+  }
+
+ private:
+  static Status CheckedStore(std::span<uint8_t> target, uint32_t pos, uint8_t value,
+                             uint64_t entry) {
+    if (pos >= target.size()) {
+      return Corrupt("byte position " + std::to_string(pos) + " at entry " + std::to_string(entry) +
+                     " is outside the tensor's " + std::to_string(target.size()) + " bytes");
+    }
+    target[pos] = value;
+    return Status::OK();
+  }
+
+  // Small deltas: the whole content fits one chunk, so it is checked in full
+  // (including the frame checksum) before the target is touched.
+  static Status ApplyBuffered(ZstdFrameReader* reader, uint64_t count, std::span<uint8_t> target) {
+    std::unique_ptr<uint8_t[]> buffer(new uint8_t[std::max<uint64_t>(5 * count, 1)]);
+    DS_RETURN_IF_ERROR(reader->Read(buffer.get(), 5 * count).WithContext("overwrite decode"));
+    DS_RETURN_IF_ERROR(reader->ExpectEnd().WithContext("overwrite decode"));
+    const uint8_t* values = buffer.get() + 4 * count;
+    for (uint64_t i = 0; i < count; ++i) {
+      if (LoadLE32(buffer.get() + 4 * i) >= target.size()) {
+        return CheckedStore(target, LoadLE32(buffer.get() + 4 * i), 0, i);
+      }
+    }
+    for (uint64_t i = 0; i < count; ++i) target[LoadLE32(buffer.get() + 4 * i)] = values[i];
+    return Status::OK();
+  }
+
+  static Status ApplyTwoCursors(std::span<const uint8_t> encoded, ZstdFrameReader* positions,
+                                uint64_t count, std::span<uint8_t> target, size_t chunk_bytes,
+                                const DecodeOptions& options) {
+    std::unique_ptr<uint8_t[]> buffer(new uint8_t[chunk_bytes]);
+    ZstdFrameReader values;
+    DS_RETURN_IF_ERROR(
+        values.Begin(encoded, options.zstd_window_log_max, 1).WithContext("overwrite decode"));
+    DS_RETURN_IF_ERROR(values.Skip(4 + 4 * count, {buffer.get(), chunk_bytes})
+                           .WithContext("overwrite decode (value cursor)"));
+    const uint64_t per_step = chunk_bytes / 5;
+    uint8_t* pos_buf = buffer.get();
+    uint8_t* val_buf = buffer.get() + 4 * per_step;
+    for (uint64_t done = 0; done < count;) {
+      const size_t m = static_cast<size_t>(std::min(per_step, count - done));
+      DS_RETURN_IF_ERROR(positions->Read(pos_buf, 4 * m).WithContext("overwrite decode"));
+      DS_RETURN_IF_ERROR(values.Read(val_buf, m).WithContext("overwrite decode"));
+      for (size_t j = 0; j < m; ++j) {
+        DS_RETURN_IF_ERROR(CheckedStore(target, LoadLE32(pos_buf + 4 * j), val_buf[j], done + j));
+      }
+      done += m;
+    }
+    return values.ExpectEnd().WithContext("overwrite decode");
+  }
+};
+
+}  // namespace
+
+const Codec& OverwriteCodec() {
+  static const OverwriteCodecImpl codec;
+  return codec;
+}
+
+}  // namespace deltasync::codec_internal

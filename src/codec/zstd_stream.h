@@ -1,0 +1,79 @@
+// Streaming zstd frame writer and reader with bounded memory, on per-thread
+// cached contexts (creating a zstd context costs more than encoding a small
+// tensor).
+#pragma once
+
+#include <zstd.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "deltasync/status.h"
+
+namespace deltasync::codec_internal {
+
+inline constexpr uint64_t kZstdUnknownSize = ZSTD_CONTENTSIZE_UNKNOWN;
+
+// The content size recorded in the header of the zstd frame at the start of
+// `frame`, or kZstdUnknownSize when the header omits it. Corruption when the
+// bytes do not start with a complete zstd frame header.
+Result<uint64_t> ZstdFrameContentSize(std::span<const uint8_t> frame);
+
+// Appends one zstd frame to a vector, fed in pieces.
+class ZstdFrameWriter {
+ public:
+  explicit ZstdFrameWriter(std::vector<uint8_t>* out);
+  ZstdFrameWriter(const ZstdFrameWriter&) = delete;
+  ZstdFrameWriter& operator=(const ZstdFrameWriter&) = delete;
+  // Leaves *out at the bytes written so far (the frame is incomplete unless
+  // Finish succeeded).
+  ~ZstdFrameWriter();
+
+  // Starts the frame. `pledged_size` is the exact total that Write will be
+  // given (recorded in the frame header, which some decoders require), or
+  // kZstdUnknownSize.
+  Status Begin(int level, bool checksum, uint64_t pledged_size);
+  Status Write(std::span<const uint8_t> data);
+  // Ends the current zstd block, so data written next gets its own entropy
+  // tables instead of sharing a block with differently distributed bytes.
+  Status Flush();
+  Status Finish();
+
+ private:
+  Status Drive(std::span<const uint8_t> data, ZSTD_EndDirective mode);
+
+  ZSTD_CCtx* cctx_ = nullptr;
+  std::vector<uint8_t>* out_;
+  size_t used_;  // bytes of *out_ that hold output; the rest is slack
+};
+
+// Reads exactly the content of the single zstd frame that `frame` must hold.
+class ZstdFrameReader {
+ public:
+  ZstdFrameReader() = default;
+  ZstdFrameReader(const ZstdFrameReader&) = delete;
+  ZstdFrameReader& operator=(const ZstdFrameReader&) = delete;
+
+  // `slot` (0 or 1) picks the thread's cached context, so that two readers
+  // can walk the same frame at different offsets.
+  Status Begin(std::span<const uint8_t> frame, int window_log_max, int slot);
+  // Fills dst[0, n) with the next n bytes of content; Corruption when the
+  // frame ends first, is truncated or is malformed.
+  Status Read(uint8_t* dst, size_t n);
+  // Discards the next n bytes of content, decompressing through `scratch`.
+  Status Skip(uint64_t n, std::span<uint8_t> scratch);
+  // Corruption unless the frame ends here (checksum verified) and nothing
+  // follows it.
+  Status ExpectEnd();
+  uint64_t produced() const { return produced_; }
+
+ private:
+  ZSTD_DCtx* dctx_ = nullptr;
+  ZSTD_inBuffer in_{nullptr, 0, 0};
+  bool frame_done_ = false;
+  uint64_t produced_ = 0;
+};
+
+}  // namespace deltasync::codec_internal
