@@ -182,12 +182,15 @@ struct SynthChainOptions {
 
   // A version whose BF16 bytes fit in one shard is a single
   // `model.safetensors`; a larger one is split into
-  // `model-XXXXX-of-YYYYY.safetensors` shards of about this size plus
-  // `model.safetensors.index.json`, as Hugging Face's save_pretrained does.
+  // `model-XXXXX-of-YYYYY.safetensors` shards of at most this size (HF's
+  // rule) plus `model.safetensors.index.json`, as save_pretrained does. With
+  // 2 GiB, tiny and qwen2.5-0.5b are single files and qwen2.5-1.5b has two
+  // shards. 0 = always a single file.
   uint64_t max_shard_bytes = 2ull << 30;
 
   // Without it, an existing step_NNNNNN directory in the range to be written
-  // is an AlreadyExists error. With it, such directories are replaced.
+  // is an AlreadyExists error. With it, such directories are deleted and
+  // written anew (never merged: a stale shard could outlive its index).
   bool overwrite = false;
 
   // Called after each version; returning false stops the chain with Aborted.
@@ -196,10 +199,14 @@ struct SynthChainOptions {
 
 // Writes DIR/step_000000 (the initial weights) ... DIR/step_{steps:06d}, each
 // a Hugging Face checkpoint directory holding the trainer's BF16 weights
-// after that many steps. The index metadata (sharded layout only) records
-// the preset, scale, seed, lr and step.
+// after that many steps (every file's __metadata__ is {"format": "pt"}, as
+// save_pretrained writes). Once every version is written, DIR/synth_chain.json
+// records the configuration that regenerates the chain; its presence marks a
+// complete chain. Nothing is written when the options or the config are
+// invalid or a version directory exists without `overwrite`.
 // Errors: InvalidArgument (bad options or config), AlreadyExists, IOError,
-// Aborted (progress returned false).
+// OutOfRange (model too large to allocate), Aborted (progress returned
+// false; versions already written stay).
 Status WriteSynthChain(const SynthChainOptions& options);
 
 // The directory name of version `step`: "step_000042".

@@ -10,7 +10,6 @@
 #include <array>
 #include <bit>
 #include <cmath>
-#include <cstdio>
 #include <numbers>
 
 #include <sys/mman.h>
@@ -521,11 +520,5 @@ std::vector<TensorView> SynthTrainer::Weights() const {
 const std::vector<SynthTensorSpec>& SynthTrainer::specs() const { return state_->specs; }
 const SynthConfig& SynthTrainer::config() const { return state_->config; }
 const SynthStepStats& SynthTrainer::last_step_stats() const { return state_->stats; }
-
-std::string SynthStepDirName(int64_t step) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "step_%06lld", static_cast<long long>(step));
-  return buf;
-}
 
 }  // namespace deltasync

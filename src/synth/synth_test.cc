@@ -2,14 +2,20 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <random>
+#include <sstream>
 
+#include "deltasync/checkpoint.h"
 #include "synth/bf16.h"
 
 namespace deltasync {
@@ -464,6 +470,161 @@ TEST(SynthTrainerTest, NormWeightsChangeMuchLessOftenThanLinearWeights) {
     }
   }
   EXPECT_GT(fast_norm_changed, norm_total / 8 / 4);
+}
+
+// --- Chain on disk -----------------------------------------------------------
+
+namespace fs = std::filesystem;
+
+class SynthChainTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("deltasync_synth_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  SynthChainOptions Options(int64_t steps) const {
+    SynthChainOptions o;
+    o.out_dir = dir_.string();
+    o.trainer = TinyConfig(21);
+    o.steps = steps;
+    return o;
+  }
+
+  // Every version on disk equals the trainer's weights after that many steps.
+  void ExpectChainMatchesTrainer(const SynthChainOptions& o, bool sharded) {
+    auto trainer = MakeTrainer(o.trainer);
+    ASSERT_NE(trainer, nullptr);
+    for (int64_t step = 0; step <= o.steps; ++step) {
+      if (step > 0) trainer->Step();
+      const fs::path version = dir_ / SynthStepDirName(step);
+      auto ckpt = Checkpoint::Open(version.string());
+      ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+      EXPECT_EQ((*ckpt)->sharded(), sharded);
+      EXPECT_EQ(fs::exists(version / "model.safetensors"), !sharded);
+      EXPECT_EQ(fs::exists(version / "model.safetensors.index.json"), sharded);
+      const auto weights = trainer->Weights();
+      ASSERT_EQ((*ckpt)->tensors().size(), weights.size());
+      for (const TensorView& w : weights) {
+        auto got = (*ckpt)->Get(w.name);
+        ASSERT_TRUE(got.ok()) << w.name;
+        EXPECT_EQ(got->dtype, DType::kBF16);
+        EXPECT_EQ(got->shape, w.shape);
+        ASSERT_EQ(got->bytes.size(), w.bytes.size());
+        EXPECT_EQ(std::memcmp(got->bytes.data(), w.bytes.data(), w.bytes.size()), 0)
+            << "step " << step << " " << w.name;
+      }
+    }
+  }
+
+  fs::path dir_;
+};
+
+TEST_F(SynthChainTest, WritesStepsPlusOneLoadableVersions) {
+  SynthChainOptions o = Options(2);
+  std::vector<SynthChainProgress> seen;
+  o.progress = [&seen](const SynthChainProgress& p) {
+    seen.push_back(p);
+    return true;
+  };
+  ASSERT_TRUE(WriteSynthChain(o).ok());
+  ExpectChainMatchesTrainer(o, /*sharded=*/false);
+  EXPECT_FALSE(fs::exists(dir_ / SynthStepDirName(3)));
+  ASSERT_EQ(seen.size(), 3u);
+  for (int64_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(seen[i].step, i);
+    EXPECT_EQ(seen[i].total_steps, 2);
+    EXPECT_EQ(seen[i].dir, (dir_ / SynthStepDirName(i)).string());
+  }
+  EXPECT_EQ(seen[0].changed_fraction, 0.0);
+  EXPECT_GT(seen[1].changed_fraction, 0.003);
+  EXPECT_LT(seen[1].changed_fraction, 0.1);
+  // HF's single-file convention.
+  auto file = SafetensorsFile::Open((dir_ / "step_000000" / "model.safetensors").string());
+  ASSERT_TRUE(file.ok());
+  EXPECT_EQ((*file)->metadata(), (std::map<std::string, std::string>{{"format", "pt"}}));
+  // The manifest names the configuration.
+  std::ifstream manifest(dir_ / "synth_chain.json");
+  std::stringstream text;
+  text << manifest.rdbuf();
+  EXPECT_NE(text.str().find("\"preset\": \"tiny\""), std::string::npos) << text.str();
+  EXPECT_NE(text.str().find("\"seed\": 21"), std::string::npos) << text.str();
+  EXPECT_NE(text.str().find("\"steps\": 2"), std::string::npos) << text.str();
+}
+
+TEST_F(SynthChainTest, ShardsWhenLargerThanOneShard) {
+  SynthChainOptions o = Options(1);
+  o.max_shard_bytes = 3 << 20;  // tiny is ~10 MB: at least four shards
+  ASSERT_TRUE(WriteSynthChain(o).ok());
+  ExpectChainMatchesTrainer(o, /*sharded=*/true);
+  auto ckpt = Checkpoint::Open((dir_ / "step_000001").string());
+  ASSERT_TRUE(ckpt.ok());
+  const size_t shards = (*ckpt)->files().size();
+  EXPECT_GE(shards, 4u);
+  char first[64];
+  std::snprintf(first, sizeof(first), "model-00001-of-%05zu.safetensors", shards);
+  EXPECT_TRUE(fs::exists(dir_ / "step_000001" / first)) << first;
+}
+
+TEST_F(SynthChainTest, RefusesToOverwriteUnlessAsked) {
+  SynthChainOptions o = Options(1);
+  ASSERT_TRUE(WriteSynthChain(o).ok());
+  // Plant a stale shard: replacing the version must remove it.
+  std::ofstream(dir_ / "step_000001" / "stale.safetensors") << "x";
+  Status again = WriteSynthChain(o);
+  EXPECT_EQ(again.code(), StatusCode::kAlreadyExists) << again.ToString();
+  EXPECT_NE(again.message().find("step_000000"), std::string::npos);
+  EXPECT_TRUE(fs::exists(dir_ / "step_000001" / "stale.safetensors"));
+
+  o.overwrite = true;
+  o.trainer.seed = 22;
+  ASSERT_TRUE(WriteSynthChain(o).ok());
+  EXPECT_FALSE(fs::exists(dir_ / "step_000001" / "stale.safetensors"));
+  ExpectChainMatchesTrainer(o, /*sharded=*/false);
+}
+
+TEST_F(SynthChainTest, ProgressCanStopTheChain) {
+  SynthChainOptions o = Options(5);
+  o.progress = [](const SynthChainProgress& p) { return p.step < 1; };
+  Status s = WriteSynthChain(o);
+  EXPECT_EQ(s.code(), StatusCode::kAborted) << s.ToString();
+  EXPECT_TRUE(fs::exists(dir_ / "step_000001"));
+  EXPECT_FALSE(fs::exists(dir_ / "step_000002"));
+  EXPECT_FALSE(fs::exists(dir_ / "synth_chain.json"));
+}
+
+TEST_F(SynthChainTest, RejectsBadOptionsBeforeWriting) {
+  SynthChainOptions o = Options(-1);
+  EXPECT_TRUE(WriteSynthChain(o).IsInvalidArgument());
+  o.steps = 1000000;
+  EXPECT_TRUE(WriteSynthChain(o).IsInvalidArgument());
+  o = Options(1);
+  o.out_dir = "";
+  EXPECT_TRUE(WriteSynthChain(o).IsInvalidArgument());
+  o = Options(1);
+  o.trainer.preset = "nope";
+  EXPECT_TRUE(WriteSynthChain(o).IsInvalidArgument());
+  o = Options(1);
+  o.trainer.lr = -1;
+  EXPECT_TRUE(WriteSynthChain(o).IsInvalidArgument());
+  EXPECT_FALSE(fs::exists(dir_));
+  // An out_dir that is a file.
+  fs::create_directories(dir_);
+  std::ofstream(dir_ / "file") << "x";
+  o = Options(1);
+  o.out_dir = (dir_ / "file").string();
+  Status s = WriteSynthChain(o);
+  EXPECT_TRUE(s.IsInvalidArgument()) << s.ToString();
+  EXPECT_NE(s.message().find("not a directory"), std::string::npos);
+}
+
+TEST(SynthStepDirNameTest, SixDigits) {
+  EXPECT_EQ(SynthStepDirName(0), "step_000000");
+  EXPECT_EQ(SynthStepDirName(42), "step_000042");
+  EXPECT_EQ(SynthStepDirName(999999), "step_999999");
 }
 
 // Timing of the real-size preset: run with --gtest_also_run_disabled_tests.
