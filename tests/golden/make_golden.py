@@ -259,12 +259,13 @@ def write_tree(golden_dir, seed_dir):
             f.write(data)
 
 
-def same_tree(expected, actual, ignore):
+def same_tree(expected, actual, ignore, allow_extra=False):
     """True when every file under `expected` exists in `actual` with the same
-    bytes and `actual` has no extra file (names in `ignore` aside)."""
+    bytes and, unless `allow_extra`, `actual` has no other file (names in
+    `ignore` aside)."""
     comparison = filecmp.dircmp(expected, actual, ignore=ignore)
     ok = True
-    for name in comparison.left_only + comparison.right_only:
+    for name in comparison.left_only + ([] if allow_extra else comparison.right_only):
         print("differs (present on one side only): " + os.path.join(actual, name))
         ok = False
     _, mismatch, errors = filecmp.cmpfiles(expected, actual, comparison.common_files,
@@ -273,7 +274,8 @@ def same_tree(expected, actual, ignore):
         print("differs: " + os.path.join(actual, name))
         ok = False
     for sub in comparison.common_dirs:
-        ok &= same_tree(os.path.join(expected, sub), os.path.join(actual, sub), ignore)
+        ok &= same_tree(os.path.join(expected, sub), os.path.join(actual, sub), ignore,
+                        allow_extra)
     return ok
 
 
@@ -283,7 +285,8 @@ def main(argv):
             golden, seeds = os.path.join(tmp, "golden"), os.path.join(tmp, "seeds")
             write_tree(golden, seeds)
             ok = same_tree(golden, GOLDEN_DIR, ["README.md", "make_golden.py", "__pycache__"])
-            ok &= same_tree(seeds, SEED_DIR, [])
+            # A fuzzing run adds its finds to the corpus (git ignores them).
+            ok &= same_tree(seeds, SEED_DIR, [], allow_extra=True)
         print("golden files are up to date" if ok else "golden files are stale: rerun make_golden.py")
         return 0 if ok else 1
     if argv[1:]:
