@@ -31,7 +31,6 @@
 
 #include "deltasync/status.h"
 #include "deltasync/tensor.h"
-#include "deltasync/thread_pool.h"
 
 namespace deltasync {
 

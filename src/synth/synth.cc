@@ -10,11 +10,16 @@
 #include <array>
 #include <bit>
 #include <cmath>
+#include <cstdio>
+#include <memory>
 #include <numbers>
+#include <string>
+#include <vector>
 
 #include <sys/mman.h>
 
 #include "deltasync/synth.h"
+#include "deltasync/thread_pool.h"
 #include "synth/bf16.h"
 
 namespace deltasync {
@@ -71,89 +76,104 @@ uint64_t StreamKey(uint64_t seed, uint64_t tensor_key, Stream stream, uint64_t i
 
 // --- Sampling by inverse CDF ------------------------------------------------
 
-// A distribution as a table of its quantiles, sampled from uniform bits by
-// linear interpolation: a few instructions and one L1-resident table per
-// sample, where Box-Muller would cost a log and a sin per value. The table is
-// normalised to mean 0 and variance 1 over the values it can produce.
-class QuantileTable {
- public:
-  static constexpr int kBits = 12;
-  static constexpr int kSize = 1 << kBits;
-
-  // `quantile` maps p in (0, 1) to the inverse CDF; `tail_p` is the
-  // probability at which the two end entries are clamped.
-  template <typename F>
-  static QuantileTable Build(F quantile, double tail_p) {
-    std::array<double, kSize + 1> q;
-    for (int k = 0; k <= kSize; ++k) {
-      const double p = std::clamp(static_cast<double>(k) / kSize, tail_p, 1.0 - tail_p);
-      q[k] = quantile(p);
+// Upper-half quantiles of N(0, 1): for each tail probability q in `tail`
+// (decreasing, each < 0.5), the x > 0 with P(X > x) = q. Newton's method on
+// the convex, decreasing tail function converges monotonically from below,
+// so each root warm-starts the next and a handful of iterations suffice.
+std::vector<double> NormalUpperQuantiles(const std::vector<double>& tail) {
+  std::vector<double> x(tail.size());
+  double guess = 0;
+  for (size_t i = 0; i < tail.size(); ++i) {
+    for (int iter = 0; iter < 100; ++iter) {
+      const double excess = 0.5 * std::erfc(guess / std::numbers::sqrt2) - tail[i];
+      const double density =
+          std::exp(-0.5 * guess * guess) / (std::numbers::sqrt2 * std::sqrt(std::numbers::pi));
+      const double step = excess / density;
+      guess += step;
+      if (step <= guess * 1e-15) break;
     }
-    // Moments of the 16-bit samples, which is what the hot path draws.
-    double sum = 0, sum_sq = 0;
-    for (uint32_t u = 0; u < 65536; ++u) {
-      const double x = Interpolate(q, u >> 4, ((u & 15) + 0.5) / 16);
-      sum += x;
-      sum_sq += x * x;
-    }
-    const double mean = sum / 65536;
-    const double stddev = std::sqrt(sum_sq / 65536 - mean * mean);
-    QuantileTable t;
-    for (int k = 0; k <= kSize; ++k) t.values_[k] = static_cast<float>((q[k] - mean) / stddev);
-    return t;
+    x[i] = guess;
   }
-
-  // One sample from 16 uniform bits.
-  float Sample16(uint32_t u) const {
-    const uint32_t k = (u >> 4) & (kSize - 1);
-    const float f = (static_cast<float>(u & 15) + 0.5f) * (1.0f / 16);
-    return values_[k] + f * (values_[k + 1] - values_[k]);
-  }
-
-  // One sample from 32 uniform bits: finer steps, for the initial weights.
-  float Sample32(uint32_t u) const {
-    const uint32_t k = u >> (32 - kBits);
-    const float f =
-        (static_cast<float>(u & ((1u << (32 - kBits)) - 1)) + 0.5f) * (1.0f / (1u << (32 - kBits)));
-    return values_[k] + f * (values_[k + 1] - values_[k]);
-  }
-
- private:
-  static double Interpolate(const std::array<double, kSize + 1>& q, uint32_t k, double f) {
-    return q[k] + f * (q[k + 1] - q[k]);
-  }
-  std::array<float, kSize + 1> values_{};
-};
-
-double NormalQuantile(double p) {
-  // Bisection on the CDF: exact to double precision, run only at startup.
-  double lo = -40, hi = 40;
-  for (int i = 0; i < 200; ++i) {
-    const double mid = (lo + hi) / 2;
-    if (0.5 * std::erfc(-mid / std::numbers::sqrt2) < p) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
-  return (lo + hi) / 2;
+  return x;
 }
 
 // Student's t with 4 degrees of freedom has a closed-form quantile function
-// (Shaw, "Sampling Student's T distribution", 2006).
-double StudentT4Quantile(double p) {
-  const double alpha = std::min(1.0, 4 * p * (1 - p));
+// (Shaw, "Sampling Student's T distribution", 2006); written here for the
+// upper tail probability, which keeps full precision far out in the tail.
+double StudentT4UpperQuantile(double tail) {
+  const double alpha = std::min(1.0, 4 * tail * (1 - tail));
   const double root = std::sqrt(alpha);
   const double q = std::cos(std::acos(root) / 3) / root;
-  return std::copysign(2 * std::sqrt(std::max(0.0, q - 1)), p - 0.5);
+  return 2 * std::sqrt(std::max(0.0, q - 1));
 }
 
+// A distribution as tables of its quantiles: sampling is one table load per
+// value, where Box-Muller would cost a log and a sine. The per-step gradient
+// draws (billions per step for the real presets) use the 2^16-entry table of
+// bucket midpoints, normalised to mean 0 and variance 1 over its entries;
+// the rare draws that want a continuous value interpolate a 2^12-interval
+// grid with 32 random bits.
+class QuantileTable {
+ public:
+  static constexpr int kFineBits = 16;
+  static constexpr int kFine = 1 << kFineBits;
+  static constexpr int kCoarseBits = 12;
+  static constexpr int kCoarse = 1 << kCoarseBits;
+
+  // `upper_quantiles(tail)` returns, for decreasing tail probabilities, the
+  // matching upper quantiles; the distribution must be symmetric about 0.
+  template <typename F>
+  explicit QuantileTable(F upper_quantiles) {
+    std::vector<double> tail(kFine / 2);
+    for (int k = 0; k < kFine / 2; ++k) tail[k] = (kFine / 2 - k - 0.5) / kFine;
+    const std::vector<double> upper = upper_quantiles(tail);
+    double sum_sq = 0;
+    for (double x : upper) sum_sq += 2 * x * x;
+    const double stddev = std::sqrt(sum_sq / kFine);  // the mean is 0 by symmetry
+    for (int k = 0; k < kFine / 2; ++k) {
+      fine_[kFine / 2 + k] = static_cast<float>(upper[k] / stddev);
+      fine_[kFine / 2 - 1 - k] = -fine_[kFine / 2 + k];
+    }
+
+    // Grid points k / kCoarse; the outermost are clamped to the smallest
+    // probability 32 bits can express.
+    std::vector<double> coarse_tail(kCoarse / 2 + 1);
+    for (int k = 0; k <= kCoarse / 2; ++k) {
+      coarse_tail[k] = std::max(0.5 / 4294967296.0, static_cast<double>(kCoarse / 2 - k) / kCoarse);
+    }
+    const std::vector<double> coarse_upper = upper_quantiles(coarse_tail);
+    for (int k = 0; k <= kCoarse / 2; ++k) {
+      coarse_[kCoarse / 2 + k] = static_cast<float>(coarse_upper[k] / stddev);
+      coarse_[kCoarse / 2 - k] = -coarse_[kCoarse / 2 + k];
+    }
+  }
+
+  // One sample from the low 16 bits of `u`.
+  float Sample16(uint32_t u) const { return fine_[u & (kFine - 1)]; }
+
+  // One sample from 32 uniform bits.
+  float Sample32(uint32_t u) const {
+    const uint32_t k = u >> (32 - kCoarseBits);
+    constexpr uint32_t kFractionMask = (1u << (32 - kCoarseBits)) - 1;
+    const float f = (static_cast<float>(u & kFractionMask) + 0.5f) * (1.0f / (kFractionMask + 1));
+    return coarse_[k] + f * (coarse_[k + 1] - coarse_[k]);
+  }
+
+ private:
+  std::array<float, kFine> fine_{};
+  std::array<float, kCoarse + 1> coarse_{};
+};
+
 const QuantileTable& NormalTable() {
-  static const QuantileTable table = QuantileTable::Build(NormalQuantile, 0.5 / 4294967296.0);
+  static const QuantileTable table(NormalUpperQuantiles);
   return table;
 }
 const QuantileTable& HeavyTailTable() {
-  static const QuantileTable table = QuantileTable::Build(StudentT4Quantile, 0.5 / 65536.0);
+  static const QuantileTable table([](const std::vector<double>& tail) {
+    std::vector<double> x(tail.size());
+    for (size_t i = 0; i < tail.size(); ++i) x[i] = StudentT4UpperQuantile(tail[i]);
+    return x;
+  });
   return table;
 }
 
@@ -322,9 +342,9 @@ void SynthTrainer::State::StepBlock(const Block& b, size_t block_index, const St
     const int64_t count = std::min<int64_t>(4, n - i);
     for (int64_t j = 0; j < count; ++j) {
       const int shift = 16 * static_cast<int>(j);
-      grad[i + j] = w0 * normal.Sample16(static_cast<uint32_t>(h0 >> shift) & 0xFFFF) +
-                    w1 * normal.Sample16(static_cast<uint32_t>(h1 >> shift) & 0xFFFF) +
-                    p.noise_weight * heavy.Sample16(static_cast<uint32_t>(hn >> shift) & 0xFFFF);
+      grad[i + j] = w0 * normal.Sample16(static_cast<uint32_t>(h0 >> shift)) +
+                    w1 * normal.Sample16(static_cast<uint32_t>(h1 >> shift)) +
+                    p.noise_weight * heavy.Sample16(static_cast<uint32_t>(hn >> shift));
     }
   }
 
