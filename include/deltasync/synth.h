@@ -19,7 +19,8 @@
 //
 // Memory: the trainer keeps fp32 master, fp32 Adam m and v, and the BF16
 // copy: 14 bytes per parameter (tiny: ~70 MB, qwen2.5-0.5b: ~6.9 GB,
-// qwen2.5-1.5b: ~21.6 GB). Use `scale` to shrink a preset.
+// qwen2.5-1.5b: ~21.6 GB), all committed by Create. Use `scale` to shrink a
+// preset.
 #pragma once
 
 #include <cstdint>
@@ -108,7 +109,11 @@ struct SynthConfig {
   // where d_t is a unit-variance direction that rotates smoothly from one
   // random direction to the next every `direction_period` steps (so
   // consecutive gradients are correlated, as in real training) and noise_t is
-  // fresh Student-t (4 degrees of freedom) noise with heavy tails.
+  // fresh Student-t (4 degrees of freedom) noise with heavy tails. The
+  // log-normal scales are drawn once per tensor and per row, and afresh each
+  // step (batch-to-batch gradient-norm swings, which Adam does not divide
+  // out). Rows of an untied embedding get no gradient in steps whose batch
+  // lacks their token, more often for higher token ids.
   double grad_correlation = 0.5;  // in [0, 1]
   int64_t direction_period = 16;  // >= 1
 
