@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -121,6 +122,57 @@ TEST(CliTest, InspectCorruptFileNamesFileInOneLine) {
   EXPECT_EQ(CountLines(r.err), 1) << r.err;
   EXPECT_NE(r.err.find(path), std::string::npos) << r.err;
   EXPECT_TRUE(r.out.empty());
+}
+
+TEST(CliTest, SynthThenDiffReportsRealisticChanges) {
+  const std::string dir = testing::TempDir() + "/cli_synth_chain";
+  std::filesystem::remove_all(dir);
+  CliRun synth = RunCli("synth --out " + dir + " --preset tiny --steps 1 --seed 7");
+  ASSERT_EQ(synth.exit_code, 0) << synth.err;
+  EXPECT_NE(synth.out.find("step_000001"), std::string::npos) << synth.out;
+
+  CliRun diff = RunCli("diff --json " + dir + "/step_000000 " + dir + "/step_000001");
+  ASSERT_EQ(diff.exit_code, 0) << diff.err;
+  nlohmann::json j = nlohmann::json::parse(diff.out);
+  const nlohmann::json& total = j["total"];
+  const double density = total["density"];
+  EXPECT_GT(density, 0.003);  // lr 1e-6 changes a few percent of BF16 elements
+  EXPECT_LT(density, 0.10);
+  uint64_t changed = 0, sparse = 0;
+  for (const auto& t : j["tensors"]) {
+    changed += t["changed"].get<uint64_t>();
+    sparse += t["bytes"]["sparse"].get<uint64_t>();
+  }
+  EXPECT_EQ(changed, total["changed"].get<uint64_t>());
+  EXPECT_EQ(sparse, total["bytes"]["sparse"].get<uint64_t>());
+  const auto& per = total["bytes_per_changed"];
+  EXPECT_LT(per["sparse"].get<double>(), per["xor"].get<double>());
+  EXPECT_LT(per["xor"].get<double>(), per["indices"].get<double>());
+  EXPECT_GE(per["sparse"].get<double>(), total["entropy_bytes_per_changed"].get<double>());
+  EXPECT_EQ(total["dense_bytes"].get<uint64_t>(), 2 * total["numel"].get<uint64_t>());
+
+  // A checkpoint diffed against itself changes nothing.
+  CliRun same = RunCli("diff --json " + dir + "/step_000001 " + dir + "/step_000001");
+  ASSERT_EQ(same.exit_code, 0) << same.err;
+  EXPECT_EQ(nlohmann::json::parse(same.out)["total"]["changed"], 0);
+}
+
+TEST(CliTest, DiffOfUnrelatedCheckpointsFailsInOneLine) {
+  const std::string dir = testing::TempDir() + "/cli_diff_mismatch";
+  std::vector<uint8_t> a(8, 1);
+  ASSERT_TRUE(WriteCheckpoint(dir + "/x", {{"only.in.x", DType::kF32, {2}, a}}).ok());
+  ASSERT_TRUE(WriteCheckpoint(dir + "/y", {{"only.in.y", DType::kF32, {2}, a}}).ok());
+  CliRun r = RunCli("diff " + dir + "/x " + dir + "/y");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_EQ(CountLines(r.err), 1) << r.err;
+  EXPECT_NE(r.err.find("only.in."), std::string::npos) << r.err;
+}
+
+TEST(CliTest, SynthRejectsUnknownPreset) {
+  CliRun r = RunCli("synth --out " + testing::TempDir() + "/cli_bad_preset --preset gpt-17");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_EQ(CountLines(r.err), 1) << r.err;
+  EXPECT_NE(r.err.find("gpt-17"), std::string::npos) << r.err;
 }
 
 }  // namespace

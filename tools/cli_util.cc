@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <iostream>
 
@@ -37,6 +38,43 @@ std::string FormatBytes(uint64_t bytes) {
     std::snprintf(buf, sizeof(buf), "%.2f %s", v, kUnits[unit]);
   }
   return buf;
+}
+
+Result<uint64_t> ParseByteSize(const std::string& text) {
+  size_t i = 0;
+  uint64_t value = 0;
+  while (i < text.size() && text[i] >= '0' && text[i] <= '9') {
+    const uint64_t digit = static_cast<uint64_t>(text[i] - '0');
+    if (value > (UINT64_MAX - digit) / 10)
+      return Status::InvalidArgument("byte size '" + text + "' overflows");
+    value = value * 10 + digit;
+    ++i;
+  }
+  if (i == 0) return Status::InvalidArgument("byte size '" + text + "' must start with a number");
+  const std::string suffix = text.substr(i);
+  struct Unit {
+    const char* name;
+    uint64_t factor;
+  };
+  static const Unit kUnits[] = {{"", 1},
+                                {"B", 1},
+                                {"KiB", 1ull << 10},
+                                {"MiB", 1ull << 20},
+                                {"GiB", 1ull << 30},
+                                {"TiB", 1ull << 40},
+                                {"KB", 1000ull},
+                                {"MB", 1000ull * 1000},
+                                {"GB", 1000ull * 1000 * 1000},
+                                {"TB", 1000ull * 1000 * 1000 * 1000}};
+  for (const Unit& u : kUnits) {
+    if (suffix == u.name) {
+      if (value > UINT64_MAX / u.factor)
+        return Status::InvalidArgument("byte size '" + text + "' overflows");
+      return value * u.factor;
+    }
+  }
+  return Status::InvalidArgument(
+      "byte size '" + text + "' has an unknown unit (use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB)");
 }
 
 }  // namespace deltasync::cli

@@ -24,9 +24,16 @@ bool StdoutIsTerminal();
 // Human-readable byte counts: "512 B", "1.5 KiB", "3.20 GiB".
 std::string FormatBytes(uint64_t bytes);
 
+// Parses a byte count: "4096", "512MiB", "1GiB", "64KiB", "2GB", "10MB".
+// Binary (KiB/MiB/GiB/TiB) and decimal (KB/MB/GB/TB) suffixes; InvalidArgument
+// for anything else, for zero-free garbage, or on overflow.
+Result<uint64_t> ParseByteSize(const std::string& text);
+
 // Each subcommand registers itself on the root app and stores its body in
 // `run`, which main() calls after a successful parse.
 void RegisterChecksum(CLI::App& app, CommandFn* run);
 void RegisterInspect(CLI::App& app, CommandFn* run);
+void RegisterSynth(CLI::App& app, CommandFn* run);
+void RegisterDiff(CLI::App& app, CommandFn* run);
 
 }  // namespace deltasync::cli

@@ -17,6 +17,8 @@ int main(int argc, char** argv) {
   CommandFn run;
   RegisterInspect(app, &run);
   RegisterChecksum(app, &run);
+  RegisterSynth(app, &run);
+  RegisterDiff(app, &run);
 
   try {
     app.parse(argc, argv);
