@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "diff/diff_internal.h"
@@ -92,9 +93,10 @@ Status CheckOperands(std::string_view what, std::string_view first, std::string_
   return Status::OK();
 }
 
-// Uninitialized, growable storage for the changes of one chunk. Zero-filling
-// (as std::vector::resize would) is avoided because the arrays are sized for
-// the worst case of a window, not for what is actually found.
+// Uninitialized, growable staging storage for changes. Zero-filling (as
+// std::vector::resize would) is avoided because the arrays are sized for
+// the worst case of a window, not for what is actually found; buffers are
+// reused so their memory is already mapped and cache-warm.
 class ChangeBuffer {
  public:
   explicit ChangeBuffer(const KernelVariant& variant) : variant_(variant) {}
@@ -130,6 +132,7 @@ class ChangeBuffer {
 
   void Commit(size_t added) { count_ += added; }
   size_t count() const { return count_; }
+  void Reset() { count_ = 0; }
 
   void AppendTo(ChangeSet* out) const {
     if (count_ == 0) return;
@@ -164,18 +167,62 @@ class ChangeBuffer {
   std::unique_ptr<uint8_t[]> old_values_;
 };
 
-// Diffs elements [first, first + numel) into `buffer`, one window at a time.
+// Diffs elements [first, first + numel) into `buffer`, one window at a
+// time. With `flush_to`, each window's changes are appended there while
+// still in cache and the buffer is emptied, so it never outgrows a window.
 void DiffRange(DiffRangeFn fn, uint32_t elem_size, const uint8_t* new_bytes, uint8_t* snapshot,
-               uint64_t first, size_t numel, ChangeBuffer* buffer) {
+               uint64_t first, size_t numel, ChangeBuffer* buffer, ChangeSet* flush_to) {
   const size_t window_numel = kWindowBytes / elem_size;
   for (size_t done = 0; done < numel;) {
     const size_t n = std::min(window_numel, numel - done);
     const size_t offset = (first + done) * elem_size;
-    buffer->Reserve(n);
+    buffer->Reserve(n + diff_internal::kSinkSlack);
     buffer->Commit(fn(new_bytes + offset, snapshot + offset, n, first + done, buffer->Tail()));
+    if (flush_to != nullptr) {
+      buffer->AppendTo(flush_to);
+      buffer->Reset();
+    }
     done += n;
   }
 }
+
+// Collects the outputs of chunks diffed in parallel and appends them to the
+// ChangeSet in chunk order as soon as all earlier chunks are in. Chunks are
+// handed out in increasing order, so most arrive in order and are copied
+// while still in cache and while other threads keep diffing; the few that
+// overtake a slower one wait in `pending_`. Buffers are recycled.
+class OrderedAppender {
+ public:
+  OrderedAppender(const KernelVariant& variant, size_t num_chunks, ChangeSet* out)
+      : variant_(variant), out_(out), pending_(num_chunks) {}
+
+  std::unique_ptr<ChangeBuffer> Acquire() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (free_.empty()) return std::make_unique<ChangeBuffer>(variant_);
+    std::unique_ptr<ChangeBuffer> buffer = std::move(free_.back());
+    free_.pop_back();
+    return buffer;
+  }
+
+  void Finish(size_t chunk, std::unique_ptr<ChangeBuffer> buffer) {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_[chunk] = std::move(buffer);
+    while (next_ < pending_.size() && pending_[next_] != nullptr) {
+      std::unique_ptr<ChangeBuffer> done = std::move(pending_[next_++]);
+      done->AppendTo(out_);
+      done->Reset();
+      free_.push_back(std::move(done));
+    }
+  }
+
+ private:
+  const KernelVariant variant_;
+  ChangeSet* const out_;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<ChangeBuffer>> pending_;  // by chunk index
+  std::vector<std::unique_ptr<ChangeBuffer>> free_;
+  size_t next_ = 0;  // first chunk not yet appended
+};
 
 }  // namespace
 
@@ -258,34 +305,21 @@ Status DiffTensorImpl(std::span<const uint8_t> new_bytes, std::span<uint8_t> sna
   // tensor is larger than a chunk.
   const size_t chunk_bytes =
       std::max<size_t>(elem_size, options.parallel_chunk_bytes / elem_size * elem_size);
+  if (options.pool == nullptr || bytes <= chunk_bytes) {
+    ChangeBuffer buffer(variant);
+    DiffRange(fn, elem_size, new_bytes.data(), snapshot.data(), 0, numel, &buffer, out);
+    return Status::OK();
+  }
   const size_t chunk_numel = chunk_bytes / elem_size;
-  const size_t num_chunks = (options.pool != nullptr && bytes > chunk_bytes)
-                                ? (bytes + chunk_bytes - 1) / chunk_bytes
-                                : 1;
-  std::vector<ChangeBuffer> buffers;
-  buffers.reserve(num_chunks);
-  for (size_t i = 0; i < num_chunks; ++i) buffers.emplace_back(variant);
-  const auto diff_chunk = [&](size_t chunk) {
+  const size_t num_chunks = (bytes + chunk_bytes - 1) / chunk_bytes;
+  OrderedAppender appender(variant, num_chunks, out);
+  options.pool->ParallelFor(num_chunks, [&](size_t chunk) {
     const uint64_t first = uint64_t{chunk} * chunk_numel;
-    const size_t n = num_chunks == 1 ? numel : std::min<uint64_t>(chunk_numel, numel - first);
-    DiffRange(fn, elem_size, new_bytes.data(), snapshot.data(), first, n, &buffers[chunk]);
-  };
-  if (num_chunks == 1) {
-    diff_chunk(0);
-  } else {
-    options.pool->ParallelFor(num_chunks, diff_chunk);
-  }
-
-  size_t total = 0;
-  for (const ChangeBuffer& buffer : buffers) total += buffer.count();
-  if (variant.wide) {
-    out->pos64.reserve(total);
-  } else {
-    out->pos32.reserve(total);
-  }
-  out->new_values.reserve(total * elem_size);
-  if (variant.keep_old) out->old_values.reserve(total * elem_size);
-  for (const ChangeBuffer& buffer : buffers) buffer.AppendTo(out);
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(chunk_numel, numel - first));
+    std::unique_ptr<ChangeBuffer> buffer = appender.Acquire();
+    DiffRange(fn, elem_size, new_bytes.data(), snapshot.data(), first, n, buffer.get(), nullptr);
+    appender.Finish(chunk, std::move(buffer));
+  });
   return Status::OK();
 }
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -12,6 +13,10 @@
 #include "diff/diff_internal.h"
 
 namespace deltasync {
+
+// Readable kernel names in gtest messages (found by argument-dependent lookup).
+void PrintTo(DiffKernel kernel, std::ostream* os) { *os << DiffKernelName(kernel); }
+
 namespace {
 
 constexpr uint32_t kElemSizes[] = {1, 2, 4, 8};
