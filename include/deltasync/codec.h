@@ -40,7 +40,8 @@ enum class Encoding : uint8_t {
 };
 
 // "dense", "indices", "xor", "overwrite" or "sparse"; the names used in
-// index metadata (`delta_encoding`) and on the command line.
+// index metadata (`delta_encoding`) and on the command line. "unknown" for a
+// value outside the enum.
 std::string_view EncodingName(Encoding encoding);
 
 // Inverse of EncodingName (exact, lowercase). InvalidArgument naming the
@@ -121,7 +122,8 @@ class Codec {
                              uint32_t elem_size, const DecodeOptions& options) const = 0;
 };
 
-// The implementation of `encoding`; lives for the whole program.
+// The implementation of `encoding`; lives for the whole program. A value
+// outside the enum gets a codec whose operations fail with InvalidArgument.
 const Codec& GetCodec(Encoding encoding);
 
 // GetCodec(encoding).Encode(...).

@@ -42,9 +42,7 @@ const Codec& GetCodec(Encoding encoding) {
     case Encoding::kOverwrite: return codec_internal::OverwriteCodec();
     case Encoding::kSparse: return codec_internal::SparseCodec();
   }
-  // Only reachable through a value cast from outside the enum; dense is the
-  // one codec whose misuse cannot corrupt a base silently (sizes must match).
-  return codec_internal::DenseCodec();
+  return codec_internal::InvalidCodec();
 }
 
 Status Encode(Encoding encoding, std::span<const uint8_t> new_bytes, const ChangeSet& changes,
@@ -58,6 +56,32 @@ Status DecodeApply(Encoding encoding, std::span<const uint8_t> encoded, std::spa
 }
 
 namespace codec_internal {
+namespace {
+
+// Stands in for an Encoding value from outside the enum (a bad cast or a
+// corrupted stored byte): every operation fails instead of guessing.
+class InvalidCodecImpl final : public Codec {
+ public:
+  Encoding encoding() const override { return static_cast<Encoding>(0xFF); }
+  bool needs_old_values() const override { return false; }
+  bool needs_base() const override { return true; }
+  bool idempotent() const override { return false; }
+  Status Encode(std::span<const uint8_t>, const ChangeSet&, const EncodeOptions&,
+                std::vector<uint8_t>*) const override {
+    return Status::InvalidArgument("encode: not a known delta encoding");
+  }
+  Status DecodeApply(std::span<const uint8_t>, std::span<uint8_t>, uint32_t,
+                     const DecodeOptions&) const override {
+    return Status::InvalidArgument("decode: not a known delta encoding");
+  }
+};
+
+}  // namespace
+
+const Codec& InvalidCodec() {
+  static const InvalidCodecImpl codec;
+  return codec;
+}
 
 void XorInto(uint8_t* dst, const uint8_t* src, size_t n) {
   size_t i = 0;

@@ -69,5 +69,6 @@ const Codec& IndicesCodec();
 const Codec& XorCodec();
 const Codec& OverwriteCodec();
 const Codec& SparseCodec();
+const Codec& InvalidCodec();
 
 }  // namespace deltasync::codec_internal

@@ -73,6 +73,16 @@ TEST(EncodingNames, RoundTripAndRejectUnknown) {
   }
 }
 
+TEST(EncodingNames, OutOfRangeValuesFailCleanly) {
+  const Encoding bogus = static_cast<Encoding>(17);
+  EXPECT_EQ(EncodingName(bogus), "unknown");
+  std::vector<uint8_t> out;
+  std::vector<uint8_t> target(4);
+  EXPECT_TRUE(Encode(bogus, target, ChangeSet{}, {}, &out).IsInvalidArgument());
+  EXPECT_TRUE(DecodeApply(bogus, target, target, 1).IsInvalidArgument());
+  EXPECT_TRUE(out.empty());
+}
+
 TEST(Capabilities, MatchTheFormats) {
   EXPECT_FALSE(GetCodec(Encoding::kDense).needs_base());
   EXPECT_FALSE(GetCodec(Encoding::kDense).needs_old_values());

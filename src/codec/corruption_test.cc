@@ -204,6 +204,21 @@ TEST(XorCorruption, OnlyOneFrame) {
   ExpectCorruption(Apply(Encoding::kXor, {}, f.pair.old_bytes, 2), "not a zstd frame");
 }
 
+TEST(XorCorruption, TruncatedFramesAndBadChecksums) {
+  Fixture f;
+  const std::vector<uint8_t> frame = f.EncodeAs(Encoding::kXor);
+  ExpectCorruption(Apply(Encoding::kXor, std::span(frame).first(5), f.pair.old_bytes, 2),
+                   "truncated or invalid zstd frame header");
+  ExpectCorruption(
+      Apply(Encoding::kXor, std::span(frame).first(frame.size() / 2), f.pair.old_bytes, 2),
+      "truncated zstd frame");
+  // The content checksum is the frame's last 4 bytes.
+  ASSERT_GT(frame.size(), 8u);
+  std::vector<uint8_t> bad_checksum = frame;
+  bad_checksum[frame.size() - 1] ^= 1;
+  ExpectCorruption(Apply(Encoding::kXor, bad_checksum, f.pair.old_bytes, 2), "checksum");
+}
+
 TEST(XorCorruption, WindowLargerThanAllowed) {
   std::vector<uint8_t> base(4 << 20, 0);
   std::vector<uint8_t> image(base.size());

@@ -126,14 +126,9 @@ class OverwriteCodecImpl final : public Codec {
   }
 
  private:
-  static Status CheckedStore(std::span<uint8_t> target, uint32_t pos, uint8_t value,
-                             uint64_t entry) {
-    if (pos >= target.size()) {
-      return Corrupt("byte position " + std::to_string(pos) + " at entry " + std::to_string(entry) +
-                     " is outside the tensor's " + std::to_string(target.size()) + " bytes");
-    }
-    target[pos] = value;
-    return Status::OK();
+  static Status PositionOutside(uint32_t pos, uint64_t entry, size_t target_bytes) {
+    return Corrupt("byte position " + std::to_string(pos) + " at entry " + std::to_string(entry) +
+                   " is outside the tensor's " + std::to_string(target_bytes) + " bytes");
   }
 
   // Small deltas: the whole content fits one chunk, so it is checked in full
@@ -144,9 +139,8 @@ class OverwriteCodecImpl final : public Codec {
     DS_RETURN_IF_ERROR(reader->ExpectEnd().WithContext("overwrite decode"));
     const uint8_t* values = buffer.get() + 4 * count;
     for (uint64_t i = 0; i < count; ++i) {
-      if (LoadLE32(buffer.get() + 4 * i) >= target.size()) {
-        return CheckedStore(target, LoadLE32(buffer.get() + 4 * i), 0, i);
-      }
+      const uint32_t pos = LoadLE32(buffer.get() + 4 * i);
+      if (pos >= target.size()) return PositionOutside(pos, i, target.size());
     }
     for (uint64_t i = 0; i < count; ++i) target[LoadLE32(buffer.get() + 4 * i)] = values[i];
     return Status::OK();
@@ -169,7 +163,9 @@ class OverwriteCodecImpl final : public Codec {
       DS_RETURN_IF_ERROR(positions->Read(pos_buf, 4 * m).WithContext("overwrite decode"));
       DS_RETURN_IF_ERROR(values.Read(val_buf, m).WithContext("overwrite decode"));
       for (size_t j = 0; j < m; ++j) {
-        DS_RETURN_IF_ERROR(CheckedStore(target, LoadLE32(pos_buf + 4 * j), val_buf[j], done + j));
+        const uint32_t pos = LoadLE32(pos_buf + 4 * j);
+        if (pos >= target.size()) return PositionOutside(pos, done + j, target.size());
+        target[pos] = val_buf[j];
       }
       done += m;
     }
