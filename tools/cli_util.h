@@ -35,5 +35,6 @@ void RegisterChecksum(CLI::App& app, CommandFn* run);
 void RegisterInspect(CLI::App& app, CommandFn* run);
 void RegisterSynth(CLI::App& app, CommandFn* run);
 void RegisterDiff(CLI::App& app, CommandFn* run);
+void RegisterBench(CLI::App& app, CommandFn* run);
 
 }  // namespace deltasync::cli

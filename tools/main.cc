@@ -19,6 +19,7 @@ int main(int argc, char** argv) {
   RegisterChecksum(app, &run);
   RegisterSynth(app, &run);
   RegisterDiff(app, &run);
+  RegisterBench(app, &run);
 
   try {
     app.parse(argc, argv);
