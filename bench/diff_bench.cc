@@ -5,6 +5,12 @@
 // with one and with two threads. Both sides report bytes_per_second over
 // the dense tensor bytes, so the ratio is read straight off the output.
 //
+// BM_CountChanged reads both inputs and writes nothing: the floor for the
+// fused pass. On one core, reading two streams is itself slower than a
+// memcpy of one (which streams its writes), so the single-thread ratio is
+// bounded by that floor; with two threads the pass is bandwidth-bound and
+// lands near memcpy.
+//
 // Every diff iteration must find real changes, so the snapshot alternates
 // between two versions A and B that differ in 2% of elements: diffing B
 // against a snapshot holding A refreshes it to B, and the next iteration

@@ -70,8 +70,8 @@ struct DiffOptions {
 // Compares `new_bytes` against `snapshot` (same length, a multiple of
 // elem_size) and replaces the contents of `out` with the changed elements.
 // With refresh_snapshot, `snapshot` equals `new_bytes` afterwards; only the
-// vector-sized blocks that hold a change are written, so mostly-unchanged
-// memory stays clean (this is what lets the fused pass run at copy speed).
+// changed elements are written, so unchanged cache lines stay clean and
+// need no write-back (the fused pass costs little more than reading both).
 // The two spans may be the same memory but must not partially overlap.
 // InvalidArgument (naming the problem) on a bad element size, a length
 // mismatch, a length that is not whole elements, overlap, a null `out`, or
