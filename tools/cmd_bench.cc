@@ -1,5 +1,12 @@
 // deltasync bench [--json] [...]: the performance report of DESIGN.md
 // section 6, every figure measured side by side in one run.
+//
+// Reading the report: every rate is dense bytes of the model (BF16 bytes of
+// all tensors) per second, in GB/s of 1e9 bytes, whatever the operation
+// actually touches, so rates compare directly with memcpy. "_1t" runs on the
+// calling thread; "_nt" on --threads threads (the diff through its own
+// chunking, encode and decode-apply one tensor per task). vs_memcpy_* is the
+// diff's time over memcpy's at the same thread count (target <= 1.25).
 #include <unistd.h>
 
 #include <cstdio>
@@ -128,7 +135,8 @@ void PrintReport(const BenchConfig& config, const BenchResult& r) {
   std::printf("changed: %llu of %llu elements (density %.4f%%) after %lld warm-up steps\n",
               static_cast<unsigned long long>(r.changed), static_cast<unsigned long long>(r.numel),
               100.0 * r.density(), static_cast<long long>(config.warmup_steps));
-  std::printf("\n%-22s %12s %12s\n", "GB/s of dense bytes", "1 thread", "N threads");
+  const std::string nt_label = std::to_string(config.threads) + " threads";
+  std::printf("\n%-22s %12s %12s\n", "GB/s of dense bytes", "1 thread", nt_label.c_str());
   std::printf("%-22s %12.2f %12.2f\n", "memcpy", r.Gbps(r.memcpy_time.seconds_1t),
               r.Gbps(r.memcpy_time.seconds_nt));
   const std::string diff_label = "diff (" + r.diff_kernel + ")";
@@ -185,7 +193,7 @@ void RegisterBench(CLI::App& app, CommandFn* run) {
   cmd->add_option("--warmup-steps", opts->warmup_steps, "Optimiser steps before the measured step")
       ->capture_default_str();
   cmd->add_option("--threads", opts->threads,
-                  "Threads for the multi-threaded figures (default: all hardware threads)");
+                  "Threads for the multi-threaded figures (default or 0: all hardware threads)");
   cmd->add_option("--repeat", opts->repeat, "Runs per figure; the best is reported")
       ->capture_default_str();
   cmd->add_option("--encodings", opts->encodings,
