@@ -5,6 +5,9 @@
 //     and the rest is header JSON for ParseSafetensorsHeader.
 //  2. File mode: the whole input is a file image, opened both from memory
 //     and from a real (memory-mapped) file; both must agree exactly.
+//  3. Index mode: the whole input is a checkpoint index
+//     (model.safetensors.index.json), which must serialize and parse back
+//     to the same index when accepted.
 // Whatever is accepted must satisfy the reader's guarantees (tensors tile
 // the data buffer, views inside the image, bytes match shapes) and must
 // survive a write/read round trip unchanged. A violation aborts.
@@ -20,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "deltasync/checkpoint.h"
 #include "deltasync/safetensors.h"
 
 namespace {
@@ -126,6 +130,22 @@ void CheckRoundTrip(const SafetensorsFile& file) {
   }
 }
 
+void CheckIndex(const uint8_t* data, size_t size) {
+  Result<deltasync::CheckpointIndex> index =
+      deltasync::ParseCheckpointIndex(std::string_view(reinterpret_cast<const char*>(data), size));
+  if (!index.ok()) return;
+  for (const auto& [tensor, file] : index->weight_map) {
+    Require(deltasync::IsPlainFileName(file), "index file names are plain");
+  }
+  Result<std::string> text = deltasync::SerializeCheckpointIndex(*index);
+  Require(text.ok(), "an accepted index can be serialized");
+  Result<deltasync::CheckpointIndex> again = deltasync::ParseCheckpointIndex(*text);
+  Require(again.ok(), "a serialized index parses");
+  Require(again->metadata == index->metadata && again->metadata_json == index->metadata_json &&
+              again->weight_map == index->weight_map,
+          "index survives a round trip");
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -149,5 +169,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     CheckRoundTrip(**in_memory);
     Require((*mapped)->tensors().size() == (*in_memory)->tensors().size(), "same tensors");
   }
+
+  CheckIndex(data, size);
   return 0;
 }

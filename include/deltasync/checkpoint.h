@@ -53,7 +53,8 @@ bool IsPlainFileName(std::string_view name);
 // An opened checkpoint: every tensor of every shard as one name -> view map.
 class Checkpoint {
  public:
-  // `path` is a checkpoint directory or one .safetensors file. A directory
+  // `path` is a checkpoint directory, its index file (which stands for the
+  // directory), or one .safetensors file. A directory
   // with an index is read through it (even when a model.safetensors sits
   // beside it: the index is what lists the tensors); otherwise it must hold
   // model.safetensors, else NotFound naming the directory. Validates that

@@ -165,6 +165,11 @@ Result<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& path) {
   };
 
   if (S_ISREG(st.st_mode)) {
+    // The index file stands for its directory (what a user pointing at "the
+    // checkpoint" by its index means).
+    if (format_internal::BaseName(path) == kIndexFileName) {
+      return Open(format_internal::DirName(path));
+    }
     DS_RETURN_IF_ERROR(add_single_file(path));
     return checkpoint;
   }

@@ -181,6 +181,19 @@ TEST(CheckpointRoundTrip, ShardMetadataFixedOrPerShard) {
             (std::map<std::string, std::string>{{"b", "5"}, {"c", "1"}}));
 }
 
+TEST(CheckpointRoundTrip, IndexFilePathOpensItsDirectory) {
+  TempDir dir;
+  Tensors t({{"a", 3}, {"b", 5}});
+  CheckpointWriteOptions options;
+  options.max_shard_bytes = 4;
+  ASSERT_TRUE(WriteCheckpoint(dir.path(), t.views, options).ok());
+  auto checkpoint = Checkpoint::Open(dir.Join(kIndexFileName));
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status().ToString();
+  EXPECT_TRUE((*checkpoint)->sharded());
+  EXPECT_EQ((*checkpoint)->path(), dir.path());
+  ExpectCheckpointHolds(**checkpoint, t.views);
+}
+
 TEST(CheckpointRoundTrip, NoTensorsWithShardingWritesOnlyTheIndex) {
   TempDir dir;
   CheckpointWriteOptions options;

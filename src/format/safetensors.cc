@@ -369,7 +369,9 @@ void SafetensorsFile::Advise(AccessHint hint, std::span<const uint8_t> bytes) co
   if (bytes.empty()) bytes = data_;
   // Only ranges inside our own mapping: a stray span must not change the
   // advice on someone else's memory.
-  if (bytes.data() < image_ || bytes.data() + bytes.size() > image_ + size_) return;
+  const auto begin = reinterpret_cast<uintptr_t>(bytes.data());
+  const auto image = reinterpret_cast<uintptr_t>(image_);
+  if (begin < image || begin - image > size_ || bytes.size() > size_ - (begin - image)) return;
   AdvisePages(bytes.data(), bytes.size(), ToMadvise(hint));
 }
 

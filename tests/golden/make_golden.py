@@ -229,7 +229,8 @@ def checkpoint_dirs():
 
 
 def fuzz_seeds():
-    """Whole-file images, plus header-mode inputs (u64 data size + JSON)."""
+    """Whole-file images, header-mode inputs (u64 data size + JSON) and an
+    index (the harness tries every input all three ways)."""
     goods = good_files()
     one_f32 = compact({"a": entry("F32", [3], 0, 12)})
     return {
@@ -239,6 +240,7 @@ def fuzz_seeds():
         "file_hole": corrupt_files()["bad_hole.safetensors"],
         "header_one_f32": struct.pack("<Q", 12) + one_f32,
         "header_metadata": struct.pack("<Q", 0) + compact({"__metadata__": {"k": "v"}}),
+        "index_sharded": checkpoint_dirs()["good_sharded"]["model.safetensors.index.json"],
     }
 
 
