@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include "cli_test_util.h"
+
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -16,37 +18,9 @@
 namespace deltasync {
 namespace {
 
-struct CliRun {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-CliRun RunCli(const std::string& args) {
-  const std::string dir = testing::TempDir();
-  const std::string out_path = dir + "/cli_out.txt", err_path = dir + "/cli_err.txt";
-  const std::string cmd =
-      std::string(DS_CLI_PATH) + " " + args + " >" + out_path + " 2>" + err_path;
-  const int status = std::system(cmd.c_str());
-  CliRun r;
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = ReadFile(out_path);
-  r.err = ReadFile(err_path);
-  return r;
-}
-
-int CountLines(const std::string& s) {
-  int n = 0;
-  for (char c : s) n += c == '\n';
-  return n;
-}
+using testing_cli::CliRun;
+using testing_cli::CountLines;
+using testing_cli::RunCli;
 
 TEST(CliTest, HelpListsCommands) {
   CliRun r = RunCli("--help");
