@@ -11,76 +11,145 @@
 //   compression_format, checksum_format; each changed tensor is a 1-D U8
 //   tensor holding the encoded change; each shard's __metadata__ maps tensor
 //   name -> hex checksum of its new bytes. A version without delta_encoding
-//   is a full version.
+//   is a full version. Our extensions (each changed tensor's base checksum,
+//   dtype and shape) live in a sidecar, <version>/deltasync.json, which the
+//   Python receiver never opens.
 //   <local>/.weight_sync/lock        flock, serializes every process on a host
 //   <local>/.weight_sync/state.json  {"version": "000007", ...}
+//   <local>/.weight_sync/journal     redo/undo journal of an apply in flight
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "deltasync/checksum.h"
 #include "deltasync/codec.h"
+#include "deltasync/dtype.h"
 #include "deltasync/status.h"
 #include "deltasync/tensor.h"
 #include "deltasync/thread_pool.h"
 
 namespace deltasync {
 
-// "weight_v000007" for 7.
+// ---------------------------------------------------------------------------
+// Version directories
+
+// Name of the sidecar file a version dir may hold (our extensions).
+inline constexpr const char* kVersionManifestFileName = "deltasync.json";
+
+// "weight_v000007" for 7. `version` must be >= 0.
 std::string VersionDirName(int64_t version);
-// Inverse of VersionDirName; InvalidArgument for anything else.
+// Inverse of VersionDirName: "weight_v" then 6 or more decimal digits (the
+// Python writer's {N:06d} grows past 6 digits). InvalidArgument else.
 Result<int64_t> ParseVersionDirName(std::string_view name);
 // "000007" for 7: how versions are written inside metadata and state files.
 std::string FormatVersion(int64_t version);
-// Inverse of FormatVersion: 6 or more decimal digits. InvalidArgument else.
+// Inverse of FormatVersion: 6 or more decimal digits, at most 18. InvalidArgument else.
 Result<int64_t> ParseVersion(std::string_view text);
 
-// What a version directory declares about itself.
+// What a version directory declares about itself (its index and sidecar;
+// the tensor data is not read).
 struct VersionInfo {
   int64_t version = 0;
-  std::string dir;  // absolute or store-relative path of the version dir
+  std::string dir;  // the path it was read from
   bool is_delta = false;
   // Delta versions only:
   int64_t base_version = -1;
   Encoding encoding = Encoding::kXor;
-  std::string compression = "zstd";
+  std::string compression = "zstd";  // "zstd", or "none" for dense / indices
   ChecksumAlgo checksum = ChecksumAlgo::kXxh3_128;
+  bool has_manifest = false;  // deltasync.json present
+  uint64_t tensors = 0;       // tensors the version holds (changed ones for a delta)
 };
 
-// Reads and validates a version directory's index (not the tensor data).
-// Corruption for a malformed index or metadata, Unsupported for an unknown
-// encoding, compression or checksum, NotFound when the dir is missing.
+// Reads and validates a version directory's index and sidecar. NotFound
+// when the dir is missing; Corruption for a malformed index, metadata or
+// sidecar (missing or non-numeric base_version, a "version" that disagrees
+// with the directory name, a weight_map file name that is not a plain name);
+// Unsupported for an unknown delta_encoding, compression_format or
+// checksum_format. A dir with neither an index nor model.safetensors is
+// Corruption. The version number comes from the dir name when it is a
+// version dir name, else from the index's "version" (InvalidArgument when
+// neither gives one).
 Result<VersionInfo> ReadVersionInfo(const std::string& version_dir);
 
-// Every version dir in `store`, ascending. Entries that are not version dirs
-// (including in-progress temp dirs) are ignored.
+// Version numbers of every version dir in `store`, ascending, reading only
+// the directory listing. Entries that are not version dirs (temp dirs of a
+// publish in progress, trash of a prune) are ignored. A missing store is an
+// empty one.
+Result<std::vector<int64_t>> ListVersionNumbers(const std::string& store);
+
+// ReadVersionInfo of every version dir in `store`, ascending. Fails on the
+// first malformed version (naming it).
 Result<std::vector<VersionInfo>> ListVersions(const std::string& store);
+
+// One tensor as a version's sidecar describes it.
+struct ManifestTensor {
+  DType dtype = DType::kU8;
+  std::vector<int64_t> shape;
+  std::string checksum;       // hex digest of the new bytes
+  std::string base_checksum;  // delta only: hex digest of the bytes it applies to
+  uint64_t changed = 0;       // delta only: changed elements
+};
+
+// The sidecar deltasync.json (docs/format.md, "Delta store").
+struct VersionManifest {
+  int64_t version = 0;
+  bool is_delta = false;
+  int64_t base_version = -1;  // delta only
+  ChecksumAlgo checksum = ChecksumAlgo::kXxh3_128;
+  // Delta: the changed tensors. Full: every tensor.
+  std::map<std::string, ManifestTensor> tensors;
+};
+
+// The sidecar of `version_dir`, or nullopt when it has none (versions
+// written by the Python publisher). Corruption when it is malformed.
+Result<std::optional<VersionManifest>> ReadVersionManifest(const std::string& version_dir);
 
 // ---------------------------------------------------------------------------
 // Publisher (trainer side)
 
 struct PublisherOptions {
-  std::string store;                       // created if missing
-  Encoding encoding = Encoding::kSparse;   // kXor / kOverwrite for Python receivers
+  std::string store;  // created if missing
+  // kSparse is ours and the smallest; kXor / kOverwrite for hosts running
+  // the Python receiver. kDense and kIndices are accepted too.
+  Encoding encoding = Encoding::kSparse;
   ChecksumAlgo checksum = ChecksumAlgo::kXxh3_128;
-  int64_t full_every = 0;                  // publish every K-th version full; 0 = never
-  uint64_t max_shard_bytes = 2ull << 30;   // of encoded bytes per shard file
-  // Executable called as `hook <version_dir>` after the version is durable
-  // and before the snapshot advances; non-zero exit fails the publish.
+  EncodeOptions encode;  // zstd level, frame checksums, sparse mode
+  // Every K-th version (N % K == 0) is published full; 0 = only on request.
+  int64_t full_every = 0;
+  // Delta versions: most encoded bytes per shard file. One shard's encoded
+  // tensors are held in memory before it is written (the header needs their
+  // sizes), so this is also the publisher's memory bound beyond the
+  // snapshot and the tensors in flight.
+  uint64_t max_shard_bytes = 1ull << 30;
+  // Full versions: most tensor bytes per shard (HF's default, 5 GB). Full
+  // versions stream from the caller's tensors and hold nothing.
+  uint64_t full_max_shard_bytes = 5'000'000'000ull;
+  // Executable run as `hook <temp_dir> <final_dir> <version>` once the
+  // version's files are complete and synced in the temp dir, before the
+  // rename makes it visible. A non-zero exit (or failure to run it) fails
+  // the publish: the temp dir is removed, nothing is published and the
+  // snapshot is unchanged.
   std::string post_write_hook;
+  // The snapshot is refreshed during the diff; until the version is durable
+  // the old values of refreshed elements are kept (an undo log) so that a
+  // failed publish restores the snapshot. Past this many bytes of undo log,
+  // later tensors are diffed without refresh and refreshed after the
+  // rename instead (a second pass over those tensors), keeping memory bounded.
+  uint64_t undo_budget_bytes = 1ull << 30;
   ThreadPool* pool = nullptr;  // nullptr = ThreadPool::Default()
 };
 
 struct PublishResult {
   VersionInfo info;
   uint64_t tensors = 0;          // in the model
-  uint64_t tensors_changed = 0;  // present in the version
+  uint64_t tensors_changed = 0;  // present in a delta version (all for full)
   uint64_t changed_elements = 0;
   uint64_t total_elements = 0;
   uint64_t bytes_written = 0;  // of all files in the version dir
@@ -89,22 +158,43 @@ struct PublishResult {
 
 // Keeps a snapshot of what receivers hold and publishes version N = latest+1
 // as a delta against N-1, or as a full version. Atomic: a version is written
-// into a temp dir, fsynced, then renamed into place; the snapshot advances
-// only after that. Not thread-safe: one publisher per store.
+// into a temp dir inside the store, fsynced, then renamed into place; the
+// snapshot advances only after that (a failed publish leaves it as it was).
+// Not thread-safe: one publisher per store.
 class Publisher {
  public:
   // `base` is what receivers hold now: the engine's base checkpoint (version
-  // 0) when the store is empty, else the newest version's weights. Copied
-  // into the publisher's snapshot.
+  // 0) when the store is empty, else the newest version's weights (the
+  // caller's promise; receivers check each tensor's base checksum). Copied
+  // into the publisher's snapshot. InvalidArgument for invalid or repeated
+  // tensors, bad options, or an encoding that cannot be published.
   static Result<std::unique_ptr<Publisher>> Create(const PublisherOptions& options,
                                                    const std::vector<TensorView>& base);
+  // Create with every tensor of the checkpoint (dir or .safetensors file) at
+  // `base_path`, in name order.
+  static Result<std::unique_ptr<Publisher>> CreateFromCheckpoint(const PublisherOptions& options,
+                                                                 const std::string& base_path);
   ~Publisher();
+  Publisher(const Publisher&) = delete;
+  Publisher& operator=(const Publisher&) = delete;
 
-  // Publishes `weights` (same names, dtypes and shapes as the snapshot) as the
-  // next version. `full` forces a full version.
+  // Publishes `weights` (exactly the snapshot's names, dtypes and shapes, in
+  // any order) as the next version. `full` forces a full version.
+  // InvalidArgument when the tensors do not match the snapshot;
+  // FailedPrecondition when the store already holds a version past
+  // latest_version() (another publisher); AlreadyExists when the target dir
+  // appeared meanwhile; Aborted when the post-write hook fails; IOError
+  // from the file system. On any error nothing is published and the snapshot
+  // is unchanged.
   Result<PublishResult> Publish(const std::vector<TensorView>& weights, bool full = false);
+  // Publish with the tensors of the checkpoint at `path`.
+  Result<PublishResult> PublishCheckpoint(const std::string& path, bool full = false);
 
+  // The version the snapshot holds: the newest published one.
   int64_t latest_version() const;
+  // The snapshot, in the base's order. Views stay valid until the next
+  // Publish or the publisher's destruction.
+  std::vector<TensorView> snapshot() const;
 
  private:
   struct State;
@@ -112,10 +202,13 @@ class Publisher {
   std::unique_ptr<State> state_;
 };
 
-// Deletes old versions, keeping the newest `keep` and whatever is needed to
-// replay the chain from the newest full version (or from the base, when
-// there is no full version, in which case nothing is deleted that a replay
-// from version 0 needs). Returns the versions removed.
+// Deletes old versions, keeping the newest `keep` (>= 1) and every version
+// from the newest full version on, so that the chain stays replayable from
+// it; with no full version every delta is needed to replay from the base
+// and nothing is deleted. Also removes temp dirs of publishes that can no
+// longer complete (their version exists) and leftovers of earlier prunes.
+// A version is first renamed out of the listing, then deleted, so readers
+// never see a half-deleted version. Returns the versions removed, ascending.
 Result<std::vector<int64_t>> PruneStore(const std::string& store, int64_t keep);
 
 // ---------------------------------------------------------------------------
@@ -123,43 +216,82 @@ Result<std::vector<int64_t>> PruneStore(const std::string& store, int64_t keep);
 
 struct LocalCheckpointOptions {
   std::string local;  // host-local full checkpoint dir, created on first pull
-  std::string store;
-  std::string base;   // the engine's base checkpoint (version 0)
-  // Executable called as `hook <version_dir> <target_version>` before a
-  // version dir is read; non-zero exit fails the pull.
+  std::string store;  // may be missing when only the base is pulled
+  std::string base;   // the engine's base checkpoint dir (version 0)
+  // Executable run as `hook <store> <target>` (target: 6-digit version or
+  // "latest") at the start of every Pull, before the store is listed; e.g.
+  // to refresh an object-store mount's view. A non-zero exit fails the pull.
   std::string pre_read_hook;
-  bool durable = false;  // sync data before committing state
-  ThreadPool* pool = nullptr;
+  // Sync the journal and the applied data to disk before committing each
+  // version, so that a committed version survives power loss. Without it a
+  // commit survives a crash of the process (kill -9) but not of the machine;
+  // after a reboot the checkpoint is then verified against the recorded
+  // checksums, and reseeded when it does not match.
+  bool durable = false;
+  // Recover a pending apply (replay or roll back its journal) in Open.
+  // Otherwise the next Pull does it.
+  bool recover_on_open = true;
+  ThreadPool* pool = nullptr;  // nullptr = ThreadPool::Default()
 };
 
 struct PullResult {
-  int64_t from_version = -1;  // -1: nothing was materialized before
-  int64_t version = 0;        // now applied and verified
-  bool applied = false;       // false when already at the target
-  std::vector<int64_t> versions_applied;
+  std::optional<int64_t> from_version;    // nullopt: nothing was materialized
+  int64_t version = 0;                    // now applied and verified
+  bool applied = false;                   // false when already at the target
+  std::optional<int64_t> reset_to;        // a full version (or 0: the base) copied in
+  std::vector<int64_t> versions_applied;  // deltas, in order
+  bool recovered = false;                 // an interrupted apply was replayed or rolled back first
+  bool reseeded = false;                  // local state could not be trusted and was rebuilt
   double seconds = 0;
-  uint64_t bytes_read = 0;  // from the store
+  uint64_t bytes_read = 0;  // of version files (deltas) or copied (full/base)
   uint64_t tensors_changed = 0;
+  uint64_t changed_elements = 0;
 };
 
+// A host-local full checkpoint kept at a version of a store. Every method
+// takes the host lock (<local>/.weight_sync/lock, flock), so processes on a
+// host (ours or the Python receiver) never interleave.
 class LocalCheckpoint {
  public:
+  // Creates <local>/.weight_sync if needed and, with recover_on_open,
+  // finishes or rolls back an interrupted apply. InvalidArgument for empty
+  // `local` or `base`.
   static Result<std::unique_ptr<LocalCheckpoint>> Open(const LocalCheckpointOptions& options);
   ~LocalCheckpoint();
+  LocalCheckpoint(const LocalCheckpoint&) = delete;
+  LocalCheckpoint& operator=(const LocalCheckpoint&) = delete;
 
-  // Brings the local checkpoint to `target` (nullopt = the store's latest;
-  // 0 = the base), under the host lock. Crash-safe: a pull killed at any
-  // instant leaves the checkpoint at the old version or recoverable to the
-  // new one by the next Pull.
+  // Brings the local checkpoint to `target` (nullopt = the store's latest,
+  // 0 with an empty store; 0 = the base). When the newest full version at or
+  // below the target (the base counts as version 0) is newer than the
+  // applied version, or nothing is applied, or the target is older than the
+  // applied version, the local checkpoint is first reset to it by copy;
+  // then every delta up to the target is applied in order and each changed
+  // tensor verified. Each version is decoded and validated completely before
+  // the checkpoint is touched, and committed on its own.
+  // Errors (the local checkpoint is left at the last committed version):
+  // NotFound for a missing version dir or target; FailedPrecondition for a
+  // version whose base_version breaks the chain, or whose base checksums
+  // show the local tensor is not its base; Corruption for bad files, frames,
+  // positions or a checksum mismatch after apply (rolled back);
+  // Unsupported for an unknown encoding, compression or checksum; Aborted
+  // when the pre-read hook fails.
+  // Crash-safe: a pull killed at any instant leaves the checkpoint at the
+  // old version or recoverable to the new one by the next Pull.
   Result<PullResult> Pull(std::optional<int64_t> target);
 
-  // The committed version, or nullopt when none is (never materialized, or
-  // mid-apply). Takes the lock briefly.
+  // The committed version, or nullopt when none is (never materialized,
+  // mid-apply or mid-reset).
   Result<std::optional<int64_t>> CurrentVersion();
 
-  // Recomputes every tensor's checksum and compares it with what the
-  // applied version recorded.
+  // Recomputes every tensor's checksum and compares it with what the applied
+  // versions recorded; tensors no version has changed since the last reset
+  // are compared byte for byte with the checkpoint they were copied from.
+  // FailedPrecondition when nothing is committed or that source is gone;
+  // Corruption naming the first mismatching tensor.
   Status Verify();
+
+  const std::string& local() const;
 
  private:
   struct State;

@@ -1,0 +1,279 @@
+#include "store/journal.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <bit>
+#include <cerrno>
+#include <cstring>
+
+#include "deltasync/checksum.h"
+#include "format/file_util.h"
+
+namespace deltasync::store_internal {
+namespace {
+
+static_assert(std::endian::native == std::endian::little,
+              "the journal is written in host byte order, assumed little-endian");
+
+constexpr char kHeaderMagic[8] = {'D', 'S', 'J', 'R', 'N', 'L', '0', '1'};
+constexpr char kTrailerMagic[8] = {'D', 'S', 'J', 'E', 'N', 'D', '0', '1'};
+constexpr uint32_t kRecordMagic = 0x524A5344;  // "DSJR"
+constexpr size_t kHeaderBytes = 32;
+constexpr size_t kTrailerBytes = 32;
+constexpr size_t kRecordFixedBytes = 40;
+
+size_t Pad8(size_t n) { return (n + 7) & ~size_t{7}; }
+
+uint64_t Hash64(const uint8_t* data, size_t size) {
+  const std::vector<uint8_t> digest = ChecksumBytes(ChecksumAlgo::kXxh3_64, {data, size});
+  uint64_t v = 0;
+  for (uint8_t b : digest) v = (v << 8) | b;
+  return v;
+}
+
+template <typename T>
+void Put(uint8_t* p, T v) {
+  std::memcpy(p, &v, sizeof(T));
+}
+template <typename T>
+T Get(const uint8_t* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+Status WriteAt(int fd, const uint8_t* data, size_t size, uint64_t offset, const std::string& path) {
+  while (size > 0) {
+    const ssize_t n = ::pwrite(fd, data, size, static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return Status::FromErrno(errno, path + ": write");
+    }
+    data += n;
+    size -= static_cast<size_t>(n);
+    offset += static_cast<uint64_t>(n);
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+uint64_t JournalRecord::position(uint64_t i) const {
+  if (position_width == 4) return Get<uint32_t>(positions + i * 4);
+  return Get<uint64_t>(positions + i * 8);
+}
+
+Status JournalRecord::Apply(std::span<uint8_t> target, bool undo) const {
+  if (target.size() != numel * elem_size) {
+    return Status::Corruption("journal record for tensor '" + std::string(name) + "' covers " +
+                              std::to_string(numel * elem_size) + " bytes but the tensor has " +
+                              std::to_string(target.size()));
+  }
+  for (uint64_t i = 0; i < count; ++i) {
+    if (position(i) >= numel) {
+      return Status::Corruption("journal record for tensor '" + std::string(name) + "': position " +
+                                std::to_string(position(i)) + " out of range");
+    }
+  }
+  const uint8_t* values = undo ? old_values : new_values;
+  uint8_t* dst = target.data();
+  switch (elem_size) {
+    case 1:
+      for (uint64_t i = 0; i < count; ++i) dst[position(i)] = values[i];
+      break;
+    case 2:
+      for (uint64_t i = 0; i < count; ++i) std::memcpy(dst + position(i) * 2, values + i * 2, 2);
+      break;
+    case 4:
+      for (uint64_t i = 0; i < count; ++i) std::memcpy(dst + position(i) * 4, values + i * 4, 4);
+      break;
+    default:
+      for (uint64_t i = 0; i < count; ++i) {
+        std::memcpy(dst + position(i) * elem_size, values + i * elem_size, elem_size);
+      }
+  }
+  return Status::OK();
+}
+
+RecordSlots BeginJournalRecord(std::string_view name, uint64_t numel, uint32_t elem_size,
+                               std::string_view checksum, std::string_view base_checksum,
+                               const ChangeSet& changes, std::vector<uint8_t>* out) {
+  const uint64_t count = changes.count();
+  const uint32_t width = changes.wide ? 8 : 4;
+  const size_t strings =
+      Pad8(kRecordFixedBytes + name.size() + checksum.size() + base_checksum.size());
+  const size_t body = Pad8(count * width + 2 * count * elem_size);
+  out->assign(strings + body + 8, 0);
+  uint8_t* p = out->data();
+  Put<uint32_t>(p, kRecordMagic);
+  Put<uint32_t>(p + 4, static_cast<uint32_t>(name.size()));
+  Put<uint64_t>(p + 8, numel);
+  Put<uint64_t>(p + 16, count);
+  Put<uint32_t>(p + 24, elem_size);
+  Put<uint16_t>(p + 28, static_cast<uint16_t>(checksum.size()));
+  Put<uint16_t>(p + 30, static_cast<uint16_t>(base_checksum.size()));
+  Put<uint32_t>(p + 32, width);
+  size_t at = kRecordFixedBytes;
+  std::memcpy(p + at, name.data(), name.size());
+  at += name.size();
+  std::memcpy(p + at, checksum.data(), checksum.size());
+  at += checksum.size();
+  std::memcpy(p + at, base_checksum.data(), base_checksum.size());
+  uint8_t* positions = p + strings;
+  if (count > 0) {
+    if (changes.wide) {
+      std::memcpy(positions, changes.pos64.data(), count * 8);
+    } else {
+      std::memcpy(positions, changes.pos32.data(), count * 4);
+    }
+  }
+  RecordSlots slots;
+  slots.old_values = positions + count * width;
+  slots.new_values = slots.old_values + count * elem_size;
+  return slots;
+}
+
+void SealJournalRecord(std::vector<uint8_t>* out) {
+  const size_t body = out->size() - 8;
+  Put<uint64_t>(out->data() + body, Hash64(out->data(), body));
+}
+
+Result<std::unique_ptr<JournalWriter>> JournalWriter::Create(const std::string& path,
+                                                             int64_t version,
+                                                             int64_t from_version) {
+  std::unique_ptr<JournalWriter> writer(new JournalWriter());
+  writer->path_ = path;
+  writer->fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (writer->fd_ < 0) return Status::FromErrno(errno, path + ": create journal");
+  uint8_t* header = writer->header_;
+  std::memcpy(header, kHeaderMagic, 8);
+  Put<int64_t>(header + 8, version);
+  Put<int64_t>(header + 16, from_version);
+  Put<uint64_t>(header + 24, Hash64(header, 24));
+  DS_RETURN_IF_ERROR(WriteAt(writer->fd_, header, kHeaderBytes, 0, path));
+  writer->next_offset_ = kHeaderBytes;
+  return writer;
+}
+
+JournalWriter::~JournalWriter() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+Status JournalWriter::Append(std::span<const uint8_t> record) {
+  const uint64_t offset = next_offset_.fetch_add(record.size());
+  DS_RETURN_IF_ERROR(WriteAt(fd_, record.data(), record.size(), offset, path_));
+  records_.fetch_add(1);
+  return Status::OK();
+}
+
+Status JournalWriter::Finish(bool durable) {
+  const uint8_t* header = header_;
+  const uint64_t end = next_offset_.load();
+  uint8_t trailer[kTrailerBytes] = {};
+  std::memcpy(trailer, kTrailerMagic, 8);
+  Put<uint64_t>(trailer + 8, records_.load());
+  Put<uint64_t>(trailer + 16, end);
+  uint8_t both[48];
+  std::memcpy(both, header, 24);
+  std::memcpy(both + 24, trailer, 24);
+  Put<uint64_t>(trailer + 24, Hash64(both, 48));
+  DS_RETURN_IF_ERROR(WriteAt(fd_, trailer, kTrailerBytes, end, path_));
+  if (durable) {
+    if (::fsync(fd_) != 0) return Status::FromErrno(errno, path_ + ": fsync");
+    DS_RETURN_IF_ERROR(format_internal::SyncDirectory(format_internal::DirName(path_)));
+  }
+  return Status::OK();
+}
+
+Result<std::unique_ptr<Journal>> Journal::Open(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return Status::NotFound(path + ": no journal");
+    return Status::FromErrno(errno, path + ": open journal");
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return Status::FromErrno(err, path + ": stat");
+  }
+  std::unique_ptr<Journal> journal(new Journal());
+  journal->size_ = static_cast<size_t>(st.st_size);
+  auto incomplete = [&path](const std::string& why) {
+    return Status::Corruption(path + ": incomplete journal: " + why);
+  };
+  if (journal->size_ < kHeaderBytes + kTrailerBytes) {
+    ::close(fd);
+    return incomplete("only " + std::to_string(journal->size_) + " bytes");
+  }
+  void* map = ::mmap(nullptr, journal->size_, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (map == MAP_FAILED) return Status::FromErrno(errno, path + ": mmap");
+  journal->map_ = map;
+  const uint8_t* base = static_cast<const uint8_t*>(map);
+  const size_t size = journal->size_;
+  if (std::memcmp(base, kHeaderMagic, 8) != 0 || Get<uint64_t>(base + 24) != Hash64(base, 24)) {
+    return incomplete("bad header");
+  }
+  const uint8_t* trailer = base + size - kTrailerBytes;
+  uint8_t both[48];
+  std::memcpy(both, base, 24);
+  std::memcpy(both + 24, trailer, 24);
+  if (std::memcmp(trailer, kTrailerMagic, 8) != 0 ||
+      Get<uint64_t>(trailer + 24) != Hash64(both, 48) ||
+      Get<uint64_t>(trailer + 16) != size - kTrailerBytes) {
+    return incomplete("no valid trailer");
+  }
+  journal->version_ = Get<int64_t>(base + 8);
+  journal->from_version_ = Get<int64_t>(base + 16);
+  const uint64_t expected_records = Get<uint64_t>(trailer + 8);
+  size_t at = kHeaderBytes;
+  const size_t end = size - kTrailerBytes;
+  while (at < end) {
+    if (end - at < kRecordFixedBytes + 8) return incomplete("truncated record");
+    const uint8_t* p = base + at;
+    if (Get<uint32_t>(p) != kRecordMagic) return incomplete("bad record magic");
+    JournalRecord r;
+    const uint64_t name_len = Get<uint32_t>(p + 4);
+    r.numel = Get<uint64_t>(p + 8);
+    r.count = Get<uint64_t>(p + 16);
+    r.elem_size = Get<uint32_t>(p + 24);
+    const uint64_t sum_len = Get<uint16_t>(p + 28);
+    const uint64_t base_len = Get<uint16_t>(p + 30);
+    r.position_width = Get<uint32_t>(p + 32);
+    if ((r.elem_size != 1 && r.elem_size != 2 && r.elem_size != 4 && r.elem_size != 8) ||
+        (r.position_width != 4 && r.position_width != 8) || r.count > r.numel ||
+        name_len > end - at || r.count > (end - at) / (r.position_width + 2 * r.elem_size)) {
+      return incomplete("bad record header");
+    }
+    const size_t strings = Pad8(kRecordFixedBytes + name_len + sum_len + base_len);
+    const size_t body = Pad8(r.count * (r.position_width + 2 * r.elem_size));
+    if (strings > end - at || body > end - at - strings || end - at - strings - body < 8) {
+      return incomplete("record runs past the end");
+    }
+    const size_t record_size = strings + body + 8;
+    if (Get<uint64_t>(p + record_size - 8) != Hash64(p, record_size - 8)) {
+      return incomplete("record checksum mismatch");
+    }
+    const char* text = reinterpret_cast<const char*>(p + kRecordFixedBytes);
+    r.name = std::string_view(text, name_len);
+    r.checksum = std::string_view(text + name_len, sum_len);
+    r.base_checksum = std::string_view(text + name_len + sum_len, base_len);
+    r.positions = p + strings;
+    r.old_values = r.positions + r.count * r.position_width;
+    r.new_values = r.old_values + r.count * r.elem_size;
+    journal->records_.push_back(r);
+    at += record_size;
+  }
+  if (journal->records_.size() != expected_records) return incomplete("record count mismatch");
+  return journal;
+}
+
+Journal::~Journal() {
+  if (map_ != nullptr) ::munmap(map_, size_);
+}
+
+}  // namespace deltasync::store_internal

@@ -1,0 +1,105 @@
+// The apply journal: every change of one version, decoded into idempotent
+// (position, old value, new value) triples, written before the local
+// checkpoint is touched. Replaying it (new values) or rolling it back (old
+// values) any number of times gives the same bytes, whatever the encoding
+// it came from: this is what makes an interrupted xor apply recoverable.
+//
+// Layout (docs/format.md, "Delta store", "Apply journal"): a 32-byte header,
+// records back to back, a 32-byte trailer. The trailer is written only once
+// every record is, so a journal without a valid trailer was never complete
+// and the checkpoint was not touched for it.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "deltasync/diff.h"
+#include "deltasync/status.h"
+
+namespace deltasync::store_internal {
+
+inline constexpr const char* kJournalFileName = "journal";
+
+// One tensor's change, as stored (views into the journal's bytes).
+struct JournalRecord {
+  std::string_view name;
+  uint64_t numel = 0;
+  uint32_t elem_size = 0;
+  uint32_t position_width = 4;     // 4 or 8 bytes
+  std::string_view checksum;       // "algo:hex" of the new bytes
+  std::string_view base_checksum;  // "algo:hex" of the old bytes, or empty
+  uint64_t count = 0;
+  const uint8_t* positions = nullptr;   // element indices, little-endian
+  const uint8_t* old_values = nullptr;  // count * elem_size
+  const uint8_t* new_values = nullptr;
+
+  uint64_t position(uint64_t i) const;
+  // Writes the new (or, with `undo`, the old) value of every entry into
+  // `target`, which must be the tensor's numel * elem_size bytes. Checks
+  // every position before writing anything (Corruption otherwise).
+  Status Apply(std::span<uint8_t> target, bool undo) const;
+};
+
+// Builds one record in *out (replacing its contents). The positions are
+// copied from `changes`; the caller fills the old and new values through the
+// returned pointers, then calls SealJournalRecord.
+struct RecordSlots {
+  uint8_t* old_values = nullptr;
+  uint8_t* new_values = nullptr;
+};
+RecordSlots BeginJournalRecord(std::string_view name, uint64_t numel, uint32_t elem_size,
+                               std::string_view checksum, std::string_view base_checksum,
+                               const ChangeSet& changes, std::vector<uint8_t>* out);
+void SealJournalRecord(std::vector<uint8_t>* out);
+
+// Writes a journal; records may be appended from many threads at once.
+class JournalWriter {
+ public:
+  static Result<std::unique_ptr<JournalWriter>> Create(const std::string& path, int64_t version,
+                                                       int64_t from_version);
+  ~JournalWriter();
+  JournalWriter(const JournalWriter&) = delete;
+  JournalWriter& operator=(const JournalWriter&) = delete;
+
+  Status Append(std::span<const uint8_t> record);
+  // Writes the trailer; with `durable`, fsyncs the file and its directory.
+  Status Finish(bool durable);
+
+ private:
+  JournalWriter() = default;
+  std::string path_;
+  int fd_ = -1;
+  uint8_t header_[32] = {};
+  std::atomic<uint64_t> next_offset_{0};
+  std::atomic<uint64_t> records_{0};
+};
+
+// A complete journal, mapped read-only and validated.
+class Journal {
+ public:
+  // Corruption (saying why) when the file is not a complete journal;
+  // NotFound when there is none.
+  static Result<std::unique_ptr<Journal>> Open(const std::string& path);
+  ~Journal();
+  Journal(const Journal&) = delete;
+  Journal& operator=(const Journal&) = delete;
+
+  int64_t version() const { return version_; }
+  int64_t from_version() const { return from_version_; }
+  const std::vector<JournalRecord>& records() const { return records_; }
+
+ private:
+  Journal() = default;
+  void* map_ = nullptr;
+  size_t size_ = 0;
+  int64_t version_ = 0;
+  int64_t from_version_ = 0;
+  std::vector<JournalRecord> records_;
+};
+
+}  // namespace deltasync::store_internal

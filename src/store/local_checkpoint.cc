@@ -1,0 +1,926 @@
+// LocalCheckpoint: brings a host-local full checkpoint to a version of a
+// store. Every version is decoded completely into a journal of idempotent
+// (position, old, new) triples before the checkpoint is touched; the
+// journal is then applied in place through read-write shared mappings,
+// verified, and committed. An interrupted apply is replayed (or rolled back)
+// from the journal by the next Pull or Open.
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <set>
+
+#include "deltasync/checkpoint.h"
+#include "deltasync/diff.h"
+#include "deltasync/store.h"
+#include "format/file_util.h"
+#include "format/json_util.h"
+#include "store/journal.h"
+#include "store/store_internal.h"
+#include "store/version_internal.h"
+
+namespace deltasync {
+namespace {
+
+using format_internal::JoinPath;
+using format_internal::QuoteForMessage;
+using nlohmann::json;
+using store_internal::CrashPoint;
+using store_internal::Journal;
+using store_internal::JournalRecord;
+using store_internal::JournalWriter;
+using store_internal::MappedFile;
+
+constexpr const char* kSyncDirName = ".weight_sync";
+constexpr const char* kStateFileName = "state.json";
+constexpr const char* kLockFileName = "lock";
+constexpr uint64_t kMaxStateBytes = 256ull << 20;
+
+double SecondsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// "algo:hex", how state.json and the journal store a digest with its algorithm.
+std::string TaggedDigest(ChecksumAlgo algo, std::string_view hex) {
+  return std::string(ChecksumAlgoName(algo)) + ":" + std::string(hex);
+}
+
+struct ParsedDigest {
+  ChecksumAlgo algo = ChecksumAlgo::kXxh3_128;
+  std::string hex;
+};
+Result<ParsedDigest> ParseTaggedDigest(std::string_view tagged) {
+  const size_t colon = tagged.find(':');
+  if (colon == std::string_view::npos) {
+    return Status::Corruption("digest " + QuoteForMessage(tagged, 80) + " lacks its algorithm");
+  }
+  DS_ASSIGN_OR_RETURN(ChecksumAlgo algo, ParseChecksumAlgo(tagged.substr(0, colon)));
+  ParsedDigest d{algo, std::string(tagged.substr(colon + 1))};
+  DS_RETURN_IF_ERROR(store_internal::CheckDigestText(d.hex, algo, "digest"));
+  return d;
+}
+
+// What <local>/.weight_sync/state.json says. Keys of other writers are kept.
+struct LocalState {
+  json doc = json::object();
+  std::optional<int64_t> version;
+  std::optional<int64_t> applying;
+  std::optional<int64_t> from_version;
+  std::optional<int64_t> resetting;
+  std::string boot_id;  // empty: not recorded (e.g. written by the Python receiver)
+  bool durable = false;
+  // Tagged digests of the local tensors, valid for `version` (or, while
+  // applying, for from_version); tensors absent from it equal `origin`'s.
+  std::map<std::string, std::string> checksums;
+  std::string origin_dir;
+  std::optional<int64_t> origin_version;
+};
+
+constexpr const char* kOurKeys[] = {"version",   "applying", "from_version",
+                                    "resetting", "boot_id",  "durable",
+                                    "checksums", "origin",   "checksums_version"};
+
+std::optional<int64_t> VersionKey(const json& doc, const char* key) {
+  auto it = doc.find(key);
+  if (it == doc.end() || !it->is_string()) return std::nullopt;
+  Result<int64_t> v = ParseVersion(it->get<std::string>());
+  if (!v.ok()) return std::nullopt;
+  return *v;
+}
+
+// A state file we cannot read tells us nothing: the checkpoint is then at no
+// version (it will be reseeded), which is never wrong, only slower.
+LocalState ParseState(std::string_view text) {
+  LocalState st;
+  Result<json> parsed = format_internal::ParseJsonStrict(text, 6);
+  if (!parsed.ok() || !parsed->is_object()) return st;
+  st.doc = std::move(*parsed);
+  st.version = VersionKey(st.doc, "version");
+  st.applying = VersionKey(st.doc, "applying");
+  st.from_version = VersionKey(st.doc, "from_version");
+  st.resetting = VersionKey(st.doc, "resetting");
+  if (st.applying) {
+    st.version.reset();  // never at a version while an apply is pending
+    if (!st.from_version) st.applying.reset();
+  }
+  if (st.resetting) st.version.reset();
+  if (auto it = st.doc.find("boot_id"); it != st.doc.end() && it->is_string()) {
+    st.boot_id = it->get<std::string>();
+  }
+  if (auto it = st.doc.find("durable"); it != st.doc.end() && it->is_boolean()) {
+    st.durable = it->get<bool>();
+  }
+  // Checksums describe the local bytes only if they were written for the
+  // version the state now names (a writer that knows only "version" may have
+  // moved it on and kept our other keys).
+  const std::optional<int64_t> described = st.applying ? st.from_version : st.version;
+  if (described && VersionKey(st.doc, "checksums_version") == described) {
+    if (auto it = st.doc.find("checksums"); it != st.doc.end() && it->is_object()) {
+      for (auto c = it->begin(); c != it->end(); ++c) {
+        if (c->is_string()) st.checksums[c.key()] = c->get<std::string>();
+      }
+    }
+    if (auto it = st.doc.find("origin"); it != st.doc.end() && it->is_object()) {
+      if (auto d = it->find("dir"); d != it->end() && d->is_string()) {
+        st.origin_dir = d->get<std::string>();
+      }
+      st.origin_version = VersionKey(*it, "version");
+    }
+  }
+  return st;
+}
+
+std::string SerializeState(const LocalState& st) {
+  json doc = st.doc;
+  for (const char* key : kOurKeys) doc.erase(key);
+  if (st.version) doc["version"] = FormatVersion(*st.version);
+  if (st.applying) {
+    doc["applying"] = FormatVersion(*st.applying);
+    doc["from_version"] = FormatVersion(*st.from_version);
+  }
+  if (st.resetting) doc["resetting"] = FormatVersion(*st.resetting);
+  doc["boot_id"] = st.boot_id;
+  doc["durable"] = st.durable;
+  const std::optional<int64_t> described = st.applying ? st.from_version : st.version;
+  if (described) {
+    doc["checksums_version"] = FormatVersion(*described);
+    doc["checksums"] = st.checksums;
+    if (!st.origin_dir.empty()) {
+      json origin = json::object();
+      origin["dir"] = st.origin_dir;
+      if (st.origin_version) origin["version"] = FormatVersion(*st.origin_version);
+      doc["origin"] = std::move(origin);
+    }
+  }
+  return doc.dump(1, ' ', false, json::error_handler_t::replace) + "\n";
+}
+
+// The local checkpoint's tensors, writable in place.
+struct LocalTensor {
+  DType dtype = DType::kU8;
+  std::vector<int64_t> shape;
+  std::span<uint8_t> bytes;
+  size_t file = 0;
+};
+
+class LocalFiles {
+ public:
+  static Result<std::unique_ptr<LocalFiles>> Open(const std::string& local) {
+    Result<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(local);
+    if (!checkpoint.ok()) {
+      return checkpoint.status().WithContext("local checkpoint " + local + " is not readable");
+    }
+    auto files = std::make_unique<LocalFiles>();
+    const auto& shards = (*checkpoint)->files();
+    for (size_t i = 0; i < shards.size(); ++i) {
+      const SafetensorsFile& shard = *shards[i];
+      DS_ASSIGN_OR_RETURN(MappedFile map, MappedFile::OpenReadWrite(shard.path()));
+      if (map.bytes().size() != shard.file_size()) {
+        return Status::Corruption(shard.path() + ": changed size while being opened");
+      }
+      const size_t data_offset = 8 + shard.header_size();
+      for (const TensorView& t : shard.tensors()) {
+        const size_t offset =
+            data_offset + static_cast<size_t>(t.bytes.data() - shard.data().data());
+        files->tensors_[t.name] = {t.dtype, t.shape, map.bytes().subspan(offset, t.bytes.size()),
+                                   i};
+      }
+      files->maps_.push_back(std::move(map));
+    }
+    files->touched_.assign(files->maps_.size(), 0);
+    return files;
+  }
+
+  const LocalTensor* Find(std::string_view name) const {
+    auto it = tensors_.find(std::string(name));
+    return it == tensors_.end() ? nullptr : &it->second;
+  }
+  const std::map<std::string, LocalTensor>& tensors() const { return tensors_; }
+  void Touch(const LocalTensor& t) { touched_[t.file] = 1; }
+  Status SyncTouched() {
+    for (size_t i = 0; i < maps_.size(); ++i) {
+      if (touched_[i]) DS_RETURN_IF_ERROR(maps_[i].Sync());
+    }
+    return Status::OK();
+  }
+
+ private:
+  std::vector<MappedFile> maps_;
+  std::map<std::string, LocalTensor> tensors_;
+  std::vector<char> touched_;  // not vector<bool>: tasks set entries concurrently
+};
+
+// Decode buffers, one per task in flight, reused across tensors. A buffer
+// used by the XOR path is put back all zeros (only the changed positions are
+// cleared), so the next XOR decode needs no memset.
+class ScratchPool {
+ public:
+  struct Buffer {
+    uint8_t* data = nullptr;
+    size_t capacity = 0;
+    size_t dirty = 0;  // bytes from the start that may be non-zero
+  };
+  ~ScratchPool() {
+    for (Buffer& b : free_) Free(b);
+  }
+  Result<Buffer> Acquire(size_t size) {
+    Buffer b;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto best = free_.end();
+      for (auto it = free_.begin(); it != free_.end(); ++it) {
+        if (it->capacity >= size && (best == free_.end() || it->capacity < best->capacity)) {
+          best = it;
+        }
+      }
+      if (best != free_.end()) {
+        b = *best;
+        free_.erase(best);
+        return b;
+      }
+      if (!free_.empty()) {  // too small: replace it rather than hold both
+        b = free_.back();
+        free_.pop_back();
+      }
+    }
+    Free(b);
+    if (size == 0) return b;
+    void* map = ::mmap(nullptr, size, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (map == MAP_FAILED) return Status::FromErrno(errno, "mmap of a decode buffer");
+    ::madvise(map, size, MADV_HUGEPAGE);
+    b.data = static_cast<uint8_t*>(map);
+    b.capacity = size;
+    b.dirty = 0;
+    return b;
+  }
+  void Release(Buffer b) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.push_back(b);
+  }
+
+ private:
+  static void Free(Buffer& b) {
+    if (b.data != nullptr) ::munmap(b.data, b.capacity);
+    b = Buffer();
+  }
+  std::mutex mu_;
+  std::vector<Buffer> free_;
+};
+
+class FirstError {
+ public:
+  void Note(Status s) {
+    if (s.ok()) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (status_.ok()) status_ = std::move(s);
+  }
+  bool failed() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !status_.ok();
+  }
+  Status status() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return status_;
+  }
+
+ private:
+  std::mutex mu_;
+  Status status_;
+};
+
+bool IsXorLike(Encoding e) { return e == Encoding::kXor || e == Encoding::kSparse; }
+
+}  // namespace
+
+struct LocalCheckpoint::State {
+  LocalCheckpointOptions options;
+  ThreadPool* pool = nullptr;
+  std::string sync_dir;
+  std::string state_path;
+  std::string lock_path;
+  std::string journal_path;
+
+  Result<LocalState> LoadState();
+  Status SaveState(const LocalState& st);
+  Status Recover(LocalState* st, PullResult* result);
+  Status Reseed(LocalState* st, PullResult* result);
+  Status Materialize(const std::string& source, int64_t version, LocalState* st,
+                     PullResult* result);
+  Status ApplyVersion(const VersionInfo& info, LocalState* st, PullResult* result);
+  Status ReplayJournal(const Journal& journal, LocalState* st);
+  Status VerifyAll(const LocalState& st);
+};
+
+Result<LocalState> LocalCheckpoint::State::LoadState() {
+  Result<std::string> text = format_internal::ReadFileLimited(state_path, kMaxStateBytes);
+  if (!text.ok()) {
+    if (text.status().IsNotFound()) return LocalState();
+    if (text.status().IsCorruption()) return LocalState();  // too large to be ours
+    return text.status();
+  }
+  return ParseState(*text);
+}
+
+Status LocalCheckpoint::State::SaveState(const LocalState& st) {
+  return format_internal::WriteFileAtomically(state_path, SerializeState(st));
+}
+
+Status LocalCheckpoint::State::Reseed(LocalState* st, PullResult* result) {
+  DS_RETURN_IF_ERROR(format_internal::RemoveFileIfExists(journal_path));
+  json keep = st->doc;
+  *st = LocalState();
+  st->doc = std::move(keep);
+  st->boot_id = store_internal::CurrentBootId();
+  DS_RETURN_IF_ERROR(SaveState(*st));
+  if (result) result->reseeded = true;
+  return Status::OK();
+}
+
+Status LocalCheckpoint::State::Recover(LocalState* st, PullResult* result) {
+  const std::string boot = store_internal::CurrentBootId();
+  const bool rebooted = !st->boot_id.empty() && !boot.empty() && st->boot_id != boot;
+  Result<std::unique_ptr<Journal>> journal = Journal::Open(journal_path);
+  if (st->applying) {
+    if (rebooted && !st->durable) return Reseed(st, result);
+    if (!journal.ok() || (*journal)->version() != *st->applying ||
+        (*journal)->from_version() != *st->from_version) {
+      // The state is only marked applying once the journal is complete, so
+      // the checkpoint may have been touched and nothing can restore it.
+      return Reseed(st, result);
+    }
+    if (result) result->recovered = true;
+    Status s = ReplayJournal(**journal, st);
+    // A replay that failed verification rolled back and committed the old
+    // version; the next apply of that version will report why. Anything
+    // else leaves the checkpoint unknown.
+    if (!s.ok() && !st->version) return Reseed(st, result);
+    return Status::OK();
+  }
+  if (journal.ok() || journal.status().IsCorruption()) {
+    // Written before the state said applying (the checkpoint is untouched)
+    // or left after a commit.
+    journal = Status::NotFound("");
+    DS_RETURN_IF_ERROR(format_internal::RemoveFileIfExists(journal_path));
+  }
+  if (st->version && rebooted && !st->durable) {
+    // Data committed without sync may not have reached the disk before the
+    // machine went down: check it (the page cache is gone, so what we read
+    // is what the disk holds), else rebuild.
+    if (!VerifyAll(*st).ok()) return Reseed(st, result);
+    st->boot_id = boot;
+    st->durable = true;
+    DS_RETURN_IF_ERROR(SaveState(*st));
+  }
+  return Status::OK();
+}
+
+Status LocalCheckpoint::State::VerifyAll(const LocalState& st) {
+  if (!st.version) {
+    return Status::FailedPrecondition(
+        options.local + ": no version is committed" +
+        (st.applying ? " (an apply is pending; pull to recover)" : ""));
+  }
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<LocalFiles> files, LocalFiles::Open(options.local));
+  for (const auto& [name, digest] : st.checksums) {
+    if (files->Find(name) == nullptr) {
+      return Status::Corruption(options.local + ": tensor '" + name +
+                                "' recorded in state.json is missing from the checkpoint");
+    }
+  }
+  std::unique_ptr<Checkpoint> origin;
+  bool need_origin = false;
+  for (const auto& [name, t] : files->tensors()) {
+    if (!st.checksums.count(name)) need_origin = true;
+  }
+  if (need_origin) {
+    if (st.origin_dir.empty()) {
+      return Status::FailedPrecondition(options.local +
+                                        ": no checksums recorded and no origin known to verify "
+                                        "against (state.json written by another tool?)");
+    }
+    Result<std::unique_ptr<Checkpoint>> opened = Checkpoint::Open(st.origin_dir);
+    if (!opened.ok()) {
+      return Status::FailedPrecondition(options.local + ": cannot verify tensors copied from " +
+                                        st.origin_dir + ": " + opened.status().ToString());
+    }
+    origin = std::move(*opened);
+  }
+  std::vector<std::pair<const std::string*, const LocalTensor*>> work;
+  for (const auto& [name, t] : files->tensors()) work.push_back({&name, &t});
+  FirstError error;
+  pool->ParallelFor(work.size(), [&](size_t i) {
+    if (error.failed()) return;
+    const std::string& name = *work[i].first;
+    const LocalTensor& t = *work[i].second;
+    auto it = st.checksums.find(name);
+    if (it != st.checksums.end()) {
+      Result<ParsedDigest> d = ParseTaggedDigest(it->second);
+      if (!d.ok()) {
+        error.Note(d.status().WithContext(options.local + ": state.json, tensor '" + name + "'"));
+        return;
+      }
+      const std::string actual = ChecksumHex(d->algo, t.bytes);
+      if (actual != d->hex) {
+        error.Note(Status::Corruption(options.local + ": tensor '" + name + "' has " +
+                                      std::string(ChecksumAlgoName(d->algo)) + " " + actual +
+                                      ", expected " + d->hex));
+      }
+      return;
+    }
+    Result<TensorView> source = origin->Get(name);
+    if (!source.ok() || source->bytes.size() != t.bytes.size() ||
+        std::memcmp(source->bytes.data(), t.bytes.data(), t.bytes.size()) != 0) {
+      error.Note(Status::Corruption(options.local + ": tensor '" + name + "' differs from " +
+                                    st.origin_dir + ", which it was copied from"));
+    }
+  });
+  return error.status();
+}
+
+Status LocalCheckpoint::State::Materialize(const std::string& source, int64_t version,
+                                           LocalState* st, PullResult* result) {
+  // Validate the source before touching anything.
+  Result<std::unique_ptr<Checkpoint>> source_checkpoint = Checkpoint::Open(source);
+  if (!source_checkpoint.ok()) {
+    return source_checkpoint.status().WithContext(
+        version == 0 ? "base checkpoint" : "full version " + FormatVersion(version));
+  }
+  source_checkpoint->reset();
+  DS_ASSIGN_OR_RETURN(std::vector<std::string> names, store_internal::ListRegularFiles(source));
+  DS_ASSIGN_OR_RETURN(std::optional<VersionManifest> manifest,
+                      version == 0 ? Result<std::optional<VersionManifest>>(std::nullopt)
+                                   : ReadVersionManifest(source));
+  CrashPoint("reset:begin");
+  json keep = st->doc;
+  *st = LocalState();
+  st->doc = std::move(keep);
+  st->resetting = version;
+  st->boot_id = store_internal::CurrentBootId();
+  st->durable = options.durable;
+  DS_RETURN_IF_ERROR(SaveState(*st));
+  DS_RETURN_IF_ERROR(format_internal::RemoveFileIfExists(journal_path));
+  CrashPoint("reset:state");
+
+  std::vector<store_internal::CopyJob> jobs;
+  std::set<std::string> copied;
+  for (const std::string& name : names) {
+    if (name == kVersionManifestFileName) continue;  // ours, about the store
+    jobs.push_back({JoinPath(source, name), JoinPath(options.local, name)});
+    copied.insert(name);
+  }
+  DS_ASSIGN_OR_RETURN(uint64_t bytes, store_internal::CopyFiles(jobs, options.durable, pool));
+  CrashPoint("reset:copied");
+  // Weights of the previous layout would confuse a loader (a stale index
+  // wins over a new model.safetensors).
+  DS_ASSIGN_OR_RETURN(std::vector<std::string> local_names,
+                      store_internal::ListRegularFiles(options.local));
+  for (const std::string& name : local_names) {
+    const bool weights =
+        name == kIndexFileName || (name.size() > 12 && name.ends_with(".safetensors"));
+    if (weights && !copied.count(name)) {
+      DS_RETURN_IF_ERROR(format_internal::RemoveFileIfExists(JoinPath(options.local, name)));
+    }
+  }
+  if (options.durable) DS_RETURN_IF_ERROR(format_internal::SyncDirectory(options.local));
+  DS_RETURN_IF_ERROR(LocalFiles::Open(options.local).status());
+
+  st->resetting.reset();
+  st->version = version;
+  st->origin_dir = source;
+  st->origin_version = version;
+  if (manifest && !manifest->is_delta) {
+    for (const auto& [name, t] : manifest->tensors) {
+      st->checksums[name] = TaggedDigest(manifest->checksum, t.checksum);
+    }
+  }
+  DS_RETURN_IF_ERROR(SaveState(*st));
+  CrashPoint("reset:committed");
+  result->reset_to = version;
+  result->bytes_read += bytes;
+  return Status::OK();
+}
+
+Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState* st,
+                                            PullResult* result) {
+  const std::string where = "version " + FormatVersion(info.version) + " (" + info.dir + ")";
+  if (!st->version || *st->version != info.base_version) {
+    return Status::FailedPrecondition(where + " applies to version " +
+                                      FormatVersion(info.base_version) +
+                                      " but the local checkpoint is at " +
+                                      (st->version ? FormatVersion(*st->version) : "no version"));
+  }
+  CrashPoint("apply:begin");
+  Result<std::unique_ptr<Checkpoint>> opened = Checkpoint::Open(info.dir);
+  if (!opened.ok()) return opened.status().WithContext(where);
+  const Checkpoint& version = **opened;
+  DS_ASSIGN_OR_RETURN(std::optional<VersionManifest> manifest, ReadVersionManifest(info.dir));
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<LocalFiles> local, LocalFiles::Open(options.local));
+
+  // Everything that can be checked without decoding.
+  struct Job {
+    std::string name;
+    TensorView delta;
+    const LocalTensor* target = nullptr;
+    std::string checksum;       // tagged
+    std::string base_checksum;  // tagged, or empty
+  };
+  std::vector<Job> jobs;
+  std::map<std::string, std::string> shard_of;
+  for (const auto& file : version.files()) {
+    for (const TensorView& t : file->tensors()) shard_of[t.name] = file->path();
+  }
+  size_t max_bytes = 0;
+  for (const auto& file : version.files()) {
+    for (const TensorView& t : file->tensors()) {
+      const std::string name = QuoteForMessage(t.name);
+      if (t.dtype != DType::kU8 || t.shape.size() != 1) {
+        return Status::Corruption(where + ": tensor " + name + " is " +
+                                  std::string(DTypeName(t.dtype)) + ShapeToString(t.shape) +
+                                  ", not a 1-D U8 delta");
+      }
+      auto md = file->metadata().find(t.name);
+      if (md == file->metadata().end()) {
+        return Status::Corruption(where + ": " + file->path() + " records no checksum for tensor " +
+                                  name);
+      }
+      DS_RETURN_IF_ERROR(store_internal::CheckDigestText(md->second, info.checksum,
+                                                         where + ": checksum of tensor " + name));
+      const LocalTensor* target = local->Find(t.name);
+      if (target == nullptr) {
+        return Status::FailedPrecondition(where + " changes tensor " + name +
+                                          ", which the local checkpoint " + options.local +
+                                          " does not have");
+      }
+      Job job{t.name, t, target, TaggedDigest(info.checksum, md->second), ""};
+      if (manifest) {
+        auto m = manifest->tensors.find(t.name);
+        if (m == manifest->tensors.end()) {
+          return Status::Corruption(where + ": tensor " + name + " is missing from " +
+                                    kVersionManifestFileName);
+        }
+        if (m->second.dtype != target->dtype || m->second.shape != target->shape) {
+          return Status::FailedPrecondition(
+              where + ": tensor " + name + " is " + std::string(DTypeName(m->second.dtype)) +
+              ShapeToString(m->second.shape) + " in the version but " +
+              std::string(DTypeName(target->dtype)) + ShapeToString(target->shape) + " locally");
+        }
+        if (m->second.checksum != md->second) {
+          return Status::Corruption(where + ": checksums of tensor " + name + " disagree between " +
+                                    file->path() + " and " + kVersionManifestFileName);
+        }
+        job.base_checksum = TaggedDigest(info.checksum, m->second.base_checksum);
+        auto known = st->checksums.find(t.name);
+        if (known != st->checksums.end() && known->second != job.base_checksum) {
+          Result<ParsedDigest> k = ParseTaggedDigest(known->second);
+          if (k.ok() && k->algo == info.checksum) {
+            return Status::FailedPrecondition(
+                where + " is based on a different tensor " + name + " than the local checkpoint " +
+                "holds (base checksum " + m->second.base_checksum + ", local " + k->hex +
+                "): wrong base; the store does not continue this checkpoint's history");
+          }
+        }
+      }
+      max_bytes = std::max(max_bytes, target->bytes.size());
+      jobs.push_back(std::move(job));
+    }
+  }
+  if (manifest && manifest->tensors.size() != jobs.size()) {
+    return Status::Corruption(where + ": " + kVersionManifestFileName + " lists " +
+                              std::to_string(manifest->tensors.size()) + " tensors, the shards " +
+                              std::to_string(jobs.size()));
+  }
+  for (const auto& file : version.files()) {
+    file->Advise(AccessHint::kWillNeed);
+    result->bytes_read += file->file_size();
+  }
+
+  // Decode every tensor into the journal; the checkpoint is only read.
+  const Codec& codec = GetCodec(info.encoding);
+  store_internal::ZeroRegion zeros;
+  if (IsXorLike(info.encoding)) DS_RETURN_IF_ERROR(zeros.Reserve(std::max<size_t>(1, max_bytes)));
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<JournalWriter> writer,
+                      JournalWriter::Create(journal_path, info.version, info.base_version));
+  CrashPoint("journal:created");
+  ScratchPool scratch;
+  FirstError error;
+  std::atomic<uint64_t> changed{0};
+  pool->ParallelFor(jobs.size(), [&](size_t j) {
+    if (error.failed()) return;
+    const Job& job = jobs[j];
+    const std::span<uint8_t> old = job.target->bytes;
+    const uint32_t es = static_cast<uint32_t>(DTypeSize(job.target->dtype));
+    auto fail = [&](Status s) {
+      error.Note(s.WithContext(where + ": tensor " + QuoteForMessage(job.name)));
+    };
+    Result<ScratchPool::Buffer> acquired = scratch.Acquire(old.size());
+    if (!acquired.ok()) return fail(acquired.status());
+    ScratchPool::Buffer buf = *acquired;
+    std::span<uint8_t> work(buf.data, old.size());
+    DiffOptions diff;
+    diff.elem_size = es;
+    diff.refresh_snapshot = false;
+    diff.pool = nullptr;
+    ChangeSet changes;
+    std::vector<uint8_t> record;
+    const bool xor_like = IsXorLike(info.encoding);
+    if (xor_like) {
+      if (buf.dirty > 0) std::memset(buf.data, 0, std::min(buf.dirty, buf.capacity));
+      buf.dirty = old.size();
+      // The decoded XOR alone; the diff against zeros lists its non-zero
+      // elements (new_values = the XOR values).
+      Status s = codec.DecodeApply(job.delta.bytes, work, es, {});
+      diff.keep_old_values = false;
+      if (s.ok()) s = DiffTensor(work, zeros.span(work.size()), diff, &changes);
+      if (!s.ok()) {
+        scratch.Release(buf);
+        return fail(s);
+      }
+      store_internal::RecordSlots slots = store_internal::BeginJournalRecord(
+          job.name, old.size() / es, es, job.checksum, job.base_checksum, changes, &record);
+      for (uint64_t i = 0; i < changes.count(); ++i) {
+        const uint64_t at = changes.position(i) * es;
+        const uint8_t* x = changes.new_values.data() + i * es;
+        for (uint32_t b = 0; b < es; ++b) {
+          slots.old_values[i * es + b] = old[at + b];
+          slots.new_values[i * es + b] = old[at + b] ^ x[b];
+        }
+        std::memset(buf.data + at, 0, es);  // back to all zeros
+      }
+      buf.dirty = 0;
+    } else {
+      if (!old.empty()) std::memcpy(buf.data, old.data(), old.size());
+      buf.dirty = std::max(buf.dirty, old.size());
+      Status s = codec.DecodeApply(job.delta.bytes, work, es, {});
+      diff.keep_old_values = true;
+      if (s.ok()) s = DiffTensor(work, old, diff, &changes);
+      if (!s.ok()) {
+        scratch.Release(buf);
+        return fail(s);
+      }
+      store_internal::RecordSlots slots = store_internal::BeginJournalRecord(
+          job.name, old.size() / es, es, job.checksum, job.base_checksum, changes, &record);
+      if (!changes.old_values.empty()) {
+        std::memcpy(slots.old_values, changes.old_values.data(), changes.old_values.size());
+        std::memcpy(slots.new_values, changes.new_values.data(), changes.new_values.size());
+      }
+    }
+    scratch.Release(buf);
+    store_internal::SealJournalRecord(&record);
+    changed.fetch_add(changes.count(), std::memory_order_relaxed);
+    Status s = writer->Append(record);
+    if (!s.ok()) return fail(s);
+    CrashPoint("journal:record");
+  });
+  if (!error.failed()) error.Note(writer->Finish(options.durable));
+  writer.reset();
+  if (error.failed()) {
+    (void)format_internal::RemoveFileIfExists(journal_path);
+    return error.status();
+  }
+  CrashPoint("journal:complete");
+
+  // Past this point the checkpoint may change: the state says so.
+  st->applying = info.version;
+  st->from_version = info.base_version;
+  st->version.reset();
+  st->boot_id = store_internal::CurrentBootId();
+  st->durable = options.durable;
+  DS_RETURN_IF_ERROR(SaveState(*st));
+  CrashPoint("state:applying");
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<Journal> journal, Journal::Open(journal_path));
+  local.reset();
+  DS_RETURN_IF_ERROR(ReplayJournal(*journal, st));
+  result->tensors_changed += jobs.size();
+  result->changed_elements += changed.load();
+  return Status::OK();
+}
+
+Status LocalCheckpoint::State::ReplayJournal(const Journal& journal, LocalState* st) {
+  const std::string where = "applying version " + FormatVersion(journal.version());
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<LocalFiles> local, LocalFiles::Open(options.local));
+  const auto& records = journal.records();
+  std::vector<const LocalTensor*> targets(records.size(), nullptr);
+  for (size_t i = 0; i < records.size(); ++i) {
+    targets[i] = local->Find(records[i].name);
+    if (targets[i] == nullptr ||
+        targets[i]->bytes.size() != records[i].numel * records[i].elem_size ||
+        DTypeSize(targets[i]->dtype) != records[i].elem_size) {
+      return Status::FailedPrecondition(where + ": tensor '" + std::string(records[i].name) +
+                                        "' of the journal does not match the local checkpoint");
+    }
+  }
+  FirstError error;
+  std::vector<char> mismatch(records.size(), 0);
+  pool->ParallelFor(records.size(), [&](size_t i) {
+    const JournalRecord& r = records[i];
+    const LocalTensor& t = *targets[i];
+    local->Touch(t);
+    Status s = r.Apply(t.bytes, /*undo=*/false);
+    if (!s.ok()) {
+      error.Note(s);
+      return;
+    }
+    CrashPoint("apply:record");
+    Result<ParsedDigest> expected = ParseTaggedDigest(r.checksum);
+    if (!expected.ok()) {
+      error.Note(expected.status());
+      return;
+    }
+    if (ChecksumHex(expected->algo, t.bytes) != expected->hex) mismatch[i] = 1;
+  });
+  const bool any_mismatch = std::find(mismatch.begin(), mismatch.end(), 1) != mismatch.end();
+  if (!error.failed() && !any_mismatch) {
+    CrashPoint("apply:done");
+    if (options.durable) DS_RETURN_IF_ERROR(local->SyncTouched());
+    CrashPoint("apply:synced");
+    st->applying.reset();
+    st->from_version.reset();
+    st->version = journal.version();
+    for (const JournalRecord& r : records)
+      st->checksums[std::string(r.name)] = std::string(r.checksum);
+    st->boot_id = store_internal::CurrentBootId();
+    st->durable = options.durable;
+    DS_RETURN_IF_ERROR(SaveState(*st));
+    CrashPoint("state:committed");
+    DS_RETURN_IF_ERROR(format_internal::RemoveFileIfExists(journal_path));
+    CrashPoint("journal:removed");
+    return Status::OK();
+  }
+
+  // Roll back to the base: every record's old values, idempotently.
+  FirstError undo_error;
+  pool->ParallelFor(records.size(), [&](size_t i) {
+    undo_error.Note(records[i].Apply(targets[i]->bytes, /*undo=*/true));
+  });
+  DS_RETURN_IF_ERROR(undo_error.status().WithContext(where + ": rolling back"));
+  CrashPoint("undo:done");
+  if (options.durable) DS_RETURN_IF_ERROR(local->SyncTouched());
+  st->applying.reset();
+  st->version = st->from_version;
+  st->from_version.reset();
+  DS_RETURN_IF_ERROR(SaveState(*st));
+  DS_RETURN_IF_ERROR(format_internal::RemoveFileIfExists(journal_path));
+  if (error.failed()) return error.status().WithContext(where + " (rolled back)");
+
+  // Say which tensors failed, and whether their base was wrong.
+  std::string wrong_base, corrupt;
+  for (size_t i = 0; i < records.size(); ++i) {
+    if (!mismatch[i]) continue;
+    const JournalRecord& r = records[i];
+    std::string* list = &corrupt;
+    if (!r.base_checksum.empty()) {
+      Result<ParsedDigest> base = ParseTaggedDigest(r.base_checksum);
+      if (base.ok() && ChecksumHex(base->algo, targets[i]->bytes) != base->hex) list = &wrong_base;
+    }
+    if (list->size() < 300) *list += (list->empty() ? "'" : ", '") + std::string(r.name) + "'";
+  }
+  if (!wrong_base.empty()) {
+    return Status::FailedPrecondition(
+        where + ": the local checkpoint is not this version's base (tensor " + wrong_base +
+        " differs from the base checksum); rolled back to version " + FormatVersion(*st->version));
+  }
+  return Status::Corruption(where + ": checksum mismatch after apply for tensor " + corrupt +
+                            " (corrupt delta, or the local checkpoint was not at version " +
+                            FormatVersion(*st->version) + "); rolled back to version " +
+                            FormatVersion(*st->version));
+}
+
+LocalCheckpoint::LocalCheckpoint(std::unique_ptr<State> state) : state_(std::move(state)) {}
+LocalCheckpoint::~LocalCheckpoint() = default;
+
+const std::string& LocalCheckpoint::local() const { return state_->options.local; }
+
+Result<std::unique_ptr<LocalCheckpoint>> LocalCheckpoint::Open(
+    const LocalCheckpointOptions& options) {
+  if (options.local.empty()) return Status::InvalidArgument("no local checkpoint dir given");
+  if (options.base.empty()) return Status::InvalidArgument("no base checkpoint dir given");
+  auto state = std::make_unique<State>();
+  state->options = options;
+  state->pool = options.pool ? options.pool : &ThreadPool::Default();
+  state->sync_dir = JoinPath(options.local, kSyncDirName);
+  state->state_path = JoinPath(state->sync_dir, kStateFileName);
+  state->lock_path = JoinPath(state->sync_dir, kLockFileName);
+  state->journal_path = JoinPath(state->sync_dir, store_internal::kJournalFileName);
+  DS_RETURN_IF_ERROR(format_internal::CreateDirectories(state->sync_dir));
+  if (options.recover_on_open) {
+    DS_ASSIGN_OR_RETURN(store_internal::FileLock lock,
+                        store_internal::FileLock::Acquire(state->lock_path));
+    DS_ASSIGN_OR_RETURN(LocalState st, state->LoadState());
+    DS_RETURN_IF_ERROR(state->Recover(&st, nullptr));
+  }
+  return std::unique_ptr<LocalCheckpoint>(new LocalCheckpoint(std::move(state)));
+}
+
+Result<std::optional<int64_t>> LocalCheckpoint::CurrentVersion() {
+  DS_ASSIGN_OR_RETURN(store_internal::FileLock lock,
+                      store_internal::FileLock::Acquire(state_->lock_path));
+  DS_ASSIGN_OR_RETURN(LocalState st, state_->LoadState());
+  return st.version;
+}
+
+Status LocalCheckpoint::Verify() {
+  DS_ASSIGN_OR_RETURN(store_internal::FileLock lock,
+                      store_internal::FileLock::Acquire(state_->lock_path));
+  DS_ASSIGN_OR_RETURN(LocalState st, state_->LoadState());
+  return state_->VerifyAll(st);
+}
+
+Result<PullResult> LocalCheckpoint::Pull(std::optional<int64_t> target) {
+  const auto t0 = std::chrono::steady_clock::now();
+  State& s = *state_;
+  const LocalCheckpointOptions& opt = s.options;
+  if (target && *target < 0) {
+    return Status::InvalidArgument("pull: target version " + std::to_string(*target) +
+                                   " is negative");
+  }
+  if (!opt.pre_read_hook.empty()) {
+    DS_RETURN_IF_ERROR(store_internal::RunHook(
+        opt.pre_read_hook, {opt.store, target ? FormatVersion(*target) : "latest"},
+        "pre-read hook"));
+  }
+  DS_ASSIGN_OR_RETURN(store_internal::FileLock lock,
+                      store_internal::FileLock::Acquire(s.lock_path));
+  DS_ASSIGN_OR_RETURN(LocalState st, s.LoadState());
+  PullResult result;
+  DS_RETURN_IF_ERROR(s.Recover(&st, &result));
+  result.from_version = st.version;
+
+  int64_t goal = 0;
+  if (target) {
+    goal = *target;
+  } else if (!opt.store.empty()) {
+    DS_ASSIGN_OR_RETURN(std::vector<int64_t> versions, ListVersionNumbers(opt.store));
+    if (!versions.empty()) goal = versions.back();
+  }
+  result.version = goal;
+  const std::optional<int64_t> current = st.version;
+  if (current && *current == goal) {
+    result.seconds = SecondsSince(t0);
+    return result;
+  }
+  if (goal > 0 && opt.store.empty()) {
+    return Status::InvalidArgument("pull: version " + FormatVersion(goal) +
+                                   " requested but no store given");
+  }
+
+  // Plan: walk down from the goal to the newest full version, or to the
+  // applied version, reading only version metadata.
+  const bool reset_needed = !current || goal < *current;
+  const int64_t floor = reset_needed ? 0 : *current;
+  std::map<int64_t, VersionInfo> deltas;
+  std::optional<int64_t> reset_to;
+  std::string reset_dir;
+  for (int64_t v = goal; v > floor; --v) {
+    Result<VersionInfo> info = ReadVersionInfo(store_internal::VersionDir(opt.store, v));
+    if (!info.ok()) {
+      if (info.status().IsNotFound()) {
+        return Status::NotFound("version " + FormatVersion(v) + " is missing from store " +
+                                opt.store + " (needed to go from " +
+                                (current ? FormatVersion(*current) : std::string("nothing")) +
+                                " to " + FormatVersion(goal) + ")");
+      }
+      return info.status();
+    }
+    if (!info->is_delta) {
+      reset_to = v;
+      reset_dir = info->dir;
+      break;
+    }
+    deltas.emplace(v, std::move(*info));
+  }
+  if (reset_needed && !reset_to) {
+    reset_to = 0;
+    reset_dir = opt.base;
+  }
+  const int64_t start = reset_to ? *reset_to : *current;
+  for (const auto& [v, info] : deltas) {
+    if (v <= start) continue;
+    if (info.base_version != v - 1) {
+      return Status::FailedPrecondition("version " + FormatVersion(v) + " applies to version " +
+                                        FormatVersion(info.base_version) + ", not " +
+                                        FormatVersion(v - 1) + ": out-of-order chain in " +
+                                        opt.store);
+    }
+  }
+
+  if (reset_to) {
+    DS_RETURN_IF_ERROR(s.Materialize(reset_dir, *reset_to, &st, &result));
+  }
+  for (const auto& [v, info] : deltas) {
+    if (v <= start) continue;
+    DS_RETURN_IF_ERROR(s.ApplyVersion(info, &st, &result));
+    result.versions_applied.push_back(v);
+  }
+  result.applied = true;
+  result.seconds = SecondsSince(t0);
+  return result;
+}
+
+}  // namespace deltasync

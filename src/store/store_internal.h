@@ -1,0 +1,125 @@
+// Internals shared by the store module's sources and tests: file-system
+// helpers the disk transport needs beyond the format module's, external
+// hooks, and test-only fault injection.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "deltasync/status.h"
+#include "deltasync/thread_pool.h"
+
+namespace deltasync::store_internal {
+
+// ---------------------------------------------------------------------------
+// Fault injection (tests only). Production code calls CrashPoint at every
+// step whose interruption must be survivable; a test installs a hook that
+// ends the process there (_exit) to simulate kill -9 at that instant.
+
+using CrashHook = void (*)(std::string_view point);
+// nullptr removes the hook.
+void SetCrashHookForTesting(CrashHook hook);
+// Calls the hook, if any. Thread-safe; may be called from pool tasks.
+void CrashPoint(std::string_view point);
+
+// Overrides the boot id that CurrentBootId reports (nullopt: the real one),
+// so tests can simulate a reboot.
+void SetBootIdForTesting(std::optional<std::string> boot_id);
+// /proc/sys/kernel/random/boot_id without its newline; "" when unreadable.
+std::string CurrentBootId();
+
+// ---------------------------------------------------------------------------
+// Processes
+
+// Runs `executable` with `args` (no shell), stdio inherited, and waits.
+// Aborted naming `what`, the executable and the exit status when it exits
+// non-zero or dies of a signal; IOError when it cannot be started.
+Status RunHook(const std::string& executable, const std::vector<std::string>& args,
+               std::string_view what);
+
+// ---------------------------------------------------------------------------
+// Files
+
+// True when `path` exists (any type, symlinks not followed).
+bool PathExists(const std::string& path);
+bool IsDirectory(const std::string& path);
+// Regular files directly inside `dir` (names only, sorted). Hidden names
+// (leading '.') are skipped.
+Result<std::vector<std::string>> ListRegularFiles(const std::string& dir);
+// Removes `path` and everything below it; OK when it does not exist.
+Status RemoveTree(const std::string& path);
+// rename(2) that refuses to replace an existing `to` (AlreadyExists), also
+// for directories, where plain rename would replace an empty one.
+Status RenameNoReplace(const std::string& from, const std::string& to);
+// Sum of the sizes of the regular files in `dir` (not recursive).
+uint64_t DirectoryBytes(const std::string& dir);
+
+// One file to copy by CopyFiles.
+struct CopyJob {
+  std::string source;
+  std::string destination;
+};
+// Copies each source to its destination atomically (a temp file beside the
+// destination, renamed over it at the end): a FICLONE reflink where the file
+// system offers one, else copy_file_range in parallel ranges, else read and
+// write. With `durable` each file is fsynced before its rename and each
+// destination directory after. Returns the bytes copied.
+Result<uint64_t> CopyFiles(const std::vector<CopyJob>& jobs, bool durable, ThreadPool* pool);
+
+// A read-write shared mapping of a whole file.
+class MappedFile {
+ public:
+  static Result<MappedFile> OpenReadWrite(const std::string& path);
+  MappedFile() = default;
+  MappedFile(MappedFile&& other) noexcept;
+  MappedFile& operator=(MappedFile&& other) noexcept;
+  ~MappedFile();
+
+  std::span<uint8_t> bytes() const { return {data_, size_}; }
+  const std::string& path() const { return path_; }
+  // msync(MS_SYNC) of the mapping, then fdatasync.
+  Status Sync();
+
+ private:
+  void Reset();
+  std::string path_;
+  int fd_ = -1;
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// An anonymous read-only mapping of zeros (the kernel's zero page): a
+// snapshot of "nothing" of any size that costs no memory to read.
+class ZeroRegion {
+ public:
+  ZeroRegion() = default;
+  ~ZeroRegion();
+  ZeroRegion(const ZeroRegion&) = delete;
+  ZeroRegion& operator=(const ZeroRegion&) = delete;
+  Status Reserve(size_t size);
+  // Only for the diff's snapshot argument with refresh off: never written.
+  std::span<uint8_t> span(size_t size) const { return {data_, size}; }
+
+ private:
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// An exclusive flock held for the object's lifetime.
+class FileLock {
+ public:
+  static Result<FileLock> Acquire(const std::string& path);
+  FileLock() = default;
+  FileLock(FileLock&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
+  FileLock& operator=(FileLock&& other) noexcept;
+  ~FileLock();
+
+ private:
+  int fd_ = -1;
+};
+
+}  // namespace deltasync::store_internal
