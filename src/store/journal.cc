@@ -66,34 +66,59 @@ uint64_t JournalRecord::position(uint64_t i) const {
   return Get<uint64_t>(positions + i * 8);
 }
 
+namespace {
+
+template <typename Elem, typename Pos>
+void Scatter(const uint8_t* positions, uint64_t count, const uint8_t* values, uint8_t* target) {
+  for (uint64_t i = 0; i < count; ++i) {
+    Pos p;
+    std::memcpy(&p, positions + i * sizeof(Pos), sizeof(Pos));
+    std::memcpy(target + static_cast<size_t>(p) * sizeof(Elem), values + i * sizeof(Elem),
+                sizeof(Elem));
+  }
+}
+
+template <typename Pos>
+bool AllBelow(const uint8_t* positions, uint64_t count, uint64_t limit) {
+  Pos max = 0;
+  for (uint64_t i = 0; i < count; ++i) {
+    Pos p;
+    std::memcpy(&p, positions + i * sizeof(Pos), sizeof(Pos));
+    max = p > max ? p : max;
+  }
+  return count == 0 || static_cast<uint64_t>(max) < limit;
+}
+
+template <typename Pos>
+void ScatterPos(uint32_t elem_size, const uint8_t* positions, uint64_t count,
+                const uint8_t* values, uint8_t* target) {
+  switch (elem_size) {
+    case 1: return Scatter<uint8_t, Pos>(positions, count, values, target);
+    case 2: return Scatter<uint16_t, Pos>(positions, count, values, target);
+    case 4: return Scatter<uint32_t, Pos>(positions, count, values, target);
+    default: return Scatter<uint64_t, Pos>(positions, count, values, target);
+  }
+}
+
+}  // namespace
+
 Status JournalRecord::Apply(std::span<uint8_t> target, bool undo) const {
   if (target.size() != numel * elem_size) {
     return Status::Corruption("journal record for tensor '" + std::string(name) + "' covers " +
                               std::to_string(numel * elem_size) + " bytes but the tensor has " +
                               std::to_string(target.size()));
   }
-  for (uint64_t i = 0; i < count; ++i) {
-    if (position(i) >= numel) {
-      return Status::Corruption("journal record for tensor '" + std::string(name) + "': position " +
-                                std::to_string(position(i)) + " out of range");
-    }
+  const bool in_range = position_width == 4 ? AllBelow<uint32_t>(positions, count, numel)
+                                            : AllBelow<uint64_t>(positions, count, numel);
+  if (!in_range) {
+    return Status::Corruption("journal record for tensor '" + std::string(name) +
+                              "': a position is out of range");
   }
   const uint8_t* values = undo ? old_values : new_values;
-  uint8_t* dst = target.data();
-  switch (elem_size) {
-    case 1:
-      for (uint64_t i = 0; i < count; ++i) dst[position(i)] = values[i];
-      break;
-    case 2:
-      for (uint64_t i = 0; i < count; ++i) std::memcpy(dst + position(i) * 2, values + i * 2, 2);
-      break;
-    case 4:
-      for (uint64_t i = 0; i < count; ++i) std::memcpy(dst + position(i) * 4, values + i * 4, 4);
-      break;
-    default:
-      for (uint64_t i = 0; i < count; ++i) {
-        std::memcpy(dst + position(i) * elem_size, values + i * elem_size, elem_size);
-      }
+  if (position_width == 4) {
+    ScatterPos<uint32_t>(elem_size, positions, count, values, target.data());
+  } else {
+    ScatterPos<uint64_t>(elem_size, positions, count, values, target.data());
   }
   return Status::OK();
 }

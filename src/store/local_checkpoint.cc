@@ -297,6 +297,48 @@ class FirstError {
 
 bool IsXorLike(Encoding e) { return e == Encoding::kXor || e == Encoding::kSparse; }
 
+// For each changed element (position p, XOR value x in changes.new_values):
+// records old = base[p] and new = old ^ x, and clears scratch[p] so the
+// decode buffer is all zeros again.
+template <typename Elem, typename Pos>
+void SplitXorTyped(const Pos* positions, size_t count, const uint8_t* xors, const uint8_t* base,
+                   uint8_t* scratch, store_internal::RecordSlots slots) {
+  constexpr size_t kSize = sizeof(Elem);
+  const Elem zero = 0;
+  for (size_t i = 0; i < count; ++i) {
+    const size_t at = static_cast<size_t>(positions[i]) * kSize;
+    Elem old_value, x;
+    std::memcpy(&old_value, base + at, kSize);
+    std::memcpy(&x, xors + i * kSize, kSize);
+    const Elem new_value = static_cast<Elem>(old_value ^ x);
+    std::memcpy(slots.old_values + i * kSize, &old_value, kSize);
+    std::memcpy(slots.new_values + i * kSize, &new_value, kSize);
+    std::memcpy(scratch + at, &zero, kSize);
+  }
+}
+
+template <typename Elem>
+void SplitXorElem(const ChangeSet& changes, const uint8_t* base, uint8_t* scratch,
+                  store_internal::RecordSlots slots) {
+  if (changes.wide) {
+    SplitXorTyped<Elem>(changes.pos64.data(), changes.pos64.size(), changes.new_values.data(),
+                        base, scratch, slots);
+  } else {
+    SplitXorTyped<Elem>(changes.pos32.data(), changes.pos32.size(), changes.new_values.data(),
+                        base, scratch, slots);
+  }
+}
+
+void SplitXor(const ChangeSet& changes, const uint8_t* base, uint8_t* scratch,
+              store_internal::RecordSlots slots) {
+  switch (changes.elem_size) {
+    case 1: return SplitXorElem<uint8_t>(changes, base, scratch, slots);
+    case 2: return SplitXorElem<uint16_t>(changes, base, scratch, slots);
+    case 4: return SplitXorElem<uint32_t>(changes, base, scratch, slots);
+    default: return SplitXorElem<uint64_t>(changes, base, scratch, slots);
+  }
+}
+
 }  // namespace
 
 struct LocalCheckpoint::State {
@@ -644,15 +686,7 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
       }
       store_internal::RecordSlots slots = store_internal::BeginJournalRecord(
           job.name, old.size() / es, es, job.checksum, job.base_checksum, changes, &record);
-      for (uint64_t i = 0; i < changes.count(); ++i) {
-        const uint64_t at = changes.position(i) * es;
-        const uint8_t* x = changes.new_values.data() + i * es;
-        for (uint32_t b = 0; b < es; ++b) {
-          slots.old_values[i * es + b] = old[at + b];
-          slots.new_values[i * es + b] = old[at + b] ^ x[b];
-        }
-        std::memset(buf.data + at, 0, es);  // back to all zeros
-      }
+      SplitXor(changes, old.data(), buf.data, slots);
       buf.dirty = 0;
     } else {
       if (!old.empty()) std::memcpy(buf.data, old.data(), old.size());
