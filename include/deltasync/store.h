@@ -65,6 +65,7 @@ struct VersionInfo {
   ChecksumAlgo checksum = ChecksumAlgo::kXxh3_128;
   bool has_manifest = false;  // deltasync.json present
   uint64_t tensors = 0;       // tensors the version holds (changed ones for a delta)
+  uint64_t bytes = 0;         // sizes of the files in the directory
 };
 
 // Reads and validates a version directory's index and sidecar. NotFound
@@ -197,10 +198,28 @@ class Publisher {
   std::vector<TensorView> snapshot() const;
 
  private:
+  friend Result<PublishResult> PublishOnce(const PublisherOptions&, const std::vector<TensorView>&,
+                                           const std::vector<TensorView>&, bool);
   struct State;
   explicit Publisher(std::unique_ptr<State> state);
   std::unique_ptr<State> state_;
 };
+
+// Publishes `weights` as the next version against `base` (what receivers
+// hold: the store's newest version, or the engine's base when the store is
+// empty), in one shot: no snapshot is kept, so `base` is read in place
+// instead of being copied (the publish costs no memory in proportion to the
+// model beyond one shard). Same files, checks and errors as
+// Publisher::Publish; full_every applies to the version number. For tools
+// that publish one version per run (the CLI's `publish --old --new`).
+Result<PublishResult> PublishOnce(const PublisherOptions& options,
+                                  const std::vector<TensorView>& base,
+                                  const std::vector<TensorView>& weights, bool full = false);
+// PublishOnce with the checkpoints (dirs or .safetensors files) at
+// `base_path` and `new_path`, both mapped read-only.
+Result<PublishResult> PublishCheckpointOnce(const PublisherOptions& options,
+                                            const std::string& base_path,
+                                            const std::string& new_path, bool full = false);
 
 // Deletes old versions, keeping the newest `keep` (>= 1) and every version
 // from the newest full version on, so that the chain stays replayable from
@@ -217,7 +236,9 @@ Result<std::vector<int64_t>> PruneStore(const std::string& store, int64_t keep);
 struct LocalCheckpointOptions {
   std::string local;  // host-local full checkpoint dir, created on first pull
   std::string store;  // may be missing when only the base is pulled
-  std::string base;   // the engine's base checkpoint dir (version 0)
+  // The engine's base checkpoint dir (version 0); needed only when a pull
+  // has to start from the base (Verify, CurrentVersion need none).
+  std::string base;
   // Executable run as `hook <store> <target>` (target: 6-digit version or
   // "latest") at the start of every Pull, before the store is listed; e.g.
   // to refresh an object-store mount's view. A non-zero exit fails the pull.
@@ -254,8 +275,8 @@ struct PullResult {
 class LocalCheckpoint {
  public:
   // Creates <local>/.weight_sync if needed and, with recover_on_open,
-  // finishes or rolls back an interrupted apply. InvalidArgument for empty
-  // `local` or `base`.
+  // finishes or rolls back an interrupted apply. InvalidArgument for an
+  // empty `local`.
   static Result<std::unique_ptr<LocalCheckpoint>> Open(const LocalCheckpointOptions& options);
   ~LocalCheckpoint();
   LocalCheckpoint(const LocalCheckpoint&) = delete;

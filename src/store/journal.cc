@@ -90,8 +90,8 @@ bool AllBelow(const uint8_t* positions, uint64_t count, uint64_t limit) {
 }
 
 template <typename Pos>
-void ScatterPos(uint32_t elem_size, const uint8_t* positions, uint64_t count,
-                const uint8_t* values, uint8_t* target) {
+void ScatterPos(uint32_t elem_size, const uint8_t* positions, uint64_t count, const uint8_t* values,
+                uint8_t* target) {
   switch (elem_size) {
     case 1: return Scatter<uint8_t, Pos>(positions, count, values, target);
     case 2: return Scatter<uint16_t, Pos>(positions, count, values, target);
@@ -142,11 +142,10 @@ RecordSlots BeginJournalRecord(std::string_view name, uint64_t numel, uint32_t e
   Put<uint16_t>(p + 30, static_cast<uint16_t>(base_checksum.size()));
   Put<uint32_t>(p + 32, width);
   size_t at = kRecordFixedBytes;
-  std::memcpy(p + at, name.data(), name.size());
-  at += name.size();
-  std::memcpy(p + at, checksum.data(), checksum.size());
-  at += checksum.size();
-  std::memcpy(p + at, base_checksum.data(), base_checksum.size());
+  for (std::string_view text : {name, checksum, base_checksum}) {
+    if (!text.empty()) std::memcpy(p + at, text.data(), text.size());
+    at += text.size();
+  }
   uint8_t* positions = p + strings;
   if (count > 0) {
     if (changes.wide) {

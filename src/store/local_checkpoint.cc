@@ -321,11 +321,11 @@ template <typename Elem>
 void SplitXorElem(const ChangeSet& changes, const uint8_t* base, uint8_t* scratch,
                   store_internal::RecordSlots slots) {
   if (changes.wide) {
-    SplitXorTyped<Elem>(changes.pos64.data(), changes.pos64.size(), changes.new_values.data(),
-                        base, scratch, slots);
+    SplitXorTyped<Elem>(changes.pos64.data(), changes.pos64.size(), changes.new_values.data(), base,
+                        scratch, slots);
   } else {
-    SplitXorTyped<Elem>(changes.pos32.data(), changes.pos32.size(), changes.new_values.data(),
-                        base, scratch, slots);
+    SplitXorTyped<Elem>(changes.pos32.data(), changes.pos32.size(), changes.new_values.data(), base,
+                        scratch, slots);
   }
 }
 
@@ -574,10 +574,6 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
     std::string base_checksum;  // tagged, or empty
   };
   std::vector<Job> jobs;
-  std::map<std::string, std::string> shard_of;
-  for (const auto& file : version.files()) {
-    for (const TensorView& t : file->tensors()) shard_of[t.name] = file->path();
-  }
   size_t max_bytes = 0;
   for (const auto& file : version.files()) {
     for (const TensorView& t : file->tensors()) {
@@ -642,6 +638,11 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
     file->Advise(AccessHint::kWillNeed);
     result->bytes_read += file->file_size();
   }
+  // Largest first: tasks are handed out in order, so big tensors must not
+  // start last and leave the other threads idle.
+  std::stable_sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) {
+    return a.target->bytes.size() > b.target->bytes.size();
+  });
 
   // Decode every tensor into the journal; the checkpoint is only read.
   const Codec& codec = GetCodec(info.encoding);
@@ -750,9 +751,15 @@ Status LocalCheckpoint::State::ReplayJournal(const Journal& journal, LocalState*
                                         "' of the journal does not match the local checkpoint");
     }
   }
+  std::vector<size_t> order(records.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return targets[a]->bytes.size() > targets[b]->bytes.size();
+  });
   FirstError error;
   std::vector<char> mismatch(records.size(), 0);
-  pool->ParallelFor(records.size(), [&](size_t i) {
+  pool->ParallelFor(records.size(), [&](size_t k) {
+    const size_t i = order[k];
     const JournalRecord& r = records[i];
     const LocalTensor& t = *targets[i];
     local->Touch(t);
@@ -834,7 +841,6 @@ const std::string& LocalCheckpoint::local() const { return state_->options.local
 Result<std::unique_ptr<LocalCheckpoint>> LocalCheckpoint::Open(
     const LocalCheckpointOptions& options) {
   if (options.local.empty()) return Status::InvalidArgument("no local checkpoint dir given");
-  if (options.base.empty()) return Status::InvalidArgument("no base checkpoint dir given");
   auto state = std::make_unique<State>();
   state->options = options;
   state->pool = options.pool ? options.pool : &ThreadPool::Default();
@@ -930,6 +936,10 @@ Result<PullResult> LocalCheckpoint::Pull(std::optional<int64_t> target) {
     deltas.emplace(v, std::move(*info));
   }
   if (reset_needed && !reset_to) {
+    if (opt.base.empty()) {
+      return Status::InvalidArgument("pull: the base checkpoint (version 0) is needed to reach " +
+                                     FormatVersion(goal) + " but none was given");
+    }
     reset_to = 0;
     reset_dir = opt.base;
   }

@@ -2,7 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <fstream>
+#include <thread>
 
 #include "deltasync/checkpoint.h"
 #include "deltasync/codec.h"
@@ -222,6 +224,43 @@ TEST(Publish, FromCheckpointDirectories) {
   EXPECT_TRUE(store_internal::PathExists(f.local + "/" + kIndexFileName));
 }
 
+TEST(Publish, OneShotFromCheckpointsReadsTheBaseInPlace) {
+  Fixture f;
+  WriteModel(f.base, f.base_model);
+  std::vector<Model> models{f.base_model};
+  std::vector<std::string> dirs{f.base};
+  for (int v = 1; v <= 3; ++v) {
+    models.push_back(Step(models.back(), 60 + v));
+    dirs.push_back(f.tmp.Join("step" + std::to_string(v)));
+    WriteModel(dirs.back(), models.back());
+    Result<PublishResult> r = PublishCheckpointOnce(f.PublisherOpts(Encoding::kXor), dirs[v - 1],
+                                                    dirs[v], /*full=*/v == 2);
+    DS_ASSERT_OK(r);
+    EXPECT_EQ(r->info.version, v);
+    EXPECT_EQ(r->info.is_delta, v != 2);
+    EXPECT_GT(r->changed_elements, 0u);
+    EXPECT_EQ(r->bytes_written, r->info.bytes);
+  }
+  // The bases were only read.
+  EXPECT_TRUE(HoldsModel(f.base, f.base_model));
+  EXPECT_TRUE(HoldsModel(dirs[1], models[1]));
+  auto local = f.OpenLocal();
+  DS_ASSERT_OK(local->Pull(1));
+  EXPECT_TRUE(HoldsModel(f.local, models[1]));
+  Result<PullResult> r = local->Pull(3);
+  DS_ASSERT_OK(r);
+  EXPECT_EQ(r->reset_to, 2);
+  EXPECT_TRUE(HoldsModel(f.local, models[3]));
+  // Mismatched checkpoints are refused before anything is written.
+  Model other = models[3];
+  other.pop_back();
+  WriteModel(f.tmp.Join("other"), other);
+  EXPECT_TRUE(PublishCheckpointOnce(f.PublisherOpts(), dirs[3], f.tmp.Join("other"))
+                  .status()
+                  .IsInvalidArgument());
+  EXPECT_EQ(ListVersionNumbers(f.store)->size(), 3u);
+}
+
 TEST(Publish, FullVersionsResetTheChain) {
   Fixture f;
   auto publisher = f.MakePublisher(f.PublisherOpts());
@@ -379,6 +418,63 @@ TEST(Pull, StateWrittenByThePythonReceiverIsUnderstood) {
   DS_ASSERT_OK(r);
   EXPECT_EQ(r->reset_to, 0);
   EXPECT_TRUE(HoldsModel(f.local, models[2]));
+}
+
+TEST(Pull, VersionsWrittenByThePythonPublisherAreApplied) {
+  // No sidecars, and a full version that is a single model.safetensors with
+  // no index, as vime's full-mode sync writes it.
+  Fixture f;
+  auto publisher = f.MakePublisher(f.PublisherOpts(Encoding::kXor));
+  RemoveDir(f.base);
+  WriteModel(f.base, f.base_model, 3000);  // a sharded base
+  std::vector<Model> models = PublishSteps(publisher.get(), f.base_model, 2);
+  models.push_back(Step(models.back(), 31));
+  WriteModel(f.VersionPath(3), models.back());
+  for (int64_t v = 1; v <= 2; ++v) {
+    ASSERT_EQ(::unlink((f.VersionPath(v) + "/deltasync.json").c_str()), 0);
+  }
+  Result<VersionInfo> full = ReadVersionInfo(f.VersionPath(3));
+  DS_ASSERT_OK(full);
+  EXPECT_FALSE(full->is_delta);
+  EXPECT_FALSE(full->has_manifest);
+  auto local = f.OpenLocal();
+  DS_ASSERT_OK(local->Pull(2));
+  EXPECT_TRUE(HoldsModel(f.local, models[2]));
+  const std::vector<std::string> sharded = ListDir(f.local);
+  EXPECT_GT(std::count_if(sharded.begin(), sharded.end(),
+                          [](const std::string& n) { return n.starts_with("model-00001-of-"); }),
+            0);
+  DS_EXPECT_OK(local->Verify());
+  Result<PullResult> r = local->Pull(3);
+  DS_ASSERT_OK(r);
+  EXPECT_EQ(r->reset_to, 3);
+  EXPECT_TRUE(HoldsModel(f.local, models[3]));
+  // The reset replaced the sharded layout: no stale index or shard remains.
+  EXPECT_EQ(ListDir(f.local),
+            (std::vector<std::string>{".weight_sync", "config.json", "model.safetensors"}));
+  DS_EXPECT_OK(local->Verify());
+}
+
+TEST(Pull, ConcurrentPullsOnOneHostAreSerializedByTheLock) {
+  Fixture f;
+  auto publisher = f.MakePublisher(f.PublisherOpts(Encoding::kXor));
+  const std::vector<Model> models = PublishSteps(publisher.get(), f.base_model, 3);
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int i = 0; i < 3; ++i) {
+    threads.emplace_back([&] {
+      ThreadPool pool(1);
+      LocalCheckpointOptions lo = f.LocalOpts();
+      lo.pool = &pool;
+      auto local = LocalCheckpoint::Open(lo);
+      if (!local.ok() || !(*local)->Pull(std::nullopt).ok()) failures++;
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_TRUE(HoldsModel(f.local, models[3]));
+  auto local = f.OpenLocal();
+  DS_EXPECT_OK(local->Verify());
 }
 
 TEST(Hooks, PostWriteHookFailureLeavesNothingPublishedAndTheSnapshotIntact) {

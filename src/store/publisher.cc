@@ -33,13 +33,14 @@ struct SnapshotTensor {
   std::string name;
   DType dtype = DType::kU8;
   std::vector<int64_t> shape;
-  std::unique_ptr<uint8_t[]> data;
+  std::unique_ptr<uint8_t[]> owned;  // null when borrowed from the caller
+  uint8_t* data = nullptr;           // never written when borrowed
   size_t size = 0;
   // Hex digest (options.checksum) of the current contents, once computed.
   std::optional<std::string> checksum;
 
-  std::span<uint8_t> bytes() { return {data.get(), size}; }
-  TensorView view() const { return {name, dtype, shape, {data.get(), size}}; }
+  std::span<uint8_t> bytes() { return {data, size}; }
+  TensorView view() const { return {name, dtype, shape, {data, size}}; }
 };
 
 // What one tensor contributes to a delta version.
@@ -106,6 +107,13 @@ struct Publisher::State {
   std::vector<SnapshotTensor> tensors;
   std::unordered_map<std::string, size_t> index;
   int64_t latest = 0;
+  // The snapshot points at the caller's base, which is only read: a
+  // one-shot publish (PublishOnce) that never advances it.
+  bool borrowed = false;
+
+  static Result<std::unique_ptr<State>> Make(const PublisherOptions& options,
+                                             const std::vector<TensorView>& base, bool borrow);
+  Result<PublishResult> Publish(const std::vector<TensorView>& weights, bool full);
 
   // Orders `weights` as the snapshot, checking that they match it.
   Status MatchWeights(const std::vector<TensorView>& weights,
@@ -202,7 +210,8 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
     if (!snap.checksum) snap.checksum = ChecksumHex(opt.checksum, snap.bytes());
     DiffOptions diff;
     diff.elem_size = static_cast<uint32_t>(DTypeSize(snap.dtype));
-    diff.refresh_snapshot = undo_bytes.load(std::memory_order_relaxed) < opt.undo_budget_bytes;
+    diff.refresh_snapshot =
+        !borrowed && undo_bytes.load(std::memory_order_relaxed) < opt.undo_budget_bytes;
     diff.keep_old_values = true;
     diff.pool = nullptr;
     ChangeSet changes;
@@ -310,7 +319,7 @@ void Publisher::State::RestoreSnapshot(std::vector<DeltaTensor>* delta) {
     DeltaTensor& d = (*delta)[i];
     if (!d.refreshed || d.undo.count() == 0) return;
     const uint32_t es = d.undo.elem_size;
-    uint8_t* dst = tensors[i].data.get();
+    uint8_t* dst = tensors[i].data;
     for (uint64_t k = 0; k < d.undo.count(); ++k) {
       std::memcpy(dst + d.undo.position(k) * es, d.undo.old_values.data() + k * es, es);
     }
@@ -350,8 +359,8 @@ Status Publisher::State::WriteFull(const std::vector<const TensorView*>& weights
 Publisher::Publisher(std::unique_ptr<State> state) : state_(std::move(state)) {}
 Publisher::~Publisher() = default;
 
-Result<std::unique_ptr<Publisher>> Publisher::Create(const PublisherOptions& options,
-                                                     const std::vector<TensorView>& base) {
+Result<std::unique_ptr<Publisher::State>> Publisher::State::Make(
+    const PublisherOptions& options, const std::vector<TensorView>& base, bool borrow) {
   if (options.store.empty()) return Status::InvalidArgument("publisher: no store directory given");
   if (options.full_every < 0) {
     return Status::InvalidArgument("publisher: full_every must be >= 0, not " +
@@ -363,6 +372,7 @@ Result<std::unique_ptr<Publisher>> Publisher::Create(const PublisherOptions& opt
   auto state = std::make_unique<State>();
   state->options = options;
   state->pool = options.pool ? options.pool : &ThreadPool::Default();
+  state->borrowed = borrow;
   state->tensors.resize(base.size());
   for (size_t i = 0; i < base.size(); ++i) {
     const TensorView& t = base[i];
@@ -375,16 +385,30 @@ Result<std::unique_ptr<Publisher>> Publisher::Create(const PublisherOptions& opt
     s.dtype = t.dtype;
     s.shape = t.shape;
     s.size = t.bytes.size();
-    s.data.reset(new uint8_t[std::max<size_t>(1, s.size)]);
-  }
-  state->pool->ParallelFor(base.size(), [&](size_t i) {
-    if (!base[i].bytes.empty()) {
-      std::memcpy(state->tensors[i].data.get(), base[i].bytes.data(), base[i].bytes.size());
+    if (borrow) {
+      // Only read: the diff runs without refresh.
+      s.data = const_cast<uint8_t*>(t.bytes.data());
+    } else {
+      s.owned.reset(new uint8_t[std::max<size_t>(1, s.size)]);
+      s.data = s.owned.get();
     }
-  });
+  }
+  if (!borrow) {
+    state->pool->ParallelFor(base.size(), [&](size_t i) {
+      if (!base[i].bytes.empty()) {
+        std::memcpy(state->tensors[i].data, base[i].bytes.data(), base[i].bytes.size());
+      }
+    });
+  }
   DS_RETURN_IF_ERROR(format_internal::CreateDirectories(options.store));
   DS_ASSIGN_OR_RETURN(std::vector<int64_t> versions, ListVersionNumbers(options.store));
   state->latest = versions.empty() ? 0 : versions.back();
+  return state;
+}
+
+Result<std::unique_ptr<Publisher>> Publisher::Create(const PublisherOptions& options,
+                                                     const std::vector<TensorView>& base) {
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<State> state, State::Make(options, base, false));
   return std::unique_ptr<Publisher>(new Publisher(std::move(state)));
 }
 
@@ -412,8 +436,12 @@ Result<PublishResult> Publisher::PublishCheckpoint(const std::string& path, bool
 }
 
 Result<PublishResult> Publisher::Publish(const std::vector<TensorView>& weights, bool full) {
+  return state_->Publish(weights, full);
+}
+
+Result<PublishResult> Publisher::State::Publish(const std::vector<TensorView>& weights, bool full) {
   const auto t0 = std::chrono::steady_clock::now();
-  State& st = *state_;
+  State& st = *this;
   std::vector<const TensorView*> ordered;
   DS_RETURN_IF_ERROR(st.MatchWeights(weights, &ordered));
   const std::string& store = st.options.store;
@@ -476,7 +504,18 @@ Result<PublishResult> Publisher::Publish(const std::vector<TensorView>& weights,
   st.latest = version;
 
   // Advance the snapshot.
-  if (full) {
+  if (st.borrowed) {
+    // Nothing to advance; only the statistics a full version lacks.
+    if (full) {
+      std::atomic<uint64_t> changed{0};
+      st.pool->ParallelFor(st.tensors.size(), [&](size_t i) {
+        Result<uint64_t> n = CountChanged(ordered[i]->bytes, st.tensors[i].bytes(),
+                                          static_cast<uint32_t>(DTypeSize(st.tensors[i].dtype)));
+        if (n.ok()) changed.fetch_add(*n, std::memory_order_relaxed);
+      });
+      result.changed_elements = changed.load();
+    }
+  } else if (full) {
     std::atomic<uint64_t> changed{0};
     st.pool->ParallelFor(st.tensors.size(), [&](size_t i) {
       SnapshotTensor& s = st.tensors[i];
@@ -487,7 +526,7 @@ Result<PublishResult> Publisher::Publish(const std::vector<TensorView>& weights,
       if (DiffTensor(ordered[i]->bytes, s.bytes(), diff, &changes).ok()) {
         changed.fetch_add(changes.count(), std::memory_order_relaxed);
       } else {
-        std::memcpy(s.data.get(), ordered[i]->bytes.data(), s.size);
+        if (s.size > 0) std::memcpy(s.data, ordered[i]->bytes.data(), s.size);
       }
       s.checksum = full_checksums[i];
     });
@@ -497,7 +536,9 @@ Result<PublishResult> Publisher::Publish(const std::vector<TensorView>& weights,
       SnapshotTensor& s = st.tensors[i];
       DeltaTensor& d = delta[i];
       if (!d.changed) return;
-      if (!d.refreshed) std::memcpy(s.data.get(), ordered[i]->bytes.data(), s.size);
+      if (!d.refreshed && s.size > 0) {
+        std::memcpy(s.data, ordered[i]->bytes.data(), s.size);
+      }
       s.checksum = d.checksum;
       d.undo = ChangeSet();
     });
@@ -508,6 +549,25 @@ Result<PublishResult> Publisher::Publish(const std::vector<TensorView>& weights,
   result.seconds = SecondsSince(t0);
   if (!sync_status.ok()) return sync_status.WithContext("version published but not synced");
   return result;
+}
+
+Result<PublishResult> PublishOnce(const PublisherOptions& options,
+                                  const std::vector<TensorView>& base,
+                                  const std::vector<TensorView>& weights, bool full) {
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<Publisher::State> state,
+                      Publisher::State::Make(options, base, /*borrow=*/true));
+  return state->Publish(weights, full);
+}
+
+Result<PublishResult> PublishCheckpointOnce(const PublisherOptions& options,
+                                            const std::string& base_path,
+                                            const std::string& new_path, bool full) {
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> base, Checkpoint::Open(base_path));
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> next, Checkpoint::Open(new_path));
+  std::vector<TensorView> base_views, new_views;
+  for (const auto& [name, view] : base->tensors()) base_views.push_back(view);
+  for (const auto& [name, view] : next->tensors()) new_views.push_back(view);
+  return PublishOnce(options, base_views, new_views, full);
 }
 
 // ---------------------------------------------------------------------------

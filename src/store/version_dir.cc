@@ -184,6 +184,7 @@ Result<VersionInfo> ReadVersionInfo(const std::string& version_dir) {
     }
   }
 
+  info.bytes = store_internal::DirectoryBytes(version_dir);
   DS_ASSIGN_OR_RETURN(std::optional<VersionManifest> manifest, ReadVersionManifest(version_dir));
   if (manifest) {
     const std::string where = JoinPath(version_dir, kVersionManifestFileName);
