@@ -1,0 +1,504 @@
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "agent/agent_test_util.h"
+#include "deltasync/agent.h"
+
+namespace deltasync {
+namespace {
+
+using nlohmann::json;
+using testing_agent::FakeCheckpoint;
+using testing_agent::FakePuller;
+using testing_agent::FakeReload;
+using testing_agent::FakeReloader;
+
+class AgentTest : public ::testing::Test {
+ protected:
+  void StartAgent(AgentOptions options = {}, bool with_reloader = false) {
+    std::unique_ptr<EngineReloader> reloader;
+    if (with_reloader) reloader = std::make_unique<FakeReloader>(reload_);
+    Result<std::unique_ptr<Agent>> agent =
+        Agent::Create(options, std::make_unique<FakePuller>(checkpoint_), std::move(reloader));
+    ASSERT_TRUE(agent.ok()) << agent.status().ToString();
+    agent_ = std::move(agent).value();
+    ASSERT_TRUE(agent_->Start().ok());
+    ASSERT_GT(agent_->port(), 0);
+    client_ = std::make_unique<httplib::Client>("127.0.0.1", agent_->port());
+    client_->set_read_timeout(10, 0);
+    if (!options.token.empty()) client_->set_bearer_token_auth(options.token.c_str());
+  }
+
+  // POSTs `body` to /pull_weights; returns {status, parsed body}.
+  std::pair<int, json> Pull(const std::string& body) {
+    httplib::Result res = client_->Post("/pull_weights", body, "application/json");
+    if (!res) return {-1, json()};
+    return {res->status, json::parse(res->body, nullptr, false)};
+  }
+  std::pair<int, json> Get(const std::string& path) {
+    httplib::Result res = client_->Get(path.c_str());
+    if (!res) return {-1, json()};
+    return {res->status, json::parse(res->body, nullptr, false)};
+  }
+  // Sends `request` as is on a fresh connection; returns everything read
+  // until the server closes it (or 5 s pass).
+  std::string RawRequest(const std::string& request) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(agent_->port()));
+    timeval tv{5, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    std::string out;
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+        ::send(fd, request.data(), request.size(), MSG_NOSIGNAL) ==
+            static_cast<ssize_t>(request.size())) {
+      char buf[4096];
+      ssize_t n;
+      while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) out.append(buf, static_cast<size_t>(n));
+    }
+    ::close(fd);
+    return out;
+  }
+  std::string MetricsText() {
+    httplib::Result res = client_->Get("/metrics");
+    EXPECT_TRUE(res);
+    if (!res) return {};
+    EXPECT_EQ(res->status, 200);
+    return res->body;
+  }
+  // The value of an unlabelled sample line "<name> <value>" in /metrics.
+  double Metric(const std::string& name) {
+    const std::string text = MetricsText();
+    const std::string key = "\n" + name + " ";
+    const size_t at = ("\n" + text).find(key);
+    EXPECT_NE(at, std::string::npos) << name;
+    if (at == std::string::npos) return -1;
+    return std::stod(text.substr(at + key.size() - 1));
+  }
+
+  std::shared_ptr<FakeCheckpoint> checkpoint_ = std::make_shared<FakeCheckpoint>();
+  std::shared_ptr<FakeReload> reload_ = std::make_shared<FakeReload>();
+  std::unique_ptr<Agent> agent_;
+  std::unique_ptr<httplib::Client> client_;
+};
+
+TEST_F(AgentTest, EmptyBodyPullsTheStoresLatest) {
+  StartAgent();
+  auto [status, body] = Pull("");
+  ASSERT_EQ(status, 200) << body.dump();
+  EXPECT_EQ(body["version"], 3);
+  EXPECT_EQ(body["applied"], true);
+  EXPECT_EQ(body["verified"], true);
+  EXPECT_EQ(body["bytes_read"], 1003);
+  EXPECT_EQ(body["tensors_changed"], 2);
+  EXPECT_TRUE(body["seconds"].is_number());
+  EXPECT_TRUE(body["from_version"].is_null());
+  ASSERT_EQ(checkpoint_->pull_targets.size(), 1u);
+  EXPECT_EQ(checkpoint_->pull_targets[0], std::nullopt);
+}
+
+TEST_F(AgentTest, TargetVersionForms) {
+  StartAgent();
+  auto [s1, b1] = Pull(R"({"target_version": 2})");
+  ASSERT_EQ(s1, 200) << b1.dump();
+  EXPECT_EQ(b1["version"], 2);
+  auto [s2, b2] = Pull(R"({"target_version": 0})");
+  ASSERT_EQ(s2, 200) << b2.dump();
+  EXPECT_EQ(b2["version"], 0);
+  EXPECT_EQ(b2["from_version"], 2);
+  auto [s3, b3] = Pull(R"({"target_version": "latest"})");
+  ASSERT_EQ(s3, 200) << b3.dump();
+  EXPECT_EQ(b3["version"], 3);
+  auto [s4, b4] = Pull(R"({"target_version": "1", "unrelated": [1, 2]})");
+  ASSERT_EQ(s4, 200) << b4.dump();
+  EXPECT_EQ(b4["version"], 1);
+  auto [s5, b5] = Pull(R"({"target_version": null})");
+  ASSERT_EQ(s5, 200) << b5.dump();
+  EXPECT_EQ(b5["version"], 3);
+  auto [s6, b6] = Pull(R"({"target_version": 3})");
+  ASSERT_EQ(s6, 200) << b6.dump();
+  EXPECT_EQ(b6["applied"], false);  // already there
+  const std::vector<std::optional<int64_t>> expected = {2, 0, std::nullopt, 1, std::nullopt, 3};
+  EXPECT_EQ(checkpoint_->pull_targets, expected);
+}
+
+TEST_F(AgentTest, BadRequestsGet4xxAndChangeNothing) {
+  checkpoint_->current = 1;
+  StartAgent();
+  struct Case {
+    std::string body;
+    int status;
+    std::string code;
+  };
+  const std::vector<Case> cases = {
+      {"{not json", 400, "invalid_json"},
+      {"[1, 2]", 400, "invalid_request"},
+      {"7", 400, "invalid_request"},
+      {R"({"target_version": -1})", 400, "invalid_target_version"},
+      {R"({"target_version": 1.5})", 400, "invalid_target_version"},
+      {R"({"target_version": true})", 400, "invalid_target_version"},
+      {R"({"target_version": "../../etc/passwd"})", 400, "invalid_target_version"},
+      {R"({"target_version": "-3"})", 400, "invalid_target_version"},
+      {R"({"target_version": 18446744073709551615})", 400, "invalid_target_version"},
+      {R"({"target_version": 4})", 404, "version_not_found"},
+      {R"({"target_version": 1000000})", 404, "version_not_found"},
+  };
+  for (const Case& c : cases) {
+    auto [status, body] = Pull(c.body);
+    EXPECT_EQ(status, c.status) << c.body;
+    ASSERT_TRUE(body.is_object()) << c.body;
+    EXPECT_EQ(body["code"], c.code) << c.body;
+    EXPECT_TRUE(body["error"].is_string() && !body["error"].get<std::string>().empty()) << c.body;
+  }
+  EXPECT_EQ(checkpoint_->pull_count(), 0u);
+  EXPECT_EQ(checkpoint_->current, 1);
+  EXPECT_EQ(Metric("deltasync_agent_pulls_total"), 0);
+  EXPECT_EQ(Metric("deltasync_agent_rejected_requests_total"), static_cast<double>(cases.size()));
+  auto [status, body] = Get("/status");
+  EXPECT_EQ(body["applied_version"], 1);
+  EXPECT_TRUE(body["last_error"].is_null()) << "a refused request is not a pull failure";
+}
+
+TEST_F(AgentTest, HugeBodyIsRefusedWith413) {
+  AgentOptions options;
+  options.max_body_bytes = 1024;
+  StartAgent(options);
+  const std::string huge = R"({"target_version": 1, "pad": ")" + std::string(4096, 'x') + "\"}";
+  auto [status, body] = Pull(huge);
+  EXPECT_EQ(status, 413);
+  EXPECT_EQ(body["code"], "body_too_large");
+  // Sent chunked (no Content-Length), the body is cut off while reading.
+  // The whole request fits in one socket read, so the server consumed it
+  // all and its response cannot be lost to a reset.
+  const std::string chunk(2000, ' ');
+  char size_line[16];
+  std::snprintf(size_line, sizeof(size_line), "%zx\r\n", chunk.size());
+  const std::string chunked =
+      RawRequest("POST /pull_weights HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" +
+                 std::string(size_line) + chunk + "\r\n0\r\n\r\n");
+  EXPECT_EQ(chunked.rfind("HTTP/1.1 413", 0), 0u) << chunked;
+  EXPECT_NE(chunked.find("body_too_large"), std::string::npos) << chunked;
+  EXPECT_EQ(checkpoint_->pull_count(), 0u);
+  // Chunked bodies anywhere else are refused before they are read.
+  const std::string raw = RawRequest(
+      "POST /status HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n");
+  EXPECT_EQ(raw.rfind("HTTP/1.1 411", 0), 0u) << raw;
+  EXPECT_NE(raw.find("length_required"), std::string::npos) << raw;
+  // A body under the cap still works.
+  auto [ok_status, ok_body] = Pull(R"({"target_version": 1})");
+  EXPECT_EQ(ok_status, 200) << ok_body.dump();
+}
+
+TEST_F(AgentTest, PullFailureIs500WithTheReason) {
+  checkpoint_->current = 2;
+  checkpoint_->next_pull_error = Status::Corruption("tensor 'w' checksum mismatch after apply");
+  StartAgent();
+  auto [status, body] = Pull(R"({"target_version": 3})");
+  EXPECT_EQ(status, 500);
+  EXPECT_EQ(body["code"], "pull_failed");
+  EXPECT_EQ(body["status"], "Corruption");
+  EXPECT_NE(body["error"].get<std::string>().find("checksum mismatch"), std::string::npos);
+  EXPECT_EQ(body["applied_version"], 2);
+  auto [st, st_body] = Get("/status");
+  EXPECT_EQ(st_body["last_error"]["code"], "pull_failed");
+  EXPECT_EQ(Metric("deltasync_agent_pull_failures_total"), 1);
+  EXPECT_EQ(Metric("deltasync_agent_pulls_total"), 1);
+  // The next successful pull clears it.
+  auto [s2, b2] = Pull(R"({"target_version": 3})");
+  EXPECT_EQ(s2, 200) << b2.dump();
+  auto [st2, st2_body] = Get("/status");
+  EXPECT_TRUE(st2_body["last_error"].is_null());
+  EXPECT_EQ(st2_body["last_pull"]["version"], 3);
+}
+
+TEST_F(AgentTest, VersionVanishingDuringPullIs404) {
+  checkpoint_->next_pull_error = Status::NotFound("version dir weight_v000003 is missing");
+  StartAgent();
+  auto [status, body] = Pull(R"({"target_version": 3})");
+  EXPECT_EQ(status, 404);
+  EXPECT_EQ(body["code"], "version_not_found");
+}
+
+TEST_F(AgentTest, UnreadableStoreIs500) {
+  checkpoint_->latest_error = Status::IOError("cannot list /store: Permission denied");
+  StartAgent();
+  auto [status, body] = Pull(R"({"target_version": 1})");
+  EXPECT_EQ(status, 500);
+  EXPECT_EQ(body["code"], "store_unreadable");
+  EXPECT_EQ(checkpoint_->pull_count(), 0u);
+}
+
+TEST_F(AgentTest, VerifyAfterPullRunsAndItsFailureFailsThePull) {
+  AgentOptions options;
+  options.verify_after_pull = true;
+  StartAgent(options);
+  auto [s1, b1] = Pull(R"({"target_version": 1})");
+  EXPECT_EQ(s1, 200) << b1.dump();
+  EXPECT_EQ(checkpoint_->verify_calls, 1);
+  checkpoint_->verify_error = Status::Corruption("tensor 'x' does not match");
+  auto [s2, b2] = Pull(R"({"target_version": 2})");
+  EXPECT_EQ(s2, 500);
+  EXPECT_EQ(b2["code"], "verify_failed");
+}
+
+TEST_F(AgentTest, StatusHealthAndMetricsEndpoints) {
+  checkpoint_->current = 1;
+  StartAgent();
+  auto [hs, health] = Get("/health");
+  EXPECT_EQ(hs, 200);
+  EXPECT_EQ(health["status"], "ok");
+  auto [ss, status] = Get("/status");
+  EXPECT_EQ(ss, 200);
+  EXPECT_EQ(status["applied_version"], 1);
+  EXPECT_EQ(status["store_latest"], 3);
+  EXPECT_EQ(status["state"], "idle");
+  EXPECT_EQ(status["busy"], false);
+  EXPECT_TRUE(status["last_error"].is_null());
+  EXPECT_EQ(status["local"], checkpoint_->local);
+  ASSERT_EQ(Pull(R"({"target_version": 2})").first, 200);
+  ASSERT_EQ(Pull(R"({"target_version": 3})").first, 200);
+  EXPECT_EQ(Metric("deltasync_agent_pulls_total"), 2);
+  EXPECT_EQ(Metric("deltasync_agent_pull_failures_total"), 0);
+  EXPECT_EQ(Metric("deltasync_agent_bytes_read_total"), 1002 + 1003);
+  EXPECT_EQ(Metric("deltasync_agent_apply_seconds_count"), 2);
+  EXPECT_EQ(Metric("deltasync_agent_applied_version"), 3);
+  EXPECT_EQ(Metric("deltasync_agent_busy"), 0);
+  httplib::Result res = client_->Get("/metrics");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->get_header_value("Content-Type").rfind("text/plain", 0), 0u);
+}
+
+TEST_F(AgentTest, UnknownPathsAndWrongMethodsGetJsonErrors) {
+  StartAgent();
+  auto [s1, b1] = Get("/nope");
+  EXPECT_EQ(s1, 404);
+  EXPECT_EQ(b1["code"], "not_found");
+  auto [s2, b2] = Get("/pull_weights");
+  EXPECT_EQ(s2, 405);
+  EXPECT_EQ(b2["code"], "method_not_allowed");
+  httplib::Result res = client_->Post("/status", "", "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 405);
+  EXPECT_EQ(checkpoint_->pull_count(), 0u);
+}
+
+TEST_F(AgentTest, TokenIsRequiredWhenSet) {
+  AgentOptions options;
+  options.token = "s3cret-token";
+  StartAgent(options);
+  httplib::Client anonymous("127.0.0.1", agent_->port());
+  for (const char* path : {"/health", "/status", "/metrics"}) {
+    httplib::Result res = anonymous.Get(path);
+    ASSERT_TRUE(res) << path;
+    EXPECT_EQ(res->status, 401) << path;
+    EXPECT_EQ(json::parse(res->body, nullptr, false)["code"], "unauthorized") << path;
+  }
+  httplib::Result res =
+      anonymous.Post("/pull_weights", R"({"target_version": 1})", "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 401);
+  EXPECT_EQ(res->get_header_value("WWW-Authenticate"), "Bearer");
+
+  for (const char* wrong : {"s3cret-toke", "s3cret-token2", "S3CRET-TOKEN", "x"}) {
+    httplib::Client c("127.0.0.1", agent_->port());
+    c.set_bearer_token_auth(wrong);
+    httplib::Result r = c.Post("/pull_weights", R"({"target_version": 1})", "application/json");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 401) << wrong;
+  }
+  httplib::Client basic("127.0.0.1", agent_->port());
+  basic.set_basic_auth("user", "s3cret-token");
+  httplib::Result r = basic.Get("/health");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 401);
+  EXPECT_EQ(checkpoint_->pull_count(), 0u);
+
+  auto [status, body] = Pull(R"({"target_version": 1})");  // client_ carries the token
+  EXPECT_EQ(status, 200) << body.dump();
+  EXPECT_EQ(Get("/health").first, 200);
+}
+
+TEST_F(AgentTest, UnauthorizedHugeBodyIsRefusedBeforeReading) {
+  AgentOptions options;
+  options.token = "t";
+  options.max_body_bytes = 100;
+  StartAgent(options);
+  httplib::Client anonymous("127.0.0.1", agent_->port());
+  httplib::Result res =
+      anonymous.Post("/pull_weights", std::string(1 << 20, 'x'), "application/json");
+  // 401 comes first; the server may close before the client finishes
+  // sending, which is also a refusal.
+  if (res) {
+    EXPECT_EQ(res->status, 401);
+  }
+  EXPECT_EQ(checkpoint_->pull_count(), 0u);
+}
+
+TEST(AgentCreateTest, RefusesNonLoopbackWithoutToken) {
+  auto make = [](const std::string& host, const std::string& token) {
+    AgentOptions options;
+    options.host = host;
+    options.token = token;
+    return Agent::Create(options, std::make_unique<FakePuller>(std::make_shared<FakeCheckpoint>()),
+                         nullptr);
+  };
+  for (const char* host : {"0.0.0.0", "::", "[::]", "10.1.2.3", "example.com", "192.168.0.1"}) {
+    Result<std::unique_ptr<Agent>> agent = make(host, "");
+    ASSERT_FALSE(agent.ok()) << host;
+    EXPECT_EQ(agent.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(agent.status().message().find("token"), std::string::npos);
+  }
+  // With a token they are allowed (not started here: tests bind loopback only).
+  EXPECT_TRUE(make("0.0.0.0", "tok").ok());
+  for (const char* host : {"127.0.0.1", "127.1.2.3", "localhost", "::1", "[::1]"}) {
+    EXPECT_TRUE(make(host, "").ok()) << host;
+  }
+  EXPECT_FALSE(Agent::Create(AgentOptions{}, nullptr, nullptr).ok());
+  AgentOptions bad_port;
+  bad_port.port = 70000;
+  EXPECT_FALSE(Agent::Create(bad_port,
+                             std::make_unique<FakePuller>(std::make_shared<FakeCheckpoint>()),
+                             nullptr)
+                   .ok());
+}
+
+TEST(AgentCreateTest, LoopbackHosts) {
+  EXPECT_TRUE(IsLoopbackHost("127.0.0.1"));
+  EXPECT_TRUE(IsLoopbackHost("127.255.0.9"));
+  EXPECT_TRUE(IsLoopbackHost("::1"));
+  EXPECT_TRUE(IsLoopbackHost("[::1]"));
+  EXPECT_TRUE(IsLoopbackHost("localhost"));
+  EXPECT_FALSE(IsLoopbackHost("0.0.0.0"));
+  EXPECT_FALSE(IsLoopbackHost("128.0.0.1"));
+  EXPECT_FALSE(IsLoopbackHost("::"));
+  EXPECT_FALSE(IsLoopbackHost("::ffff:10.0.0.1"));
+  EXPECT_FALSE(IsLoopbackHost("localhost.evil.com"));
+  EXPECT_FALSE(IsLoopbackHost(""));
+}
+
+TEST(AgentCreateTest, BindFailureIsAnError) {
+  testing_agent::LoopbackServer taken;
+  const int port = taken.Start();
+  ASSERT_GT(port, 0);
+  AgentOptions options;
+  options.port = port;
+  Result<std::unique_ptr<Agent>> agent = Agent::Create(
+      options, std::make_unique<FakePuller>(std::make_shared<FakeCheckpoint>()), nullptr);
+  ASSERT_TRUE(agent.ok());
+  // httplib sets SO_REUSEADDR, which on Linux still refuses a port in LISTEN.
+  Status started = (*agent)->Start();
+  EXPECT_FALSE(started.ok());
+  EXPECT_EQ(started.code(), StatusCode::kIOError);
+}
+
+TEST_F(AgentTest, PullsAreSerializedAndStatusAnswersWhileBusy) {
+  checkpoint_->pull_delay = std::chrono::milliseconds(300);
+  StartAgent();
+  std::vector<std::thread> threads;
+  std::vector<int> statuses(3, 0);
+  for (int i = 0; i < 3; ++i) {
+    threads.emplace_back([&, i] {
+      httplib::Client c("127.0.0.1", agent_->port());
+      c.set_read_timeout(10, 0);
+      httplib::Result r =
+          c.Post("/pull_weights", R"({"target_version": )" + std::to_string(i + 1) + "}",
+                 "application/json");
+      statuses[i] = r ? r->status : -1;
+    });
+  }
+  // While pulls are queued, /status answers at once and says busy.
+  bool saw_busy = false;
+  for (int i = 0; i < 200 && !saw_busy; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    auto [s, body] = Get("/status");
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(250));
+    if (s == 200 && body["busy"] == true) {
+      saw_busy = true;
+      EXPECT_EQ(body["state"], "busy");
+      EXPECT_FALSE(body["pulling_target"].is_null());
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_TRUE(saw_busy);
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(statuses, std::vector<int>({200, 200, 200}));
+  EXPECT_EQ(checkpoint_->max_pulls_in_flight.load(), 1);
+  EXPECT_EQ(checkpoint_->pull_count(), 3u);
+}
+
+TEST_F(AgentTest, StopLetsTheInFlightPullFinish) {
+  checkpoint_->pull_delay = std::chrono::milliseconds(400);
+  StartAgent();
+  const int port = agent_->port();
+  int pull_status = 0;
+  json pull_body;
+  std::thread puller([&] {
+    httplib::Client c("127.0.0.1", port);
+    c.set_read_timeout(10, 0);
+    httplib::Result r = c.Post("/pull_weights", R"({"target_version": 2})", "application/json");
+    pull_status = r ? r->status : -1;
+    if (r) pull_body = json::parse(r->body, nullptr, false);
+  });
+  while (checkpoint_->pulls_in_flight.load() == 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  client_.reset();  // no idle keep-alive connection of ours holds the server
+  agent_->Stop();
+  puller.join();
+  EXPECT_EQ(pull_status, 200);
+  EXPECT_EQ(pull_body["version"], 2);
+  EXPECT_EQ(checkpoint_->current, 2);
+  httplib::Client after("127.0.0.1", port);
+  after.set_connection_timeout(1, 0);
+  EXPECT_FALSE(after.Get("/health"));
+  agent_->Stop();  // idempotent
+}
+
+TEST_F(AgentTest, ReloadRunsAfterEachSuccessfulPull) {
+  StartAgent({}, /*with_reloader=*/true);
+  auto [s1, b1] = Pull(R"({"target_version": 2, "model_path": "/etc"})");
+  ASSERT_EQ(s1, 200) << b1.dump();
+  EXPECT_EQ(b1["reloaded"], true);
+  ASSERT_EQ(reload_->calls.size(), 1u);
+  // The path comes from the agent's configuration, never from the request.
+  EXPECT_EQ(reload_->calls[0].first, checkpoint_->local);
+  EXPECT_EQ(reload_->calls[0].second, 2);
+
+  checkpoint_->next_pull_error = Status::Corruption("bad frame");
+  EXPECT_EQ(Pull(R"({"target_version": 3})").first, 500);
+  EXPECT_EQ(reload_->calls.size(), 1u) << "no reload after a failed pull";
+
+  reload_->result = Status::Aborted("engine answered 500");
+  auto [s3, b3] = Pull(R"({"target_version": 3})");
+  EXPECT_EQ(s3, 502);
+  EXPECT_EQ(b3["code"], "reload_failed");
+  EXPECT_NE(b3["error"].get<std::string>().find("engine answered 500"), std::string::npos);
+  EXPECT_EQ(b3["version"], 3);
+  EXPECT_EQ(Metric("deltasync_agent_reload_failures_total"), 1);
+  EXPECT_EQ(Metric("deltasync_agent_reloads_total"), 2);
+  auto [st, status] = Get("/status");
+  EXPECT_EQ(status["applied_version"], 3);
+  EXPECT_EQ(status["last_error"]["code"], "reload_failed");
+}
+
+TEST(TokenFileTest, ReadsAndTrims) {
+  const std::string dir = ::testing::TempDir();
+  const std::string path = dir + "/agent_token_test.txt";
+  { std::ofstream(path) << "  abc.DEF-123\n"; }
+  Result<std::string> token = ReadTokenFile(path);
+  ASSERT_TRUE(token.ok()) << token.status().ToString();
+  EXPECT_EQ(*token, "abc.DEF-123");
+  { std::ofstream(path) << "\n \n"; }
+  EXPECT_EQ(ReadTokenFile(path).status().code(), StatusCode::kInvalidArgument);
+  { std::ofstream(path) << "two words"; }
+  EXPECT_EQ(ReadTokenFile(path).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ReadTokenFile(dir + "/no-such-token-file").status().code(), StatusCode::kIOError);
+  std::remove(path.c_str());
+}
+
+}  // namespace
+}  // namespace deltasync
