@@ -36,5 +36,7 @@ void RegisterInspect(CLI::App& app, CommandFn* run);
 void RegisterSynth(CLI::App& app, CommandFn* run);
 void RegisterDiff(CLI::App& app, CommandFn* run);
 void RegisterBench(CLI::App& app, CommandFn* run);
+void RegisterAgent(CLI::App& app, CommandFn* run);
+void RegisterSync(CLI::App& app, CommandFn* run);
 
 }  // namespace deltasync::cli

@@ -20,6 +20,8 @@ int main(int argc, char** argv) {
   RegisterSynth(app, &run);
   RegisterDiff(app, &run);
   RegisterBench(app, &run);
+  RegisterAgent(app, &run);
+  RegisterSync(app, &run);
 
   try {
     app.parse(argc, argv);

@@ -422,6 +422,11 @@ struct Agent::State {
       setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
     });
     server.set_payload_max_length(options.max_body_bytes);
+    // One request per connection. Requests are few (a pull per training
+    // step, a scrape now and then), and httplib cannot otherwise close a
+    // connection whose body it refused unread: it would wait out the read
+    // timeout on the leftover bytes, and so would Stop().
+    server.set_keep_alive_max_count(1);
     server.set_pre_routing_handler(
         [this](const httplib::Request& req, httplib::Response& res) { return PreRoute(req, res); });
     server.Post("/pull_weights", httplib::Server::HandlerWithContentReader(
