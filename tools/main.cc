@@ -19,6 +19,11 @@ int main(int argc, char** argv) {
   RegisterChecksum(app, &run);
   RegisterSynth(app, &run);
   RegisterDiff(app, &run);
+  RegisterPublish(app, &run);
+  RegisterPull(app, &run);
+  RegisterVerify(app, &run);
+  RegisterVersions(app, &run);
+  RegisterPrune(app, &run);
   RegisterBench(app, &run);
   RegisterAgent(app, &run);
   RegisterSync(app, &run);

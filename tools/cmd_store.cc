@@ -1,0 +1,256 @@
+// The disk transport's commands: publish, pull, verify, versions, prune.
+#include <charconv>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "cli_util.h"
+#include "deltasync/store.h"
+
+namespace deltasync::cli {
+namespace {
+
+nlohmann::json VersionJson(const VersionInfo& v) {
+  nlohmann::json j = {{"version", v.version},
+                      {"dir", v.dir},
+                      {"kind", v.is_delta ? "delta" : "full"},
+                      {"tensors", v.tensors}};
+  if (v.is_delta) {
+    j["base_version"] = v.base_version;
+    j["encoding"] = EncodingName(v.encoding);
+    j["compression"] = v.compression;
+    j["checksum"] = ChecksumAlgoName(v.checksum);
+  }
+  return j;
+}
+
+nlohmann::json PullJson(const PullResult& r) {
+  nlohmann::json j = {{"version", r.version},
+                      {"applied", r.applied},
+                      {"versions_applied", r.versions_applied},
+                      {"recovered", r.recovered},
+                      {"reseeded", r.reseeded},
+                      {"seconds", r.seconds},
+                      {"bytes_read", r.bytes_read},
+                      {"tensors_changed", r.tensors_changed},
+                      {"changed_elements", r.changed_elements}};
+  j["from_version"] = r.from_version ? nlohmann::json(*r.from_version) : nlohmann::json(nullptr);
+  j["reset_to"] = r.reset_to ? nlohmann::json(*r.reset_to) : nlohmann::json(nullptr);
+  return j;
+}
+
+}  // namespace
+
+void RegisterPublish(CLI::App& app, CommandFn* run) {
+  struct Opts {
+    std::string store, old_ckpt, new_ckpt, encoding = "sparse", checksum = "xxh3-128", hook;
+    bool full = false, json = false;
+    int64_t full_every = 0;
+  };
+  auto o = std::make_shared<Opts>();
+  CLI::App* cmd = app.add_subcommand(
+      "publish",
+      "Publish NEW as the store's next version: a delta against OLD (what receivers "
+      "hold now), or a full version");
+  cmd->add_option("--store", o->store, "Store directory (created if missing)")->required();
+  cmd->add_option("--old", o->old_ckpt, "Checkpoint the receivers hold now")->required();
+  cmd->add_option("--new", o->new_ckpt, "Checkpoint to publish")->required();
+  cmd->add_option("--encoding,-e", o->encoding,
+                  "sparse (default) | xor | overwrite (both readable by the Python receiver) | "
+                  "indices | dense")
+      ->capture_default_str();
+  cmd->add_option("--checksum,-c", o->checksum, "xxh3-128 (default) | blake3 | adler32")
+      ->capture_default_str();
+  cmd->add_flag("--full", o->full, "Publish a full version (resets the chain)");
+  cmd->add_option("--full-every", o->full_every, "Make every K-th version full (0 = never)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--hook", o->hook,
+                  "Executable run as `hook <version_dir>` before the version becomes visible; "
+                  "non-zero exit fails the publish");
+  cmd->add_flag("--json", o->json, "Machine-readable output");
+  cmd->callback([o, run] {
+    *run = [o]() -> int {
+      PublisherOptions opts;
+      opts.store = o->store;
+      Result<Encoding> enc = ParseEncoding(o->encoding);
+      if (!enc.ok()) return Fail(enc.status());
+      opts.encoding = *enc;
+      Result<ChecksumAlgo> algo = ParseChecksumAlgo(o->checksum);
+      if (!algo.ok()) return Fail(algo.status());
+      opts.checksum = *algo;
+      opts.full_every = o->full_every;
+      opts.post_write_hook = o->hook;
+      Result<std::unique_ptr<Publisher>> pub = Publisher::CreateFromCheckpoint(opts, o->old_ckpt);
+      if (!pub.ok()) return Fail(pub.status());
+      Result<PublishResult> r = (*pub)->PublishCheckpoint(o->new_ckpt, o->full);
+      if (!r.ok()) return Fail(r.status());
+      if (o->json) {
+        nlohmann::json j = VersionJson(r->info);
+        j["tensors_changed"] = r->tensors_changed;
+        j["changed_elements"] = r->changed_elements;
+        j["total_elements"] = r->total_elements;
+        j["bytes_written"] = r->bytes_written;
+        j["seconds"] = r->seconds;
+        std::cout << j.dump(2) << std::endl;
+      } else {
+        std::cout << "published " << r->info.dir << " ("
+                  << (r->info.is_delta ? std::string(EncodingName(r->info.encoding)) +
+                                             " delta on " + FormatVersion(r->info.base_version)
+                                       : std::string("full"))
+                  << "): " << r->tensors_changed << " of " << r->tensors << " tensors, "
+                  << r->changed_elements << " changed elements, " << FormatBytes(r->bytes_written)
+                  << " in " << r->seconds << " s" << std::endl;
+      }
+      return 0;
+    };
+  });
+}
+
+void RegisterPull(CLI::App& app, CommandFn* run) {
+  struct Opts {
+    std::string store, local, base, target = "latest", hook;
+    bool durable = false, json = false;
+  };
+  auto o = std::make_shared<Opts>();
+  CLI::App* cmd = app.add_subcommand(
+      "pull", "Bring a host-local checkpoint to a version of the store (crash-safe, verified)");
+  cmd->add_option("--store", o->store, "Store directory")->required();
+  cmd->add_option("--local", o->local, "Host-local checkpoint directory")->required();
+  cmd->add_option("--base", o->base, "The engine's base checkpoint (version 0)")->required();
+  cmd->add_option("--target,-t", o->target, "Version number, or latest")->capture_default_str();
+  cmd->add_option("--hook", o->hook,
+                  "Executable run as `hook <version_dir> <target>` before a version is read");
+  cmd->add_flag("--durable", o->durable, "Sync data to disk before committing the new version");
+  cmd->add_flag("--json", o->json, "Machine-readable output");
+  cmd->callback([o, run] {
+    *run = [o]() -> int {
+      std::optional<int64_t> target;
+      if (o->target != "latest") {
+        int64_t t = 0;
+        const char* begin = o->target.data();
+        const char* end = begin + o->target.size();
+        auto [ptr, ec] = std::from_chars(begin, end, t);
+        if (o->target.empty() || ec != std::errc() || ptr != end || t < 0) {
+          return Fail("--target must be a version number (0 = the base) or 'latest', got '" +
+                      o->target + "'");
+        }
+        target = t;
+      }
+      LocalCheckpointOptions opts;
+      opts.store = o->store;
+      opts.local = o->local;
+      opts.base = o->base;
+      opts.pre_read_hook = o->hook;
+      opts.durable = o->durable;
+      Result<std::unique_ptr<LocalCheckpoint>> local = LocalCheckpoint::Open(opts);
+      if (!local.ok()) return Fail(local.status());
+      Result<PullResult> r = (*local)->Pull(target);
+      if (!r.ok()) return Fail(r.status());
+      if (o->json) {
+        std::cout << PullJson(*r).dump(2) << std::endl;
+      } else if (!r->applied) {
+        std::cout << o->local << " is already at version " << FormatVersion(r->version)
+                  << std::endl;
+      } else {
+        std::cout << o->local << ": "
+                  << (r->from_version ? FormatVersion(*r->from_version) : std::string("(empty)"))
+                  << " -> " << FormatVersion(r->version) << " (" << r->versions_applied.size()
+                  << " deltas" << (r->reset_to ? ", reset to " + FormatVersion(*r->reset_to) : "")
+                  << (r->recovered ? ", recovered an interrupted apply" : "") << "), "
+                  << r->tensors_changed << " tensors changed, " << FormatBytes(r->bytes_read)
+                  << " read in " << r->seconds << " s, verified" << std::endl;
+      }
+      return 0;
+    };
+  });
+}
+
+void RegisterVerify(CLI::App& app, CommandFn* run) {
+  struct Opts {
+    std::string store, local, base;
+  };
+  auto o = std::make_shared<Opts>();
+  CLI::App* cmd = app.add_subcommand(
+      "verify", "Recompute the checksums of a host-local checkpoint against its applied version");
+  cmd->add_option("--local", o->local, "Host-local checkpoint directory")->required();
+  cmd->add_option("--store", o->store, "Store directory");
+  cmd->add_option("--base", o->base, "The engine's base checkpoint (version 0)");
+  cmd->callback([o, run] {
+    *run = [o]() -> int {
+      LocalCheckpointOptions opts;
+      opts.store = o->store;
+      opts.local = o->local;
+      opts.base = o->base;
+      opts.recover_on_open = false;  // verify reports; it never changes the checkpoint
+      Result<std::unique_ptr<LocalCheckpoint>> local = LocalCheckpoint::Open(opts);
+      if (!local.ok()) return Fail(local.status());
+      Result<std::optional<int64_t>> v = (*local)->CurrentVersion();
+      if (!v.ok()) return Fail(v.status());
+      if (!v->has_value())
+        return Fail(o->local + " is not at any version (never pulled, or mid-apply)");
+      Status s = (*local)->Verify();
+      if (!s.ok()) return Fail(s);
+      std::cout << o->local << ": version " << FormatVersion(**v) << " verified" << std::endl;
+      return 0;
+    };
+  });
+}
+
+void RegisterVersions(CLI::App& app, CommandFn* run) {
+  struct Opts {
+    std::string store;
+    bool json = false;
+  };
+  auto o = std::make_shared<Opts>();
+  CLI::App* cmd = app.add_subcommand("versions", "List the versions of a store");
+  cmd->add_option("--store", o->store, "Store directory")->required();
+  cmd->add_flag("--json", o->json, "Machine-readable output");
+  cmd->callback([o, run] {
+    *run = [o]() -> int {
+      Result<std::vector<VersionInfo>> versions = ListVersions(o->store);
+      if (!versions.ok()) return Fail(versions.status());
+      if (o->json) {
+        nlohmann::json arr = nlohmann::json::array();
+        for (const VersionInfo& v : *versions) arr.push_back(VersionJson(v));
+        std::cout << nlohmann::json{{"store", o->store}, {"versions", arr}}.dump(2) << std::endl;
+        return 0;
+      }
+      if (versions->empty()) std::cout << o->store << ": no versions" << std::endl;
+      for (const VersionInfo& v : *versions) {
+        std::cout << FormatVersion(v.version) << "  ";
+        if (v.is_delta) {
+          std::cout << "delta on " << FormatVersion(v.base_version) << "  "
+                    << EncodingName(v.encoding) << "/" << v.compression << "/"
+                    << ChecksumAlgoName(v.checksum);
+        } else {
+          std::cout << "full";
+        }
+        std::cout << "  " << v.tensors << " tensors" << std::endl;
+      }
+      return 0;
+    };
+  });
+}
+
+void RegisterPrune(CLI::App& app, CommandFn* run) {
+  struct Opts {
+    std::string store;
+    int64_t keep = 0;
+  };
+  auto o = std::make_shared<Opts>();
+  CLI::App* cmd = app.add_subcommand(
+      "prune", "Delete old versions, keeping the newest N and whatever the chain needs to replay");
+  cmd->add_option("--store", o->store, "Store directory")->required();
+  cmd->add_option("--keep", o->keep, "Versions to keep")->required()->check(CLI::PositiveNumber);
+  cmd->callback([o, run] {
+    *run = [o]() -> int {
+      Result<std::vector<int64_t>> removed = PruneStore(o->store, o->keep);
+      if (!removed.ok()) return Fail(removed.status());
+      std::cout << "removed " << removed->size() << " versions";
+      for (int64_t v : *removed) std::cout << " " << FormatVersion(v);
+      std::cout << std::endl;
+      return 0;
+    };
+  });
+}
+
+}  // namespace deltasync::cli
