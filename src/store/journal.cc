@@ -131,6 +131,7 @@ RecordSlots BeginJournalRecord(std::string_view name, uint64_t numel, uint32_t e
   const size_t strings =
       Pad8(kRecordFixedBytes + name.size() + checksum.size() + base_checksum.size());
   const size_t body = Pad8(count * width + 2 * count * elem_size);
+  // assign() keeps the vector's capacity: records are built in reused buffers.
   out->assign(strings + body + 8, 0);
   uint8_t* p = out->data();
   Put<uint32_t>(p, kRecordMagic);

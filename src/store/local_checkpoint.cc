@@ -216,62 +216,65 @@ class LocalFiles {
   std::vector<char> touched_;  // not vector<bool>: tasks set entries concurrently
 };
 
-// Decode buffers, one per task in flight, reused across tensors. A buffer
-// used by the XOR path is put back all zeros (only the changed positions are
-// cleared), so the next XOR decode needs no memset.
+// Per-task decode state, one per task in flight, reused across tensors: the
+// decode buffer and the vectors of the change list and journal record (large
+// enough that fresh allocations would each be an mmap, a page-fault storm
+// and an munmap contending for the address-space lock). A buffer used by the
+// XOR path is put back all zeros (only the changed positions are cleared),
+// so the next XOR decode needs no memset.
 class ScratchPool {
  public:
   struct Buffer {
     uint8_t* data = nullptr;
     size_t capacity = 0;
     size_t dirty = 0;  // bytes from the start that may be non-zero
+    ChangeSet changes;
+    std::vector<uint8_t> record;
+    ~Buffer() {
+      if (data != nullptr) ::munmap(data, capacity);
+    }
   };
-  ~ScratchPool() {
-    for (Buffer& b : free_) Free(b);
-  }
-  Result<Buffer> Acquire(size_t size) {
-    Buffer b;
+
+  // A buffer of at least `size` bytes (contents as `dirty` says).
+  Result<std::unique_ptr<Buffer>> Acquire(size_t size) {
+    std::unique_ptr<Buffer> b;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto best = free_.end();
       for (auto it = free_.begin(); it != free_.end(); ++it) {
-        if (it->capacity >= size && (best == free_.end() || it->capacity < best->capacity)) {
+        if ((*it)->capacity >= size &&
+            (best == free_.end() || (*it)->capacity < (*best)->capacity)) {
           best = it;
         }
       }
+      if (best == free_.end() && !free_.empty()) best = free_.end() - 1;  // grow this one
       if (best != free_.end()) {
-        b = *best;
+        b = std::move(*best);
         free_.erase(best);
-        return b;
-      }
-      if (!free_.empty()) {  // too small: replace it rather than hold both
-        b = free_.back();
-        free_.pop_back();
       }
     }
-    Free(b);
-    if (size == 0) return b;
+    if (!b) b = std::make_unique<Buffer>();
+    if (b->capacity >= size) return b;
+    if (b->data != nullptr) ::munmap(b->data, b->capacity);
+    b->data = nullptr;
+    b->capacity = 0;
+    b->dirty = 0;
     void* map = ::mmap(nullptr, size, PROT_READ | PROT_WRITE,
                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (map == MAP_FAILED) return Status::FromErrno(errno, "mmap of a decode buffer");
     ::madvise(map, size, MADV_HUGEPAGE);
-    b.data = static_cast<uint8_t*>(map);
-    b.capacity = size;
-    b.dirty = 0;
+    b->data = static_cast<uint8_t*>(map);
+    b->capacity = size;
     return b;
   }
-  void Release(Buffer b) {
+  void Release(std::unique_ptr<Buffer> b) {
     std::lock_guard<std::mutex> lock(mu_);
-    free_.push_back(b);
+    free_.push_back(std::move(b));
   }
 
  private:
-  static void Free(Buffer& b) {
-    if (b.data != nullptr) ::munmap(b.data, b.capacity);
-    b = Buffer();
-  }
   std::mutex mu_;
-  std::vector<Buffer> free_;
+  std::vector<std::unique_ptr<Buffer>> free_;
 };
 
 class FirstError {
@@ -662,41 +665,41 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
     auto fail = [&](Status s) {
       error.Note(s.WithContext(where + ": tensor " + QuoteForMessage(job.name)));
     };
-    Result<ScratchPool::Buffer> acquired = scratch.Acquire(old.size());
+    Result<std::unique_ptr<ScratchPool::Buffer>> acquired = scratch.Acquire(old.size());
     if (!acquired.ok()) return fail(acquired.status());
-    ScratchPool::Buffer buf = *acquired;
-    std::span<uint8_t> work(buf.data, old.size());
+    std::unique_ptr<ScratchPool::Buffer> buf = std::move(*acquired);
+    std::span<uint8_t> work(buf->data, old.size());
     DiffOptions diff;
     diff.elem_size = es;
     diff.refresh_snapshot = false;
     diff.pool = nullptr;
-    ChangeSet changes;
-    std::vector<uint8_t> record;
+    ChangeSet& changes = buf->changes;
+    std::vector<uint8_t>& record = buf->record;
     const bool xor_like = IsXorLike(info.encoding);
     if (xor_like) {
-      if (buf.dirty > 0) std::memset(buf.data, 0, std::min(buf.dirty, buf.capacity));
-      buf.dirty = old.size();
+      if (buf->dirty > 0) std::memset(buf->data, 0, std::min(buf->dirty, buf->capacity));
+      buf->dirty = old.size();
       // The decoded XOR alone; the diff against zeros lists its non-zero
       // elements (new_values = the XOR values).
       Status s = codec.DecodeApply(job.delta.bytes, work, es, {});
       diff.keep_old_values = false;
       if (s.ok()) s = DiffTensor(work, zeros.span(work.size()), diff, &changes);
       if (!s.ok()) {
-        scratch.Release(buf);
+        scratch.Release(std::move(buf));
         return fail(s);
       }
       store_internal::RecordSlots slots = store_internal::BeginJournalRecord(
           job.name, old.size() / es, es, job.checksum, job.base_checksum, changes, &record);
-      SplitXor(changes, old.data(), buf.data, slots);
-      buf.dirty = 0;
+      SplitXor(changes, old.data(), buf->data, slots);
+      buf->dirty = 0;
     } else {
-      if (!old.empty()) std::memcpy(buf.data, old.data(), old.size());
-      buf.dirty = std::max(buf.dirty, old.size());
+      if (!old.empty()) std::memcpy(buf->data, old.data(), old.size());
+      buf->dirty = std::max(buf->dirty, old.size());
       Status s = codec.DecodeApply(job.delta.bytes, work, es, {});
       diff.keep_old_values = true;
       if (s.ok()) s = DiffTensor(work, old, diff, &changes);
       if (!s.ok()) {
-        scratch.Release(buf);
+        scratch.Release(std::move(buf));
         return fail(s);
       }
       store_internal::RecordSlots slots = store_internal::BeginJournalRecord(
@@ -706,7 +709,6 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
         std::memcpy(slots.new_values, changes.new_values.data(), changes.new_values.size());
       }
     }
-    scratch.Release(buf);
     store_internal::SealJournalRecord(&record);
     changed.fetch_add(changes.count(), std::memory_order_relaxed);
     Status s = writer->Append(record);
