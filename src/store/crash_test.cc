@@ -166,6 +166,35 @@ INSTANTIATE_TEST_SUITE_P(Points, ApplyCrash, ::testing::ValuesIn(ApplyCrashCases
                            return name;
                          });
 
+// The Python receiver found our interrupted apply (no "version"), reseeded
+// the checkpoint from the base and wrote its version while keeping our keys.
+// Its commit wins: our journal must not be replayed onto its checkpoint.
+TEST(ForeignCommit, AfterAnInterruptedApplyWins) {
+  Fixture f;
+  auto publisher = f.MakePublisher(f.PublisherOpts(Encoding::kXor));
+  const std::vector<Model> models = PublishSteps(publisher.get(), f.base_model, 2);
+  {
+    auto local = f.OpenLocal();
+    DS_ASSERT_OK(local->Pull(1));
+  }
+  ASSERT_EQ(PullInChild(f.LocalOpts(), 2, "state:applying"), kCrashExit);
+  ASSERT_TRUE(store_internal::PathExists(f.local + "/.weight_sync/journal"));
+  for (const std::string& name : ListDir(f.base)) {
+    WriteFile(f.local + "/" + name, ReadFile(f.base + "/" + name));
+  }
+  nlohmann::json state = ReadState(f.local);
+  state["version"] = "000000";
+  WriteFile(f.local + "/.weight_sync/state.json", state.dump());
+  auto local = f.OpenLocal();
+  EXPECT_EQ(**local->CurrentVersion(), 0);
+  EXPECT_TRUE(HoldsModel(f.local, f.base_model));
+  EXPECT_FALSE(store_internal::PathExists(f.local + "/.weight_sync/journal"));
+  Result<PullResult> r = local->Pull(2);
+  DS_ASSERT_OK(r);
+  EXPECT_EQ(r->versions_applied, (std::vector<int64_t>{1, 2}));
+  EXPECT_TRUE(HoldsModel(f.local, models[2]));
+}
+
 class ResetCrash : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(ResetCrash, MaterializationRestartsCleanly) {

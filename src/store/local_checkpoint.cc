@@ -105,11 +105,16 @@ LocalState ParseState(std::string_view text) {
   st.applying = VersionKey(st.doc, "applying");
   st.from_version = VersionKey(st.doc, "from_version");
   st.resetting = VersionKey(st.doc, "resetting");
-  if (st.applying) {
-    st.version.reset();  // never at a version while an apply is pending
-    if (!st.from_version) st.applying.reset();
+  // We never write "version" next to "applying" or "resetting": finding both
+  // means another writer (the Python receiver, which keeps keys it does not
+  // know) committed a version after our apply or reset began. Its commit
+  // wins; our journal no longer describes the checkpoint.
+  if (st.version) {
+    st.applying.reset();
+    st.from_version.reset();
+    st.resetting.reset();
   }
-  if (st.resetting) st.version.reset();
+  if (st.applying && !st.from_version) st.applying.reset();
   if (auto it = st.doc.find("boot_id"); it != st.doc.end() && it->is_string()) {
     st.boot_id = it->get<std::string>();
   }
