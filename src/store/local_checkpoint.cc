@@ -356,6 +356,9 @@ struct LocalCheckpoint::State {
   std::string state_path;
   std::string lock_path;
   std::string journal_path;
+  // Decode buffers, kept across the versions of one pull (fresh memory costs
+  // a page fault and a kernel zeroing per page) and released when it ends.
+  std::unique_ptr<ScratchPool> scratch;
 
   Result<LocalState> LoadState();
   Status SaveState(const LocalState& st);
@@ -659,7 +662,8 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
   DS_ASSIGN_OR_RETURN(std::unique_ptr<JournalWriter> writer,
                       JournalWriter::Create(journal_path, info.version, info.base_version));
   CrashPoint("journal:created");
-  ScratchPool scratch;
+  if (!scratch) scratch = std::make_unique<ScratchPool>();
+  ScratchPool& pool_of_buffers = *scratch;
   FirstError error;
   std::atomic<uint64_t> changed{0};
   pool->ParallelFor(jobs.size(), [&](size_t j) {
@@ -670,7 +674,7 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
     auto fail = [&](Status s) {
       error.Note(s.WithContext(where + ": tensor " + QuoteForMessage(job.name)));
     };
-    Result<std::unique_ptr<ScratchPool::Buffer>> acquired = scratch.Acquire(old.size());
+    Result<std::unique_ptr<ScratchPool::Buffer>> acquired = pool_of_buffers.Acquire(old.size());
     if (!acquired.ok()) return fail(acquired.status());
     std::unique_ptr<ScratchPool::Buffer> buf = std::move(*acquired);
     std::span<uint8_t> work(buf->data, old.size());
@@ -690,7 +694,7 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
       diff.keep_old_values = false;
       if (s.ok()) s = DiffTensor(work, zeros.span(work.size()), diff, &changes);
       if (!s.ok()) {
-        scratch.Release(std::move(buf));
+        pool_of_buffers.Release(std::move(buf));
         return fail(s);
       }
       store_internal::RecordSlots slots = store_internal::BeginJournalRecord(
@@ -704,7 +708,7 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
       diff.keep_old_values = true;
       if (s.ok()) s = DiffTensor(work, old, diff, &changes);
       if (!s.ok()) {
-        scratch.Release(std::move(buf));
+        pool_of_buffers.Release(std::move(buf));
         return fail(s);
       }
       store_internal::RecordSlots slots = store_internal::BeginJournalRecord(
