@@ -149,5 +149,86 @@ TEST(CliTest, SynthRejectsUnknownPreset) {
   EXPECT_NE(r.err.find("gpt-17"), std::string::npos) << r.err;
 }
 
+// Tensor bytes of two checkpoints are equal, name by name.
+void ExpectSameTensors(const std::string& a_path, const std::string& b_path) {
+  auto a = Checkpoint::Open(a_path);
+  auto b = Checkpoint::Open(b_path);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  ASSERT_EQ((*a)->tensors().size(), (*b)->tensors().size());
+  for (const auto& [name, t] : (*a)->tensors()) {
+    auto other = (*b)->Get(name);
+    ASSERT_TRUE(other.ok()) << name;
+    EXPECT_TRUE(
+        std::equal(t.bytes.begin(), t.bytes.end(), other->bytes.begin(), other->bytes.end()))
+        << name;
+  }
+}
+
+TEST(CliTest, StoreCommandsPublishPullVerifyPrune) {
+  const std::string dir = testing::TempDir() + "/cli_store";
+  std::filesystem::remove_all(dir);
+  ASSERT_EQ(RunCli("synth --out " + dir + "/chain --steps 3 --seed 11").exit_code, 0);
+  auto step = [&](int i) { return dir + "/chain/step_00000" + std::to_string(i); };
+  const std::string store = " --store " + dir + "/store";
+  ASSERT_EQ(RunCli("publish" + store + " --old " + step(0) + " --new " + step(1)).exit_code, 0);
+  CliRun xor_pub = RunCli("publish --json" + store + " --old " + step(1) + " --new " + step(2) +
+                          " --encoding xor --checksum blake3");
+  ASSERT_EQ(xor_pub.exit_code, 0) << xor_pub.err;
+  nlohmann::json pj = nlohmann::json::parse(xor_pub.out);
+  EXPECT_EQ(pj["version"], 2);
+  EXPECT_EQ(pj["encoding"], "xor");
+  EXPECT_EQ(pj["checksum"], "blake3");
+  EXPECT_GT(pj["changed_elements"].get<uint64_t>(), 0u);
+  ASSERT_EQ(
+      RunCli("publish" + store + " --old " + step(2) + " --new " + step(3) + " --full").exit_code,
+      0);
+
+  nlohmann::json versions = nlohmann::json::parse(RunCli("versions --json" + store).out);
+  ASSERT_EQ(versions["versions"].size(), 3u);
+  EXPECT_EQ(versions["versions"][0]["encoding"], "sparse");
+  EXPECT_EQ(versions["versions"][2]["kind"], "full");
+  nlohmann::json inspected = nlohmann::json::parse(RunCli("inspect --json " + dir + "/store").out);
+  EXPECT_EQ(inspected["kind"], "store");
+  EXPECT_EQ(inspected["newest_full"], 3);
+
+  const std::string local = " --local " + dir + "/local --base " + step(0);
+  CliRun pull2 = RunCli("pull --json --target 2" + store + local);
+  ASSERT_EQ(pull2.exit_code, 0) << pull2.err;
+  nlohmann::json rj = nlohmann::json::parse(pull2.out);
+  EXPECT_EQ(rj["version"], 2);
+  EXPECT_EQ(rj["versions_applied"], nlohmann::json::array({1, 2}));
+  ExpectSameTensors(dir + "/local", step(2));
+  CliRun verify = RunCli("verify" + store + " --local " + dir + "/local");
+  EXPECT_EQ(verify.exit_code, 0) << verify.err;
+  EXPECT_NE(verify.out.find("000002 verified"), std::string::npos) << verify.out;
+
+  CliRun future = RunCli("pull --target 9" + store + local);
+  EXPECT_NE(future.exit_code, 0);
+  EXPECT_EQ(CountLines(future.err), 1) << future.err;
+  EXPECT_NE(future.err.find("000009"), std::string::npos) << future.err;
+  CliRun bad_target = RunCli("pull --target two" + store + local);
+  EXPECT_NE(bad_target.exit_code, 0);
+  EXPECT_NE(bad_target.err.find("two"), std::string::npos) << bad_target.err;
+
+  ASSERT_EQ(RunCli("pull" + store + local).exit_code, 0);
+  ExpectSameTensors(dir + "/local", step(3));
+
+  CliRun prune = RunCli("prune --keep 1" + store);
+  ASSERT_EQ(prune.exit_code, 0) << prune.err;
+  EXPECT_NE(prune.out.find("removed 2 versions"), std::string::npos) << prune.out;
+  // A late joiner seeds from the newest full version.
+  CliRun late = RunCli("pull --json" + store + " --local " + dir + "/late --base " + step(0));
+  ASSERT_EQ(late.exit_code, 0) << late.err;
+  EXPECT_EQ(nlohmann::json::parse(late.out)["reset_to"], 3);
+  ExpectSameTensors(dir + "/late", step(3));
+
+  CliRun bad_enc =
+      RunCli("publish" + store + " --old " + step(2) + " --new " + step(3) + " --encoding gzip");
+  EXPECT_NE(bad_enc.exit_code, 0);
+  EXPECT_EQ(CountLines(bad_enc.err), 1) << bad_enc.err;
+  EXPECT_NE(bad_enc.err.find("gzip"), std::string::npos) << bad_enc.err;
+}
+
 }  // namespace
 }  // namespace deltasync

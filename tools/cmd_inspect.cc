@@ -2,6 +2,7 @@
 // and totals of a safetensors file or a checkpoint directory.
 #include <sys/stat.h>
 
+#include <filesystem>
 #include <iomanip>
 #include <iostream>
 #include <map>
@@ -9,6 +10,7 @@
 
 #include "cli_util.h"
 #include "deltasync/checkpoint.h"
+#include "deltasync/store.h"
 
 namespace deltasync::cli {
 namespace {
@@ -104,6 +106,70 @@ int InspectCheckpoint(const Checkpoint& ckpt, bool json) {
   return 0;
 }
 
+// A store: the directory listing of its versions, their kinds and sizes.
+int InspectStore(const std::string& path, bool json) {
+  Result<std::vector<VersionInfo>> versions = ListVersions(path);
+  if (!versions.ok()) return Fail(versions.status());
+  std::error_code ec;
+  auto dir_bytes = [&](const std::string& dir) {
+    uint64_t total = 0;
+    for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+      if (e.is_regular_file(ec)) total += e.file_size(ec);
+    }
+    return total;
+  };
+  int64_t newest_full = 0;  // 0: the base
+  for (const VersionInfo& v : *versions) {
+    if (!v.is_delta) newest_full = v.version;
+  }
+  if (json) {
+    nlohmann::json arr = nlohmann::json::array();
+    for (const VersionInfo& v : *versions) {
+      nlohmann::json j = {{"version", v.version},
+                          {"kind", v.is_delta ? "delta" : "full"},
+                          {"tensors", v.tensors},
+                          {"bytes", dir_bytes(v.dir)}};
+      if (v.is_delta) {
+        j["base_version"] = v.base_version;
+        j["encoding"] = EncodingName(v.encoding);
+        j["checksum"] = ChecksumAlgoName(v.checksum);
+      }
+      arr.push_back(j);
+    }
+    nlohmann::json out = {{"path", path},
+                          {"kind", "store"},
+                          {"versions", arr},
+                          {"latest", versions->empty() ? 0 : versions->back().version},
+                          {"newest_full", newest_full}};
+    std::cout << out.dump(2) << std::endl;
+    return 0;
+  }
+  std::cout << path << ": delta store, " << versions->size() << " versions, latest "
+            << FormatVersion(versions->empty() ? 0 : versions->back().version)
+            << ", replayable from " << (newest_full ? FormatVersion(newest_full) : "the base")
+            << "\n";
+  for (const VersionInfo& v : *versions) {
+    std::cout << "  " << FormatVersion(v.version) << "  "
+              << (v.is_delta ? "delta on " + FormatVersion(v.base_version) + "  " +
+                                   std::string(EncodingName(v.encoding)) + "/" + v.compression +
+                                   "/" + std::string(ChecksumAlgoName(v.checksum))
+                             : std::string("full"))
+              << "  " << v.tensors << " tensors  " << FormatBytes(dir_bytes(v.dir)) << "\n";
+  }
+  return 0;
+}
+
+// A delta version: what it declares, then its tensors (encoded changes).
+void PrintVersionHeader(const VersionInfo& v) {
+  std::cout << v.dir << ": version " << FormatVersion(v.version) << ", "
+            << (v.is_delta
+                    ? "delta on " + FormatVersion(v.base_version) + ", encoding " +
+                          std::string(EncodingName(v.encoding)) + ", compression " + v.compression +
+                          ", checksum " + std::string(ChecksumAlgoName(v.checksum))
+                    : std::string("full version"))
+            << (v.has_manifest ? "" : " (no deltasync.json: written by another publisher)") << "\n";
+}
+
 }  // namespace
 
 void RegisterInspect(CLI::App& app, CommandFn* run) {
@@ -120,8 +186,23 @@ void RegisterInspect(CLI::App& app, CommandFn* run) {
   cmd->add_flag("--json", opts->json, "Machine-readable output");
   cmd->callback([opts, run] {
     *run = [opts]() -> int {
+      std::error_code ec;
+      if (std::filesystem::is_directory(opts->path, ec)) {
+        // A store holds version dirs and no checkpoint of its own.
+        Result<std::vector<int64_t>> versions = ListVersionNumbers(opts->path);
+        const bool has_checkpoint =
+            std::filesystem::exists(std::filesystem::path(opts->path) / kIndexFileName, ec) ||
+            std::filesystem::exists(std::filesystem::path(opts->path) / kSingleFileName, ec);
+        if (versions.ok() && !versions->empty() && !has_checkpoint) {
+          return InspectStore(opts->path, opts->json);
+        }
+      }
       Result<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(opts->path);
       if (!ckpt.ok()) return Fail(ckpt.status());
+      if (!opts->json && std::filesystem::is_directory(opts->path, ec)) {
+        Result<VersionInfo> info = ReadVersionInfo(opts->path);
+        if (info.ok() && info->is_delta) PrintVersionHeader(*info);
+      }
       return InspectCheckpoint(**ckpt, opts->json);
     };
   });
