@@ -149,7 +149,8 @@ TEST(InteropTest, OurWriterStillProducesTheVerifiedFiles) {
   for (const auto& fspec : manifest["files"]) {
     auto file = SafetensorsFile::Open((fresh / fspec["file"].get<std::string>()).string());
     ASSERT_TRUE(file.ok()) << file.status().ToString();
-    for (const auto& spec : fspec["tensors"]) ExpectTensorMatches(*(*file)->Get(spec["name"]), spec);
+    for (const auto& spec : fspec["tensors"])
+      ExpectTensorMatches(*(*file)->Get(spec["name"]), spec);
   }
 }
 
