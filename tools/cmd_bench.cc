@@ -16,6 +16,7 @@
 #include <string>
 #include <thread>
 
+#include "bench_e2e.h"
 #include "bench_runner.h"
 #include "cli_util.h"
 
@@ -177,6 +178,9 @@ void RegisterBench(CLI::App& app, CommandFn* run) {
     int64_t repeat = 3;
     std::string encodings = "all";
     bool json = false;
+    bool e2e = false;
+    std::string workdir, peer, python = "/usr/bin/python3";
+    bool keep = false;
   };
   auto opts = std::make_shared<Opts>();
   CLI::App* cmd = app.add_subcommand(
@@ -201,8 +205,47 @@ void RegisterBench(CLI::App& app, CommandFn* run) {
                   "all")
       ->capture_default_str();
   cmd->add_flag("--json", opts->json, "Print one JSON object instead of the table");
-  cmd->callback([opts, run] {
-    *run = [opts]() -> int {
+  cmd->add_flag("--e2e", opts->e2e,
+                "Time the disk transport end to end instead: deltasync publish + pull (sparse, "
+                "xor, full) next to the Python peer, on checkpoint dirs (default --bytes 1GiB, "
+                "--repeat 1)");
+  cmd->add_option("--workdir", opts->workdir,
+                  "--e2e: empty or new directory to work in (default: a temp dir under /tmp)");
+  cmd->add_flag("--keep", opts->keep, "--e2e: keep the work directory");
+  cmd->add_option("--peer", opts->peer, "--e2e: path of vime_peer.py (default: the source tree's)");
+  cmd->add_option("--python", opts->python, "--e2e: Python interpreter for the peer")
+      ->capture_default_str();
+  cmd->callback([opts, run, cmd] {
+    *run = [opts, cmd]() -> int {
+      if (opts->e2e) {
+        for (const char* other : {"--threads", "--encodings"}) {
+          if (cmd->count(other) > 0) return Fail(std::string(other) + " does not apply to --e2e");
+        }
+        E2eConfig e2e;
+        e2e.preset = opts->preset;
+        if (cmd->count("--bytes") > 0) {
+          Result<uint64_t> bytes = ParseByteSize(opts->bytes);
+          if (!bytes.ok()) return Fail(bytes.status());
+          if (*bytes == 0) return Fail("--bytes must be at least 1 byte");
+          e2e.target_bytes = *bytes;
+        }
+        e2e.lr = opts->lr;
+        e2e.seed = opts->seed;
+        if (opts->warmup_steps < 0) return Fail("--warmup-steps must not be negative");
+        e2e.warmup_steps = opts->warmup_steps;
+        if (cmd->count("--repeat") > 0) {
+          if (opts->repeat < 1 || opts->repeat > 1000) return Fail("--repeat must be in [1, 1000]");
+          e2e.repeat = static_cast<int>(opts->repeat);
+        }
+        e2e.workdir = opts->workdir;
+        e2e.keep = opts->keep;
+        e2e.peer_script = opts->peer;
+        e2e.python = opts->python;
+        return RunE2eCommand(e2e, opts->json);
+      }
+      for (const char* e2e_only : {"--workdir", "--keep", "--peer", "--python"}) {
+        if (cmd->count(e2e_only) > 0) return Fail(std::string(e2e_only) + " needs --e2e");
+      }
       BenchConfig config;
       config.preset = opts->preset;
       Result<uint64_t> bytes = ParseByteSize(opts->bytes);
