@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <mutex>
 #include <set>
@@ -21,6 +22,7 @@
 #include "deltasync/store.h"
 #include "format/file_util.h"
 #include "format/json_util.h"
+#include "store/chain_state.h"
 #include "store/journal.h"
 #include "store/store_internal.h"
 #include "store/version_internal.h"
@@ -40,6 +42,9 @@ using store_internal::MappedFile;
 constexpr const char* kSyncDirName = ".weight_sync";
 constexpr const char* kStateFileName = "state.json";
 constexpr const char* kLockFileName = "lock";
+// Ours alone: the Python receiver replaces state.json with {"version": ...}
+// and would drop anything we kept there.
+constexpr const char* kBaseRecordFileName = "deltasync-base.json";
 constexpr uint64_t kMaxStateBytes = 256ull << 20;
 
 double SecondsSince(std::chrono::steady_clock::time_point t0) {
@@ -356,6 +361,7 @@ struct LocalCheckpoint::State {
   std::string state_path;
   std::string lock_path;
   std::string journal_path;
+  std::string base_record_path;
   // Decode buffers, kept across the versions of one pull (fresh memory costs
   // a page fault and a kernel zeroing per page) and released when it ends.
   std::unique_ptr<ScratchPool> scratch;
@@ -369,6 +375,11 @@ struct LocalCheckpoint::State {
   Status ApplyVersion(const VersionInfo& info, LocalState* st, PullResult* result);
   Status ReplayJournal(const Journal& journal, LocalState* st);
   Status VerifyAll(const LocalState& st);
+  // The base checkpoint the last successful pull was given, as an absolute
+  // path, so that a Verify given none can still check the tensors no
+  // version changed. "" when none is recorded (or the record is unreadable).
+  std::string RecordedBase();
+  Status RecordBase();
 };
 
 Result<LocalState> LocalCheckpoint::State::LoadState() {
@@ -383,6 +394,28 @@ Result<LocalState> LocalCheckpoint::State::LoadState() {
 
 Status LocalCheckpoint::State::SaveState(const LocalState& st) {
   return format_internal::WriteFileAtomically(state_path, SerializeState(st));
+}
+
+std::string LocalCheckpoint::State::RecordedBase() {
+  Result<std::string> text = format_internal::ReadFileLimited(base_record_path, 1 << 20);
+  if (!text.ok()) return "";
+  Result<json> doc = format_internal::ParseJsonStrict(*text, 2);
+  if (!doc.ok() || !doc->is_object()) return "";
+  auto it = doc->find("base");
+  return it != doc->end() && it->is_string() ? it->get<std::string>() : "";
+}
+
+Status LocalCheckpoint::State::RecordBase() {
+  if (options.base.empty()) return Status::OK();
+  std::error_code ec;
+  const std::string absolute =
+      std::filesystem::absolute(options.base, ec).lexically_normal().string();
+  if (ec) return Status::FromErrno(ec.value(), "absolute path of " + options.base);
+  if (RecordedBase() == absolute) return Status::OK();
+  json doc = json::object();
+  doc["base"] = absolute;
+  return format_internal::WriteFileAtomically(
+      base_record_path, doc.dump(1, ' ', false, json::error_handler_t::replace) + "\n");
 }
 
 Status LocalCheckpoint::State::Reseed(LocalState* st, PullResult* result) {
@@ -447,54 +480,107 @@ Status LocalCheckpoint::State::VerifyAll(const LocalState& st) {
                                 "' recorded in state.json is missing from the checkpoint");
     }
   }
-  std::unique_ptr<Checkpoint> origin;
-  bool need_origin = false;
+  std::set<std::string> unrecorded;
   for (const auto& [name, t] : files->tensors()) {
-    if (!st.checksums.count(name)) need_origin = true;
+    if (!st.checksums.count(name)) unrecorded.insert(name);
   }
-  if (need_origin) {
-    if (st.origin_dir.empty()) {
-      return Status::FailedPrecondition(options.local +
-                                        ": no checksums recorded and no origin known to verify "
-                                        "against (state.json written by another tool?)");
-    }
+  // Tensors without a recorded checksum equal the checkpoint the last reset
+  // copied (`origin`), when we did that reset. A state written by another
+  // tool (the Python receiver keeps only "version") names no origin: what
+  // those tensors must hold is then rebuilt from the store's chain.
+  std::unique_ptr<Checkpoint> origin;
+  std::optional<store_internal::ChainExpectation> chain;
+  if (!unrecorded.empty() && !st.origin_dir.empty()) {
     Result<std::unique_ptr<Checkpoint>> opened = Checkpoint::Open(st.origin_dir);
     if (!opened.ok()) {
       return Status::FailedPrecondition(options.local + ": cannot verify tensors copied from " +
                                         st.origin_dir + ": " + opened.status().ToString());
     }
     origin = std::move(*opened);
+  } else if (!unrecorded.empty()) {
+    store_internal::ChainQuery query;
+    query.store = options.store;
+    query.base = options.base.empty() ? RecordedBase() : options.base;
+    query.version = *st.version;
+    query.wanted = std::move(unrecorded);
+    for (const auto& [name, t] : files->tensors()) query.local_names.insert(name);
+    Result<store_internal::ChainExpectation> rebuilt = store_internal::RebuildExpectedState(query);
+    if (!rebuilt.ok()) {
+      return rebuilt.status().WithContext(
+          options.local + ": verifying version " + FormatVersion(*st.version) +
+          " against the store's chain (state.json records no checksum for some tensors and " +
+          "no origin: written by another tool?)");
+    }
+    chain = std::move(*rebuilt);
   }
-  std::vector<std::pair<const std::string*, const LocalTensor*>> work;
-  for (const auto& [name, t] : files->tensors()) work.push_back({&name, &t});
-  FirstError error;
-  pool->ParallelFor(work.size(), [&](size_t i) {
-    if (error.failed()) return;
-    const std::string& name = *work[i].first;
-    const LocalTensor& t = *work[i].second;
-    auto it = st.checksums.find(name);
-    if (it != st.checksums.end()) {
+
+  auto digest_mismatch = [&](const std::string& name, ChecksumAlgo algo, const std::string& actual,
+                             const std::string& expected, const std::string& source) {
+    return Status::Corruption(options.local + ": tensor '" + name + "' has " +
+                              std::string(ChecksumAlgoName(algo)) + " " + actual + ", expected " +
+                              expected + " " + source);
+  };
+  auto check = [&](const std::string& name, const LocalTensor& t) -> Status {
+    if (auto it = st.checksums.find(name); it != st.checksums.end()) {
       Result<ParsedDigest> d = ParseTaggedDigest(it->second);
-      if (!d.ok()) {
-        error.Note(d.status().WithContext(options.local + ": state.json, tensor '" + name + "'"));
-        return;
-      }
+      if (!d.ok())
+        return d.status().WithContext(options.local + ": state.json, tensor '" + name + "'");
       const std::string actual = ChecksumHex(d->algo, t.bytes);
-      if (actual != d->hex) {
-        error.Note(Status::Corruption(options.local + ": tensor '" + name + "' has " +
-                                      std::string(ChecksumAlgoName(d->algo)) + " " + actual +
-                                      ", expected " + d->hex));
+      if (actual != d->hex) return digest_mismatch(name, d->algo, actual, d->hex, "(state.json)");
+      return Status::OK();
+    }
+    if (chain) {
+      const store_internal::ExpectedTensor& e = chain->tensors.at(name);
+      const std::string set_by =
+          e.set_by == 0 ? "the base checkpoint " + chain->reference_dir + " (version 000000)"
+                        : "version " + FormatVersion(e.set_by) + " of " + options.store;
+      if (e.by_digest) {
+        const std::string actual = ChecksumHex(e.algo, t.bytes);
+        if (actual == e.hex) return Status::OK();
+        return digest_mismatch(name, e.algo, actual, e.hex,
+                               "as set by " + set_by + ", the last version that changed it");
       }
-      return;
+      if (e.bytes.size() == t.bytes.size() &&
+          std::memcmp(e.bytes.data(), t.bytes.data(), t.bytes.size()) == 0) {
+        return Status::OK();
+      }
+      return Status::Corruption(options.local + ": tensor '" + name + "' differs from " + set_by +
+                                ", unchanged since then");
     }
     Result<TensorView> source = origin->Get(name);
     if (!source.ok() || source->bytes.size() != t.bytes.size() ||
         std::memcmp(source->bytes.data(), t.bytes.data(), t.bytes.size()) != 0) {
-      error.Note(Status::Corruption(options.local + ": tensor '" + name + "' differs from " +
-                                    st.origin_dir + ", which it was copied from"));
+      return Status::Corruption(options.local + ": tensor '" + name + "' differs from " +
+                                st.origin_dir + ", which it was copied from");
     }
+    return Status::OK();
+  };
+
+  // Checked in parallel, largest first (tasks are handed out in order);
+  // reported in name order, so the same damage always gives the same message.
+  std::vector<std::pair<const std::string*, const LocalTensor*>> work;
+  for (const auto& [name, t] : files->tensors()) work.push_back({&name, &t});
+  std::vector<size_t> order(work.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return work[a].second->bytes.size() > work[b].second->bytes.size();
   });
-  return error.status();
+  std::vector<Status> outcome(work.size());
+  pool->ParallelFor(order.size(), [&](size_t k) {
+    const size_t i = order[k];
+    outcome[i] = check(*work[i].first, *work[i].second);
+  });
+  const Status* first = nullptr;
+  size_t failures = 0;
+  for (const Status& s : outcome) {
+    if (s.ok()) continue;
+    if (first == nullptr) first = &s;
+    ++failures;
+  }
+  if (first == nullptr) return Status::OK();
+  if (failures == 1) return *first;
+  return Status(first->code(), first->message() + " (and " + std::to_string(failures - 1) +
+                                   " more tensor" + (failures > 2 ? "s" : "") + " fail)");
 }
 
 Status LocalCheckpoint::State::Materialize(const std::string& source, int64_t version,
@@ -859,6 +945,7 @@ Result<std::unique_ptr<LocalCheckpoint>> LocalCheckpoint::Open(
   state->state_path = JoinPath(state->sync_dir, kStateFileName);
   state->lock_path = JoinPath(state->sync_dir, kLockFileName);
   state->journal_path = JoinPath(state->sync_dir, store_internal::kJournalFileName);
+  state->base_record_path = JoinPath(state->sync_dir, kBaseRecordFileName);
   DS_RETURN_IF_ERROR(format_internal::CreateDirectories(state->sync_dir));
   if (options.recover_on_open) {
     DS_ASSIGN_OR_RETURN(store_internal::FileLock lock,
@@ -913,6 +1000,7 @@ Result<PullResult> LocalCheckpoint::Pull(std::optional<int64_t> target) {
   result.version = goal;
   const std::optional<int64_t> current = st.version;
   if (current && *current == goal) {
+    DS_RETURN_IF_ERROR(s.RecordBase());
     result.seconds = SecondsSince(t0);
     return result;
   }
@@ -973,6 +1061,7 @@ Result<PullResult> LocalCheckpoint::Pull(std::optional<int64_t> target) {
     DS_RETURN_IF_ERROR(s.ApplyVersion(info, &st, &result));
     result.versions_applied.push_back(v);
   }
+  DS_RETURN_IF_ERROR(s.RecordBase());
   result.applied = true;
   result.seconds = SecondsSince(t0);
   return result;
