@@ -308,8 +308,14 @@ class LocalCheckpoint {
   // Recomputes every tensor's checksum and compares it with what the applied
   // versions recorded; tensors no version has changed since the last reset
   // are compared byte for byte with the checkpoint they were copied from.
-  // FailedPrecondition when nothing is committed or that source is gone;
-  // Corruption naming the first mismatching tensor.
+  // When state.json carries none of that (another receiver, such as the
+  // Python one, committed last), the expected state is rebuilt from the
+  // store: each tensor's digest from the newest delta <= the applied version
+  // that changed it, else the newest full version, else the base (the
+  // option, or the base path our last pull recorded).
+  // FailedPrecondition when nothing is committed or a needed source is gone;
+  // NotFound for a missing version in the chain; Corruption naming the first
+  // mismatching tensor and the version that set its expected value.
   Status Verify();
 
   const std::string& local() const;
