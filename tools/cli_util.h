@@ -43,5 +43,6 @@ void RegisterPrune(CLI::App& app, CommandFn* run);
 void RegisterBench(CLI::App& app, CommandFn* run);
 void RegisterAgent(CLI::App& app, CommandFn* run);
 void RegisterSync(CLI::App& app, CommandFn* run);
+void RegisterDemo(CLI::App& app, CommandFn* run);
 
 }  // namespace deltasync::cli

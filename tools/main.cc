@@ -27,6 +27,7 @@ int main(int argc, char** argv) {
   RegisterBench(app, &run);
   RegisterAgent(app, &run);
   RegisterSync(app, &run);
+  RegisterDemo(app, &run);
 
   try {
     app.parse(argc, argv);

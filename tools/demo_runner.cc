@@ -1,0 +1,513 @@
+#include "demo_runner.h"
+
+#include <httplib.h>
+#include <stdlib.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "deltasync/agent.h"
+#include "deltasync/checkpoint.h"
+#include "deltasync/store.h"
+#include "deltasync/synth.h"
+
+namespace deltasync::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+std::string Join(const std::string& dir, std::string_view name) {
+  return dir + "/" + std::string(name);
+}
+
+// The demo's scratch directory. Removed on destruction unless kept; a
+// directory the user named is only ever used when it was missing or empty,
+// so removing it never takes anything the demo did not write.
+class WorkDir {
+ public:
+  static Result<std::unique_ptr<WorkDir>> Create(const std::string& requested, bool keep) {
+    std::string path = requested;
+    std::error_code ec;
+    if (path.empty()) {
+      const char* tmp = std::getenv("TMPDIR");
+      std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/deltasync-demo.XXXXXX";
+      if (::mkdtemp(pattern.data()) == nullptr) {
+        return Status::IOError("cannot create a work dir from '" + pattern +
+                               "': " + std::strerror(errno));
+      }
+      path = pattern;
+    } else if (std::filesystem::exists(path, ec)) {
+      if (!std::filesystem::is_directory(path, ec)) {
+        return Status::InvalidArgument("work dir '" + path + "' is not a directory");
+      }
+      if (!std::filesystem::is_empty(path, ec) || ec) {
+        return Status::InvalidArgument("work dir '" + path +
+                                       "' is not empty (the demo only writes into a missing or "
+                                       "empty directory)");
+      }
+    } else if (!std::filesystem::create_directories(path, ec) || ec) {
+      return Status::IOError("cannot create work dir '" + path + "': " + ec.message());
+    }
+    while (path.size() > 1 && path.back() == '/') path.pop_back();
+    return std::unique_ptr<WorkDir>(new WorkDir(std::filesystem::absolute(path).string(), keep));
+  }
+  ~WorkDir() {
+    if (keep_) return;
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  WorkDir(const WorkDir&) = delete;
+  WorkDir& operator=(const WorkDir&) = delete;
+
+  const std::string& path() const { return path_; }
+
+ private:
+  WorkDir(std::string path, bool keep) : path_(std::move(path)), keep_(keep) {}
+  std::string path_;
+  bool keep_;
+};
+
+// Corruption naming the first tensor of `dir` (an HF checkpoint dir) that
+// differs from `expected` in name, dtype, shape or any byte.
+Status CompareWithWeights(const std::string& dir, const std::vector<TensorView>& expected) {
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> checkpoint, Checkpoint::Open(dir));
+  const std::map<std::string, TensorView>& held = checkpoint->tensors();
+  if (held.size() != expected.size()) {
+    return Status::Corruption(dir + " holds " + std::to_string(held.size()) +
+                              " tensors, the trainer " + std::to_string(expected.size()));
+  }
+  for (const TensorView& want : expected) {
+    auto it = held.find(want.name);
+    if (it == held.end()) {
+      return Status::Corruption(dir + " lacks tensor '" + want.name + "'");
+    }
+    const TensorView& got = it->second;
+    if (got.dtype != want.dtype || got.shape != want.shape) {
+      return Status::Corruption("tensor '" + want.name + "' in " + dir + " is " +
+                                std::string(DTypeName(got.dtype)) + ShapeToString(got.shape) +
+                                ", the trainer's " + std::string(DTypeName(want.dtype)) +
+                                ShapeToString(want.shape));
+    }
+    if (got.bytes.size() != want.bytes.size() ||
+        std::memcmp(got.bytes.data(), want.bytes.data(), want.bytes.size()) != 0) {
+      const auto mismatch =
+          std::mismatch(want.bytes.begin(), want.bytes.end(), got.bytes.begin(), got.bytes.end());
+      return Status::Corruption("tensor '" + want.name + "' in " + dir +
+                                " differs from the trainer's at byte " +
+                                std::to_string(mismatch.first - want.bytes.begin()));
+    }
+  }
+  return Status::OK();
+}
+
+// The trainer, its base checkpoint (version 0 for every host) and an empty
+// store: what both the demo and the agent benchmark start from.
+struct Testbed {
+  std::unique_ptr<WorkDir> work;
+  std::unique_ptr<SynthTrainer> trainer;
+  DemoSetup setup;
+};
+
+Result<Testbed> MakeTestbed(const DemoConfig& config) {
+  if (config.steps < 1 || config.steps > 100000) {
+    return Status::InvalidArgument("steps must be in 1..100000, got " +
+                                   std::to_string(config.steps));
+  }
+  if (config.target_bytes == 0) return Status::InvalidArgument("model size must be positive");
+  const auto start = Clock::now();
+  Testbed bed;
+  DS_ASSIGN_OR_RETURN(const double scale, SynthScaleForBytes(config.preset, config.target_bytes));
+  SynthConfig synth;
+  synth.preset = config.preset;
+  synth.scale = scale;
+  synth.seed = config.seed;
+  synth.lr = config.lr;
+  // The work dir is made after the config has been validated, so that a bad
+  // preset leaves no directory behind.
+  DS_ASSIGN_OR_RETURN(bed.work, WorkDir::Create(config.workdir, config.keep));
+  DS_ASSIGN_OR_RETURN(bed.trainer, SynthTrainer::Create(synth));
+
+  DemoSetup& s = bed.setup;
+  s.preset = config.preset;
+  s.scale = scale;
+  s.parameters = static_cast<uint64_t>(SynthParameterCount(bed.trainer->specs()));
+  s.model_bytes = SynthBf16Bytes(bed.trainer->specs());
+  s.tensors = bed.trainer->specs().size();
+  s.workdir = bed.work->path();
+  s.store = Join(s.workdir, "store");
+  s.base = Join(s.workdir, "base");
+  CheckpointWriteOptions write;
+  write.max_shard_bytes = uint64_t{2} << 30;  // as save_pretrained shards, one file up to 2 GiB
+  DS_RETURN_IF_ERROR(WriteCheckpoint(s.base, bed.trainer->Weights(), write));
+  s.setup_seconds = SecondsSince(start);
+  return bed;
+}
+
+Result<std::unique_ptr<Agent>> StartAgent(const DemoSetup& setup, const std::string& local) {
+  LocalCheckpointOptions options;
+  options.local = local;
+  options.store = setup.store;
+  options.base = setup.base;
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointPuller> puller, OpenLocalCheckpointPuller(options));
+  AgentOptions agent_options;  // loopback, an ephemeral port, no token
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<Agent> agent,
+                      Agent::Create(agent_options, std::move(puller), nullptr));
+  DS_RETURN_IF_ERROR(agent->Start());
+  return agent;
+}
+
+std::string AgentUrl(const Agent& agent) {
+  return "http://127.0.0.1:" + std::to_string(agent.port());
+}
+
+// Fills the engine columns of `row` from the coordinator's outcomes and
+// compares every distinct local checkpoint with the trainer's weights.
+void FinishRow(const std::vector<DemoEngine>& engines,
+               const std::vector<EnginePullOutcome>& outcomes,
+               const std::vector<TensorView>& weights, DemoStep* row) {
+  std::vector<std::string> problems;
+  for (size_t i = 0; i < engines.size() && i < outcomes.size(); ++i) {
+    const EnginePullOutcome& o = outcomes[i];
+    DemoEnginePull pull;
+    pull.name = engines[i].name;
+    pull.ok = o.ok && o.version == row->version;
+    pull.applied = o.applied;
+    pull.seconds = o.seconds;
+    pull.bytes_read = o.bytes_read;
+    if (!pull.ok) {
+      pull.error =
+          o.error.empty() ? "reported version " + std::to_string(o.version.value_or(-1)) : o.error;
+      problems.push_back(engines[i].name + ": " + pull.error);
+    }
+    row->pull_seconds = std::max(row->pull_seconds, pull.seconds);
+    if (engines[i].name.rfind("B/", 0) == 0 && pull.applied) ++row->shared_host_applies;
+    row->engines.push_back(std::move(pull));
+  }
+  const auto verify_start = Clock::now();
+  std::vector<std::string> checked;
+  for (const DemoEngine& engine : engines) {
+    if (std::find(checked.begin(), checked.end(), engine.local) != checked.end()) continue;
+    checked.push_back(engine.local);
+    if (Status s = CompareWithWeights(engine.local, weights); !s.ok()) {
+      problems.push_back(s.ToString());
+    }
+  }
+  row->verify_seconds = SecondsSince(verify_start);
+  row->verified = problems.empty();
+  if (!problems.empty()) row->error = problems.front();
+}
+
+}  // namespace
+
+double Median(std::vector<double> values) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  const size_t mid = values.size() / 2;
+  return values.size() % 2 ? values[mid] : (values[mid - 1] + values[mid]) / 2;
+}
+
+Result<DemoResult> RunDemo(const DemoConfig& config, const DemoObserver& observer) {
+  const auto start = Clock::now();
+  DS_ASSIGN_OR_RETURN(Testbed bed, MakeTestbed(config));
+  const auto agents_start = Clock::now();
+  DemoResult result;
+  DemoSetup& setup = bed.setup;
+
+  // Host A has one rank; host B two, sharing one local checkpoint (and so
+  // one host lock), as co-located engines of one node would.
+  const std::string local_a = Join(setup.workdir, "host-a/model");
+  const std::string local_b = Join(setup.workdir, "host-b/model");
+  std::vector<std::unique_ptr<Agent>> agents;
+  for (const auto& [name, local] : {std::pair<std::string, std::string>{"A", local_a},
+                                    {"B/rank0", local_b},
+                                    {"B/rank1", local_b}}) {
+    DS_ASSIGN_OR_RETURN(std::unique_ptr<Agent> agent, StartAgent(setup, local));
+    setup.engines.push_back({name, AgentUrl(*agent), local});
+    agents.push_back(std::move(agent));
+  }
+
+  PublisherOptions publish;
+  publish.store = setup.store;
+  publish.encoding = config.encoding;
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<Publisher> publisher,
+                      Publisher::Create(publish, bed.trainer->Weights()));
+  SyncOptions sync;
+  for (const DemoEngine& engine : setup.engines) sync.engines.push_back(engine.url);
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<SyncCoordinator> coordinator,
+                      SyncCoordinator::Create(sync, std::move(publisher)));
+  setup.setup_seconds += SecondsSince(agents_start);
+  if (observer.on_setup) observer.on_setup(setup);
+
+  // The seed: every host materializes version 0, the base, by copy.
+  result.seed.step = 0;
+  result.seed.version = 0;
+  result.seed.total_elements = setup.parameters;
+  result.seed.full_bytes = setup.model_bytes;
+  FinishRow(setup.engines, coordinator->PullAll(0), bed.trainer->Weights(), &result.seed);
+  if (observer.on_step) observer.on_step(result.seed);
+  bool all_verified = result.seed.verified;
+
+  for (int64_t step = 1; step <= config.steps; ++step) {
+    DemoStep row;
+    row.step = step;
+    row.full_bytes = setup.model_bytes;
+    row.total_elements = setup.parameters;
+    const auto train_start = Clock::now();
+    bed.trainer->Step();
+    row.train_seconds = SecondsSince(train_start);
+    const std::vector<TensorView> weights = bed.trainer->Weights();
+    Result<SyncReport> report = coordinator->Sync(weights);
+    if (!report.ok()) {
+      // Nothing was published: the hosts still hold the previous version.
+      row.error = "publish failed: " + report.status().ToString();
+      all_verified = false;
+      result.steps.push_back(row);
+      if (observer.on_step) observer.on_step(row);
+      break;
+    }
+    row.version = report->version;
+    row.changed_elements = report->publish.changed_elements;
+    row.delta_bytes = report->publish.bytes_written;
+    row.publish_seconds = report->publish_seconds;
+    FinishRow(setup.engines, report->engines, weights, &row);
+    all_verified = all_verified && row.verified;
+    result.steps.push_back(row);
+    if (observer.on_step) observer.on_step(row);
+  }
+  for (std::unique_ptr<Agent>& agent : agents) agent->Stop();
+  result.setup = setup;
+  result.all_verified = all_verified;
+  result.total_seconds = SecondsSince(start);
+  return result;
+}
+
+// ---------------------------------------------------------------------------
+// Agent benchmark
+
+namespace {
+
+struct HttpPull {
+  double wall_ms = 0;
+  double agent_ms = 0;  // the pull as the agent timed it
+};
+
+// One POST /pull_weights, as the coordinator sends it (a fresh connection).
+Result<HttpPull> PullThroughAgent(int port, int64_t version) {
+  const auto start = Clock::now();
+  httplib::Client client("127.0.0.1", port);
+  client.set_connection_timeout(10, 0);
+  client.set_read_timeout(600, 0);
+  httplib::Result response = client.Post(
+      "/pull_weights", "{\"target_version\": " + std::to_string(version) + "}", "application/json");
+  HttpPull pull;
+  pull.wall_ms = SecondsSince(start) * 1e3;
+  if (!response) {
+    return Status::Internal("POST /pull_weights failed: " + httplib::to_string(response.error()));
+  }
+  const nlohmann::json body = nlohmann::json::parse(response->body, nullptr, false);
+  if (response->status != 200 || !body.is_object() || body.value("version", -1) != version ||
+      !body.value("verified", false)) {
+    return Status::Internal("POST /pull_weights answered " + std::to_string(response->status) +
+                            ": " + response->body);
+  }
+  pull.agent_ms = body.value("seconds", 0.0) * 1e3;
+  return pull;
+}
+
+// Clients sending GET /status to an agent until told to stop (or their
+// request budget or a time limit runs out).
+class StatusLoad {
+ public:
+  StatusLoad(int port, int threads, double interval_ms, int64_t max_requests) {
+    const auto deadline = Clock::now() + std::chrono::seconds(120);
+    for (int t = 0; t < threads; ++t) {
+      threads_.emplace_back([this, port, interval_ms, max_requests, deadline] {
+        for (int64_t i = 0; i < max_requests && !stop_.load() && Clock::now() < deadline; ++i) {
+          httplib::Client client("127.0.0.1", port);
+          client.set_connection_timeout(5, 0);
+          client.set_read_timeout(5, 0);
+          httplib::Result r = client.Get("/status");
+          ++requests_;
+          if (!r || r->status != 200) ++errors_;
+          if (interval_ms > 0) {
+            std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(interval_ms));
+          }
+        }
+      });
+    }
+  }
+  ~StatusLoad() { Finish(); }
+  void Finish() {
+    stop_ = true;
+    for (std::thread& t : threads_) {
+      if (t.joinable()) t.join();
+    }
+  }
+  uint64_t requests() const { return requests_.load(); }
+  uint64_t errors() const { return errors_.load(); }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> requests_{0};
+  std::atomic<uint64_t> errors_{0};
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace
+
+Result<AgentBenchResult> RunAgentBench(const AgentBenchConfig& config,
+                                       const AgentBenchProgress& progress) {
+  if (config.overhead_versions < 1 || config.load_versions < 2 || config.status_threads < 1 ||
+      config.max_requests_per_thread < 1 || config.status_interval_ms < 0) {
+    return Status::InvalidArgument(
+        "agent bench needs >= 1 overhead version, >= 2 load versions, >= 1 status thread, "
+        ">= 1 request per thread and a non-negative interval");
+  }
+  auto say = [&](const std::string& line) {
+    if (progress) progress(line);
+  };
+  const auto start = Clock::now();
+  DS_ASSIGN_OR_RETURN(Testbed bed, MakeTestbed(config.demo));
+  AgentBenchResult result;
+  DemoSetup& setup = bed.setup;
+  const std::string local_http = Join(setup.workdir, "host-http/model");
+  const std::string local_direct = Join(setup.workdir, "host-direct/model");
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<Agent> agent, StartAgent(setup, local_http));
+  setup.engines.push_back({"agent", AgentUrl(*agent), local_http});
+  LocalCheckpointOptions direct_options;
+  direct_options.local = local_direct;
+  direct_options.store = setup.store;
+  direct_options.base = setup.base;
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<LocalCheckpoint> direct,
+                      LocalCheckpoint::Open(direct_options));
+  setup.engines.push_back({"direct", "", local_direct});
+
+  PublisherOptions publish;
+  publish.store = setup.store;
+  publish.encoding = config.demo.encoding;
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<Publisher> publisher,
+                      Publisher::Create(publish, bed.trainer->Weights()));
+  auto next_version = [&]() -> Result<int64_t> {
+    bed.trainer->Step();
+    DS_ASSIGN_OR_RETURN(PublishResult published, publisher->Publish(bed.trainer->Weights()));
+    return published.info.version;
+  };
+  auto pull_direct = [&](int64_t version) -> Result<double> {
+    const auto t0 = Clock::now();
+    DS_ASSIGN_OR_RETURN(PullResult pulled, direct->Pull(version));
+    if (pulled.version != version) {
+      return Status::Internal("direct pull reached version " + std::to_string(pulled.version));
+    }
+    return SecondsSince(t0) * 1e3;
+  };
+
+  say("seeding both local checkpoints with the base");
+  DS_RETURN_IF_ERROR(PullThroughAgent(agent->port(), 0).status());
+  DS_RETURN_IF_ERROR(pull_direct(0).status());
+  {
+    // A warm-up version, not counted: first-touch costs of both paths.
+    DS_ASSIGN_OR_RETURN(const int64_t v, next_version());
+    DS_RETURN_IF_ERROR(PullThroughAgent(agent->port(), v).status());
+    DS_RETURN_IF_ERROR(pull_direct(v).status());
+  }
+
+  say("overhead: " + std::to_string(config.overhead_versions) +
+      " versions, each pulled through the agent and directly");
+  std::vector<double> differences;
+  for (int64_t i = 0; i < config.overhead_versions; ++i) {
+    DS_ASSIGN_OR_RETURN(const int64_t v, next_version());
+    HttpPull http;
+    double direct_ms = 0;
+    // Whichever goes second finds the version's files in the page cache:
+    // alternate so that neither side always gets that advantage.
+    if (i % 2 == 0) {
+      DS_ASSIGN_OR_RETURN(http, PullThroughAgent(agent->port(), v));
+      DS_ASSIGN_OR_RETURN(direct_ms, pull_direct(v));
+    } else {
+      DS_ASSIGN_OR_RETURN(direct_ms, pull_direct(v));
+      DS_ASSIGN_OR_RETURN(http, PullThroughAgent(agent->port(), v));
+    }
+    result.http_ms.push_back(http.wall_ms);
+    result.agent_pull_ms.push_back(http.agent_ms);
+    result.direct_ms.push_back(direct_ms);
+    differences.push_back(http.wall_ms - direct_ms);
+  }
+  result.http_median_ms = Median(result.http_ms);
+  result.direct_median_ms = Median(result.direct_ms);
+  result.overhead_median_ms = Median(differences);
+  std::vector<double> transport;
+  for (size_t i = 0; i < result.http_ms.size(); ++i) {
+    transport.push_back(result.http_ms[i] - result.agent_pull_ms[i]);
+  }
+  result.transport_median_ms = Median(transport);
+
+  say("load: " + std::to_string(config.load_versions) + " pulls through the agent, half with " +
+      std::to_string(config.status_threads) + " threads sending GET /status");
+  double load_seconds = 0;
+  std::vector<double> pull_ms;  // every load-phase pull, in version order
+  for (int64_t i = 0; i < config.load_versions; ++i) {
+    DS_ASSIGN_OR_RETURN(const int64_t v, next_version());
+    // Pulls pair up as (unloaded, loaded), (loaded, unloaded), ... so that
+    // drift over the run (page cache, the store's growing listing) falls
+    // on both sides alike.
+    const bool loaded = (i % 4 == 1) || (i % 4 == 2);
+    if (!loaded) {
+      DS_ASSIGN_OR_RETURN(HttpPull pull, PullThroughAgent(agent->port(), v));
+      result.unloaded_ms.push_back(pull.wall_ms);
+      pull_ms.push_back(pull.wall_ms);
+      continue;
+    }
+    StatusLoad load(agent->port(), config.status_threads, config.status_interval_ms,
+                    config.max_requests_per_thread);
+    // Let the clients get going before the pull starts.
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    const auto load_start = Clock::now();
+    Result<HttpPull> pull = PullThroughAgent(agent->port(), v);
+    load.Finish();
+    load_seconds += SecondsSince(load_start);
+    result.status_requests += load.requests();
+    result.status_errors += load.errors();
+    DS_RETURN_IF_ERROR(pull.status());
+    result.loaded_ms.push_back(pull->wall_ms);
+    pull_ms.push_back(pull->wall_ms);
+  }
+  for (size_t i = 0; i + 1 < pull_ms.size(); i += 2) {
+    const bool first_loaded = (i % 4) == 2;
+    const double loaded = first_loaded ? pull_ms[i] : pull_ms[i + 1];
+    const double unloaded = first_loaded ? pull_ms[i + 1] : pull_ms[i];
+    result.worst_pair_ratio = std::max(result.worst_pair_ratio, loaded / unloaded);
+  }
+  result.unloaded_median_ms = Median(result.unloaded_ms);
+  result.loaded_median_ms = Median(result.loaded_ms);
+  result.load_ratio =
+      result.unloaded_median_ms > 0 ? result.loaded_median_ms / result.unloaded_median_ms : 0;
+  result.status_requests_per_second =
+      load_seconds > 0 ? static_cast<double>(result.status_requests) / load_seconds : 0;
+
+  // The direct checkpoint last pulled the final overhead version: bring it
+  // to the newest too, then both must equal the trainer's weights.
+  DS_RETURN_IF_ERROR(pull_direct(publisher->latest_version()).status());
+  const std::vector<TensorView> weights = bed.trainer->Weights();
+  Status http_match = CompareWithWeights(local_http, weights);
+  Status direct_match = CompareWithWeights(local_direct, weights);
+  agent->Stop();
+  if (!http_match.ok()) return Status::Internal(http_match.ToString());
+  if (!direct_match.ok()) return Status::Internal(direct_match.ToString());
+  result.verified = true;
+  result.setup = setup;
+  result.total_seconds = SecondsSince(start);
+  return result;
+}
+
+}  // namespace deltasync::cli
