@@ -71,6 +71,7 @@ std::string ReadFileText(const std::string& path) {
 struct ChildRun {
   int exit_code = -1;  // 128 + signal when killed by one
   double wall_seconds = 0;
+  double cpu_seconds = 0;  // user + system, the child's own
   uint64_t max_rss_kib = 0;
   uint64_t peak_anon_kib = 0;
   uint64_t peak_file_kib = 0;
@@ -203,6 +204,8 @@ Result<ChildRun> RunChild(const std::vector<std::string>& argv, const std::strin
     if (errno != EINTR) return Status::FromErrno(errno, "wait4 for " + argv[0]);
   }
   run.wall_seconds = std::chrono::duration<double>(end - start).count();
+  run.cpu_seconds = static_cast<double>(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) +
+                    static_cast<double>(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec) / 1e6;
   run.max_rss_kib = static_cast<uint64_t>(usage.ru_maxrss);  // KiB on Linux
   run.peak_anon_kib = sampler.peak_anon_kib();
   run.peak_file_kib = sampler.peak_file_kib();
@@ -275,13 +278,26 @@ void Merge(const ChildRun& run, double self_seconds, bool first, E2eProcess* int
   if (first) {
     into->wall_seconds = run.wall_seconds;
     into->self_seconds = self_seconds;
+    into->cpu_seconds = run.cpu_seconds;
   } else {
     into->wall_seconds = std::min(into->wall_seconds, run.wall_seconds);
     into->self_seconds = std::min(into->self_seconds, self_seconds);
+    into->cpu_seconds = std::min(into->cpu_seconds, run.cpu_seconds);
   }
   into->peak_rss_mib = std::max(into->peak_rss_mib, Mib(run.max_rss_kib));
   into->peak_anon_mib = std::max(into->peak_anon_mib, Mib(run.peak_anon_kib));
   into->peak_file_mib = std::max(into->peak_file_mib, Mib(run.peak_file_kib));
+}
+
+// The 1-minute load average: on a shared machine it says how much the
+// wall-clock figures are to be trusted.
+json LoadAverage() {
+  double load = 0;
+  FILE* f = std::fopen("/proc/loadavg", "r");
+  if (f == nullptr) return nullptr;
+  const bool ok = std::fscanf(f, "%lf", &load) == 1;
+  std::fclose(f);
+  return ok ? json(load) : json(nullptr);
 }
 
 class E2eRun {
@@ -296,6 +312,7 @@ class E2eRun {
     if (config_.warmup_steps < 0) {
       return Status::InvalidArgument("--warmup-steps must not be negative");
     }
+    result_.load_average_start = LoadAverage();
     DS_RETURN_IF_ERROR(ResolvePaths());
     DS_RETURN_IF_ERROR(PrepareWorkdir());
     DS_RETURN_IF_ERROR(MakeStepPair());
@@ -643,6 +660,13 @@ json WallRatioOrNull(const E2eMeasurement& a, const E2eMeasurement& b) {
   return (a.publish.wall_seconds + a.pull.wall_seconds) / denom;
 }
 
+double CpuTotal(const E2eMeasurement& m) { return m.publish.cpu_seconds + m.pull.cpu_seconds; }
+
+json CpuRatioOrNull(const E2eMeasurement& a, const E2eMeasurement& b) {
+  if (!a.ran || !b.ran || CpuTotal(b) <= 0) return nullptr;
+  return CpuTotal(a) / CpuTotal(b);
+}
+
 json MetOrNull(const json& ratio, double target) {
   if (ratio.is_null()) return nullptr;
   return ratio.get<double>() <= target;
@@ -657,6 +681,8 @@ json OursJson(const E2eMeasurement& m, uint64_t model_bytes) {
       {"pull_bytes_read", m.pull_bytes_read},
       {"publish_self_s", m.publish.self_seconds},
       {"pull_self_s", m.pull.self_seconds},
+      {"publish_cpu_s", m.publish.cpu_seconds},
+      {"pull_cpu_s", m.pull.cpu_seconds},
       {"publish_peak_rss_mib", m.publish.peak_rss_mib},
       {"pull_peak_rss_mib", m.pull.peak_rss_mib},
       {"publish_peak_anon_mib", m.publish.peak_anon_mib},
@@ -686,6 +712,8 @@ json PeerJson(const E2eMeasurement& m) {
   j["pull_bytes_read"] = r ? json(m.pull_bytes_read) : json(nullptr);
   j["publish_wall_s"] = Nullable(r, m.publish.wall_seconds);
   j["pull_wall_s"] = Nullable(r, m.pull.wall_seconds);
+  j["publish_cpu_s"] = Nullable(r, m.publish.cpu_seconds);
+  j["pull_cpu_s"] = Nullable(r, m.pull.cpu_seconds);
   j["publish_peak_rss_mib"] = Nullable(r, m.publish.peak_rss_mib);
   j["pull_peak_rss_mib"] = Nullable(r, m.pull.peak_rss_mib);
   j["publish_peak_anon_mib"] = Nullable(r, m.publish.peak_anon_mib);
@@ -707,6 +735,9 @@ std::vector<std::string> ReportNotes() {
       "deltasync times are wall clock around the child process (process start included); the "
       "peer's publish_s/pull_s are its self-reported seconds (interpreter start and imports "
       "excluded), *_wall_s include them; ratios use publish_s + pull_s",
+      "*_cpu_s are the child's user + system CPU seconds (for the peer including the "
+      "interpreter's start and imports); on a loaded machine the *_cpu ratios are steadier "
+      "than the wall-clock ones, and load_average_start/end say how loaded it was",
       "peak_rss_mib is ru_maxrss of the child: anonymous memory plus every touched page of "
       "file-backed mappings (the pull maps the local shards read-write and the version's "
       "files read-only, so it counts the page-cache pages of the tensors it touches, which "
@@ -749,6 +780,8 @@ json E2eReportJson(const E2eConfig& config, const E2eResult& r) {
                    {"python", config.python},
                    {"page_cache", "hot"},
                    {"rss_floor_mib", r.rss_floor_mib},
+                   {"load_average_start", r.load_average_start},
+                   {"load_average_end", LoadAverage()},
                    {"hardware_threads", std::thread::hardware_concurrency()}};
   out["cpu"] = CpuModelName();
   out["model_bytes"] = r.model_bytes;
@@ -769,7 +802,10 @@ json E2eReportJson(const E2eConfig& config, const E2eResult& r) {
                    {"xor_vs_peer", xor_vs_peer},
                    {"delta_vs_full", delta_vs_full},
                    {"sparse_vs_peer_wall", WallRatioOrNull(r.sparse, r.peer)},
-                   {"xor_vs_peer_wall", WallRatioOrNull(r.xor_delta, r.peer)}};
+                   {"xor_vs_peer_wall", WallRatioOrNull(r.xor_delta, r.peer)},
+                   {"sparse_vs_peer_cpu", CpuRatioOrNull(r.sparse, r.peer)},
+                   {"xor_vs_peer_cpu", CpuRatioOrNull(r.xor_delta, r.peer)},
+                   {"delta_vs_full_cpu", CpuRatioOrNull(r.sparse, r.full)}};
   out["targets"] = {{"sparse_vs_peer", kE2eSparseVsPeerTarget},
                     {"xor_vs_peer", kE2eXorVsPeerTarget},
                     {"delta_vs_full", kE2eDeltaVsFullTarget}};
@@ -795,20 +831,22 @@ void PrintE2eReport(const E2eConfig& config, const E2eResult& r) {
   std::printf(
       "files hot in page cache for everyone; deltasync times are wall clock, the "
       "peer's its own\n\n");
-  std::printf("%-30s %9s %9s %12s %11s %11s\n", "operation", "seconds", "vs peer", "bytes",
-              "peak RSS", "peak anon");
+  std::printf("%-30s %9s %9s %8s %12s %11s %11s\n", "operation", "seconds", "vs peer", "cpu s",
+              "bytes", "peak RSS", "peak anon");
   const double peer_total = r.peer.ran ? r.peer.total_seconds() : 0.0;
   auto row = [&](const std::string& op, double seconds, const char* bytes_label, uint64_t bytes,
                  const E2eProcess* proc, bool ratio) {
     char vs[32] = "";
     if (ratio && peer_total > 0) std::snprintf(vs, sizeof(vs), "%.3fx", seconds / peer_total);
     const std::string b = bytes_label == nullptr ? "" : FormatBytes(bytes) + " " + bytes_label;
-    char rss[32] = "", anon[32] = "";
+    char rss[32] = "", anon[32] = "", cpu[32] = "";
     if (proc != nullptr) {
       std::snprintf(rss, sizeof(rss), "%.1f MiB", proc->peak_rss_mib);
       std::snprintf(anon, sizeof(anon), "%.1f MiB", proc->peak_anon_mib);
+      std::snprintf(cpu, sizeof(cpu), "%.3f", proc->cpu_seconds);
     }
-    std::printf("%-30s %9.3f %9s %12s %11s %11s\n", op.c_str(), seconds, vs, b.c_str(), rss, anon);
+    std::printf("%-30s %9.3f %9s %8s %12s %11s %11s\n", op.c_str(), seconds, vs, cpu, b.c_str(),
+                rss, anon);
   };
   auto ours = [&](const char* name, const E2eMeasurement& m) {
     const std::string n = name;
@@ -845,6 +883,20 @@ void PrintE2eReport(const E2eConfig& config, const E2eResult& r) {
   ratio_line("sparse total / peer total", "sparse_vs_peer");
   ratio_line("xor total / peer total", "xor_vs_peer");
   ratio_line("sparse total / full total", "delta_vs_full");
+  auto cpu_line = [&](const char* label, const char* key) {
+    const json& ratio = j["ratios"][key];
+    if (!ratio.is_null()) std::printf("%-26s %.3f (CPU seconds)\n", label, ratio.get<double>());
+  };
+  cpu_line("sparse / peer, CPU", "sparse_vs_peer_cpu");
+  cpu_line("xor / peer, CPU", "xor_vs_peer_cpu");
+  cpu_line("sparse / full, CPU", "delta_vs_full_cpu");
+  const json& load_start = j["config"]["load_average_start"];
+  const json& load_end = j["config"]["load_average_end"];
+  if (load_start.is_number() && load_end.is_number()) {
+    std::printf("load average %.2f at the start, %.2f at the end (%u hardware threads)\n",
+                load_start.get<double>(), load_end.get<double>(),
+                std::thread::hardware_concurrency());
+  }
   std::printf("\nevery pulled checkpoint equals the new one bit for bit\n");
   std::printf(
       "peak RSS counts touched pages of the mapped files (shared page cache); peak anon "

@@ -51,6 +51,7 @@ std::string DefaultPeerScript();
 struct E2eProcess {
   double wall_seconds = 0;  // spawn to exit, as seen by the bench
   double self_seconds = 0;  // the "seconds" of the command's own JSON summary
+  double cpu_seconds = 0;   // user + system CPU time of the process
   double peak_rss_mib = 0;  // ru_maxrss: anonymous plus touched file-backed pages
   // High-water marks of /proc/<pid>/status RssAnon and RssFile, sampled
   // every 10 ms (a peak shorter than that can be missed).
@@ -95,6 +96,7 @@ struct E2eResult {
   // The bench's own RSS when it spawned a child, highest over the run: no
   // child's peak_rss_mib can be reported below it (see RunChild).
   double rss_floor_mib = 0;
+  nlohmann::json load_average_start;  // 1-minute load average when the run began (or null)
   std::string cli_path;
   std::string peer_script;
   E2eMeasurement sparse;

@@ -77,6 +77,8 @@ TEST(BenchE2eTest, JsonHasEveryKeyAndEveryPullIsBitExact) {
   EXPECT_EQ(config["repeat"], 1);  // --e2e's default
   EXPECT_EQ(config["requested_bytes"], 4 << 20);
   EXPECT_EQ(config["page_cache"], "hot");
+  EXPECT_TRUE(config["load_average_start"].is_number());
+  EXPECT_GT(config["rss_floor_mib"].get<double>(), 0.0);
   EXPECT_EQ(config["bytes"], j["model_bytes"]);
   EXPECT_NEAR(j["model_bytes"].get<double>(), 4.0 * (1 << 20), 0.05 * 4.0 * (1 << 20));
   for (const char* key : {"model_bytes", "largest_tensor_bytes", "numel", "changed", "density"}) {
@@ -95,7 +97,8 @@ TEST(BenchE2eTest, JsonHasEveryKeyAndEveryPullIsBitExact) {
     for (const char* key :
          {"publish_s", "pull_s", "total_s", "bytes", "pull_bytes_read", "publish_self_s",
           "pull_self_s", "publish_peak_rss_mib", "pull_peak_rss_mib", "publish_peak_anon_mib",
-          "pull_peak_anon_mib", "pull_durable_s", "total_durable_s", "tensors_changed"}) {
+          "pull_peak_anon_mib", "pull_durable_s", "total_durable_s", "tensors_changed",
+          "publish_cpu_s", "pull_cpu_s"}) {
       ExpectPositive(m, key);
     }
     ExpectTotalIsSum(m);
@@ -137,8 +140,9 @@ TEST(BenchE2eTest, JsonHasEveryKeyAndEveryPullIsBitExact) {
     EXPECT_TRUE(ratios["sparse_vs_peer"].is_null());
   } else {
     ASSERT_EQ(peer["ran"], true) << peer["note"];
-    for (const char* key : {"publish_s", "pull_s", "total_s", "bytes", "publish_wall_s",
-                            "pull_wall_s", "publish_peak_rss_mib", "pull_peak_rss_mib"}) {
+    for (const char* key :
+         {"publish_s", "pull_s", "total_s", "bytes", "publish_wall_s", "pull_wall_s",
+          "publish_cpu_s", "pull_cpu_s", "publish_peak_rss_mib", "pull_peak_rss_mib"}) {
       ExpectPositive(peer, key);
     }
     ExpectTotalIsSum(peer);
@@ -149,6 +153,11 @@ TEST(BenchE2eTest, JsonHasEveryKeyAndEveryPullIsBitExact) {
     EXPECT_EQ(peer["tensors_changed"], j["deltasync"]["xor"]["tensors_changed"]);
     EXPECT_NEAR(ratios["sparse_vs_peer"].get<double>(),
                 j["deltasync"]["sparse"]["total_s"].get<double>() / peer["total_s"].get<double>(),
+                1e-9);
+    EXPECT_NEAR(ratios["sparse_vs_peer_cpu"].get<double>(),
+                (j["deltasync"]["sparse"]["publish_cpu_s"].get<double>() +
+                 j["deltasync"]["sparse"]["pull_cpu_s"].get<double>()) /
+                    (peer["publish_cpu_s"].get<double>() + peer["pull_cpu_s"].get<double>()),
                 1e-9);
     EXPECT_NEAR(ratios["xor_vs_peer"].get<double>(),
                 j["deltasync"]["xor"]["total_s"].get<double>() / peer["total_s"].get<double>(),
