@@ -79,9 +79,9 @@ void RegisterPublish(CLI::App& app, CommandFn* run) {
       opts.checksum = *algo;
       opts.full_every = o->full_every;
       opts.post_write_hook = o->hook;
-      Result<std::unique_ptr<Publisher>> pub = Publisher::CreateFromCheckpoint(opts, o->old_ckpt);
-      if (!pub.ok()) return Fail(pub.status());
-      Result<PublishResult> r = (*pub)->PublishCheckpoint(o->new_ckpt, o->full);
+      // One version per run: the old checkpoint is read in place rather than
+      // copied into a publisher's snapshot.
+      Result<PublishResult> r = PublishCheckpointOnce(opts, o->old_ckpt, o->new_ckpt, o->full);
       if (!r.ok()) return Fail(r.status());
       if (o->json) {
         nlohmann::json j = VersionJson(r->info);

@@ -807,6 +807,9 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
     store_internal::SealJournalRecord(&record);
     changed.fetch_add(changes.count(), std::memory_order_relaxed);
     Status s = writer->Append(record);
+    // Back to the pool for the next tensor: a fresh tensor-sized buffer per
+    // tensor costs a zero-filled mapping and its page faults every time.
+    pool_of_buffers.Release(std::move(buf));
     if (!s.ok()) return fail(s);
     CrashPoint("journal:record");
   });
