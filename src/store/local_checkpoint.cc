@@ -34,6 +34,7 @@ using format_internal::JoinPath;
 using format_internal::QuoteForMessage;
 using nlohmann::json;
 using store_internal::CrashPoint;
+using store_internal::FirstError;
 using store_internal::Journal;
 using store_internal::JournalRecord;
 using store_internal::JournalWriter;
@@ -285,27 +286,6 @@ class ScratchPool {
  private:
   std::mutex mu_;
   std::vector<std::unique_ptr<Buffer>> free_;
-};
-
-class FirstError {
- public:
-  void Note(Status s) {
-    if (s.ok()) return;
-    std::lock_guard<std::mutex> lock(mu_);
-    if (status_.ok()) status_ = std::move(s);
-  }
-  bool failed() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return !status_.ok();
-  }
-  Status status() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return status_;
-  }
-
- private:
-  std::mutex mu_;
-  Status status_;
 };
 
 bool IsXorLike(Encoding e) { return e == Encoding::kXor || e == Encoding::kSparse; }

@@ -27,6 +27,7 @@ namespace {
 
 using format_internal::JoinPath;
 using store_internal::CrashPoint;
+using store_internal::FirstError;
 using store_internal::VersionDir;
 
 struct SnapshotTensor {
@@ -52,28 +53,6 @@ struct DeltaTensor {
   std::string checksum;       // of the new bytes
   std::string base_checksum;  // of the old bytes
   uint64_t changed_elements = 0;
-};
-
-// Collects the first error of parallel tasks.
-class FirstError {
- public:
-  void Note(Status s) {
-    if (s.ok()) return;
-    std::lock_guard<std::mutex> lock(mu_);
-    if (status_.ok()) status_ = std::move(s);
-  }
-  bool failed() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return !status_.ok();
-  }
-  Status status() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return status_;
-  }
-
- private:
-  std::mutex mu_;
-  Status status_;
 };
 
 // Removes a temp dir unless released.

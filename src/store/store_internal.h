@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -120,6 +121,28 @@ class FileLock {
 
  private:
   int fd_ = -1;
+};
+
+// Keeps the first error that any of several parallel tasks reports.
+class FirstError {
+ public:
+  void Note(Status s) {
+    if (s.ok()) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (status_.ok()) status_ = std::move(s);
+  }
+  bool failed() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !status_.ok();
+  }
+  Status status() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return status_;
+  }
+
+ private:
+  std::mutex mu_;
+  Status status_;
 };
 
 }  // namespace deltasync::store_internal
