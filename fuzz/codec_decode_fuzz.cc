@@ -85,15 +85,53 @@ std::unique_ptr<uint8_t[]> ExactCopy(std::span<const uint8_t> bytes) {
   return copy;
 }
 
+// DecodeChanges must accept exactly what DecodeApply accepts (same status
+// code) and, when both succeed, list exactly the elements DecodeApply
+// changed, ascending, without writing its base.
+void CheckChangesMatchApply(Encoding encoding, std::span<const uint8_t> encoded,
+                            std::span<const uint8_t> base, uint32_t elem_size,
+                            const DecodeOptions& options, const Status& apply_status,
+                            const uint8_t* applied) {
+  std::unique_ptr<uint8_t[]> pristine = ExactCopy(base);
+  ChangeSet changes;
+  Status status = deltasync::DecodeChanges(encoding, encoded, {pristine.get(), base.size()},
+                                           elem_size, &changes, options);
+  Require(status.code() == apply_status.code(), "DecodeChanges and DecodeApply agree");
+  Require(std::memcmp(pristine.get(), base.data(), base.size()) == 0,
+          "DecodeChanges leaves its base alone");
+  if (!status.ok()) return;
+  const size_t numel = base.size() / elem_size;
+  Require(changes.numel == numel && changes.elem_size == elem_size, "ChangeSet shape");
+  uint64_t next = 0;
+  for (size_t e = 0; e < numel; ++e) {
+    const bool differs =
+        std::memcmp(base.data() + e * elem_size, applied + e * elem_size, elem_size) != 0;
+    const bool listed = next < changes.count() && changes.position(next) == e;
+    Require(differs == listed, "DecodeChanges lists exactly the changed elements");
+    if (!listed) continue;
+    Require(std::memcmp(changes.new_values.data() + next * elem_size, applied + e * elem_size,
+                        elem_size) == 0,
+            "DecodeChanges gives the applied value");
+    Require(std::memcmp(changes.old_values.data() + next * elem_size, base.data() + e * elem_size,
+                        elem_size) == 0,
+            "DecodeChanges gives the old value");
+    ++next;
+  }
+  Require(next == changes.count(), "DecodeChanges positions ascend within the tensor");
+}
+
 void FuzzRaw(Encoding encoding, uint32_t elem_size, const DecodeOptions& options,
              std::span<const uint8_t> encoded) {
   const size_t bytes = kRawTargetElems * elem_size;
   std::unique_ptr<uint8_t[]> target(new uint8_t[bytes]);
   for (size_t i = 0; i < bytes; ++i) target[i] = static_cast<uint8_t>(i * 131);
   std::unique_ptr<uint8_t[]> input = ExactCopy(encoded);
+  std::vector<uint8_t> base(target.get(), target.get() + bytes);
   Status status = deltasync::DecodeApply(encoding, {input.get(), encoded.size()},
                                          {target.get(), bytes}, elem_size, options);
   Require(status.ok() || status.IsCorruption(), "decoders report bad bytes as Corruption");
+  CheckChangesMatchApply(encoding, {input.get(), encoded.size()}, base, elem_size, options, status,
+                         target.get());
 }
 
 void FuzzEncoded(Encoding encoding, uint32_t elem_size, SparseMode sparse_mode, bool mutate,
@@ -133,6 +171,8 @@ void FuzzEncoded(Encoding encoding, uint32_t elem_size, SparseMode sparse_mode, 
   std::unique_ptr<uint8_t[]> input = ExactCopy(encoded);
   Status status = deltasync::DecodeApply(encoding, {input.get(), encoded.size()},
                                          {target.get(), old_bytes.size()}, elem_size, options);
+  CheckChangesMatchApply(encoding, {input.get(), encoded.size()}, old_bytes, elem_size, options,
+                         status, target.get());
   if (mutations == 0) {
     Require(status.ok(), "a fresh encoding decodes");
     Require(std::memcmp(target.get(), new_bytes.data(), new_bytes.size()) == 0,

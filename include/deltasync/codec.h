@@ -120,6 +120,20 @@ class Codec {
   // per-tensor checksums and never serves a partial checkpoint).
   virtual Status DecodeApply(std::span<const uint8_t> encoded, std::span<uint8_t> target,
                              uint32_t elem_size, const DecodeOptions& options) const = 0;
+
+  // What DecodeApply would do to `base`, without writing it: replaces *out
+  // with the ChangeSet (numel, elem_size, ascending unique positions, old
+  // values read from `base`, new values) of every element whose bytes the
+  // delta changes. An element the delta writes with its current value is not
+  // listed. Accepts and rejects exactly the input DecodeApply does, with the
+  // same status codes. Memory is the decoder's bounded buffers plus *out
+  // (proportional to the changed elements, never to the tensor), which lets
+  // a receiver journal a delta before it touches its checkpoint. *out's
+  // vectors keep their capacity, so reusing one ChangeSet avoids
+  // reallocation; on error its contents are unspecified.
+  virtual Status DecodeChanges(std::span<const uint8_t> encoded, std::span<const uint8_t> base,
+                               uint32_t elem_size, const DecodeOptions& options,
+                               ChangeSet* out) const = 0;
 };
 
 // The implementation of `encoding`; lives for the whole program. A value
@@ -133,6 +147,11 @@ Status Encode(Encoding encoding, std::span<const uint8_t> new_bytes, const Chang
 // GetCodec(encoding).DecodeApply(...).
 Status DecodeApply(Encoding encoding, std::span<const uint8_t> encoded, std::span<uint8_t> target,
                    uint32_t elem_size, const DecodeOptions& options = {});
+
+// GetCodec(encoding).DecodeChanges(...).
+Status DecodeChanges(Encoding encoding, std::span<const uint8_t> encoded,
+                     std::span<const uint8_t> base, uint32_t elem_size, ChangeSet* out,
+                     const DecodeOptions& options = {});
 
 // The fixed fields of a sparse encoding, for inspection tools.
 struct SparseHeader {

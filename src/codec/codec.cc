@@ -1,5 +1,6 @@
 #include "deltasync/codec.h"
 
+#include <algorithm>
 #include <array>
 #include <string>
 
@@ -55,6 +56,12 @@ Status DecodeApply(Encoding encoding, std::span<const uint8_t> encoded, std::spa
   return GetCodec(encoding).DecodeApply(encoded, target, elem_size, options);
 }
 
+Status DecodeChanges(Encoding encoding, std::span<const uint8_t> encoded,
+                     std::span<const uint8_t> base, uint32_t elem_size, ChangeSet* out,
+                     const DecodeOptions& options) {
+  return GetCodec(encoding).DecodeChanges(encoded, base, elem_size, options, out);
+}
+
 namespace codec_internal {
 namespace {
 
@@ -72,6 +79,10 @@ class InvalidCodecImpl final : public Codec {
   }
   Status DecodeApply(std::span<const uint8_t>, std::span<uint8_t>, uint32_t,
                      const DecodeOptions&) const override {
+    return Status::InvalidArgument("decode: not a known delta encoding");
+  }
+  Status DecodeChanges(std::span<const uint8_t>, std::span<const uint8_t>, uint32_t,
+                       const DecodeOptions&, ChangeSet*) const override {
     return Status::InvalidArgument("decode: not a known delta encoding");
   }
 };
@@ -139,6 +150,81 @@ Status ValidateChangeSet(std::span<const uint8_t> new_bytes, const ChangeSet& ch
     next_allowed = pos + 1;
   }
   return Status::OK();
+}
+
+ChangeCollector::ChangeCollector(std::span<const uint8_t> base, uint32_t elem_size, ChangeSet* out)
+    : base_(base.data()), es_(elem_size), out_(out) {
+  out->Clear();
+  out->elem_size = elem_size;
+  out->numel = elem_size ? base.size() / elem_size : 0;
+  out->wide = out->numel > uint64_t{UINT32_MAX};
+}
+
+ChangeCollector::~ChangeCollector() {
+  if (out_->wide) {
+    out_->pos64.resize(count_);
+  } else {
+    out_->pos32.resize(count_);
+  }
+  out_->old_values.resize(count_ * es_);
+  out_->new_values.resize(count_ * es_);
+}
+
+void ChangeCollector::Reserve(uint64_t changes) {
+  if (changes > capacity_) Grow(changes);
+}
+
+void ChangeCollector::Grow(uint64_t at_least) {
+  // Doubling, from a floor that spares small tensors repeated regrowth.
+  capacity_ = std::max<uint64_t>({at_least, 2 * capacity_, 4096});
+  if (out_->wide) {
+    out_->pos64.resize(capacity_);
+    pos64_ = out_->pos64.data();
+  } else {
+    out_->pos32.resize(capacity_);
+    pos32_ = out_->pos32.data();
+  }
+  out_->old_values.resize(capacity_ * es_);
+  out_->new_values.resize(capacity_ * es_);
+  old_ = out_->old_values.data();
+  new_ = out_->new_values.data();
+}
+
+void ChangeCollector::AddNew(uint64_t pos, const uint8_t* v) {
+  uint8_t x[8];
+  const uint8_t* old = base_ + pos * es_;
+  for (uint32_t b = 0; b < es_; ++b) x[b] = old[b] ^ v[b];
+  switch (es_) {
+    case 1: return AddXor<1>(pos, x);
+    case 2: return AddXor<2>(pos, x);
+    case 4: return AddXor<4>(pos, x);
+    default: return AddXor<8>(pos, x);
+  }
+}
+
+template <size_t ES>
+void ChangeCollector::AddXorRunTyped(uint64_t first, const uint8_t* xors, size_t n) {
+  const size_t bytes = n * ES;
+  constexpr size_t kPerWord = 8 / ES;
+  size_t at = 0;
+  // Element boundaries fall on word boundaries (ES divides 8), so a zero
+  // word is kPerWord unchanged elements.
+  for (; at + 8 <= bytes; at += 8) {
+    uint64_t word;
+    std::memcpy(&word, xors + at, 8);
+    if (word == 0) continue;
+    for (size_t k = 0; k < kPerWord; ++k) AddXor<ES>(first + at / ES + k, xors + at + k * ES);
+  }
+  for (; at < bytes; at += ES) AddXor<ES>(first + at / ES, xors + at);
+}
+
+void ChangeCollector::AddXorRun(uint64_t first, const uint8_t* xors, size_t n) {
+  switch (es_) {
+    case 1: return AddXorRunTyped<1>(first, xors, n);
+    case 2: return AddXorRunTyped<2>(first, xors, n);
+    case 4: return AddXorRunTyped<4>(first, xors, n);
+    default: return AddXorRunTyped<8>(first, xors, n);
+  }
 }
 
 Status ValidateTarget(std::span<const uint8_t> target, uint32_t elem_size) {

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <span>
 #include <string>
+#include <type_traits>
 
 #include "deltasync/codec.h"
 #include "deltasync/diff.h"
@@ -63,6 +64,76 @@ inline size_t ElementsPerChunk(size_t chunk_bytes, size_t elem_size) {
   size_t n = chunk_bytes / elem_size;
   return n ? n : 1;
 }
+
+// Builds the ChangeSet of a delta decoded against a receiver's current bytes
+// (Codec::DecodeChanges): each Add* call names an element and either the XOR
+// the delta applies to it or the value it writes; elements that end up
+// unchanged are skipped. Positions must be added in strictly ascending
+// order (decoders whose formats allow any order sort first). The ChangeSet's
+// vectors are grown in steps and trimmed to the recorded changes when the
+// collector is destroyed, so the hot path is a few fixed-size stores.
+class ChangeCollector {
+ public:
+  // Clears *out (keeping capacity) and sets its numel, elem_size and
+  // position width for a tensor of base.size() / elem_size elements.
+  ChangeCollector(std::span<const uint8_t> base, uint32_t elem_size, ChangeSet* out);
+  ~ChangeCollector();
+  ChangeCollector(const ChangeCollector&) = delete;
+  ChangeCollector& operator=(const ChangeCollector&) = delete;
+
+  // Room for this many changes in all (a hint).
+  void Reserve(uint64_t changes);
+
+  // Element `pos` becomes base ^ x (x: ES == elem_size bytes).
+  template <size_t ES>
+  void AddXor(uint64_t pos, const uint8_t* x) {
+    using Elem = ElemOf<ES>;
+    Elem xv, ov;
+    std::memcpy(&xv, x, ES);
+    if (xv == 0) return;
+    std::memcpy(&ov, base_ + pos * ES, ES);
+    Push<ES>(pos, ov, static_cast<Elem>(ov ^ xv));
+  }
+  // Element `pos` becomes v (elem_size bytes).
+  void AddNew(uint64_t pos, const uint8_t* v);
+  // Elements [first, first + n) are XORed with the n * elem_size bytes at
+  // xors; the zero ones are skipped a word at a time.
+  void AddXorRun(uint64_t first, const uint8_t* xors, size_t n);
+  // Number of elements recorded so far.
+  uint64_t count() const { return count_; }
+
+ private:
+  template <size_t ES>
+  using ElemOf = std::conditional_t<
+      ES == 1, uint8_t,
+      std::conditional_t<ES == 2, uint16_t, std::conditional_t<ES == 4, uint32_t, uint64_t>>>;
+
+  template <size_t ES>
+  void Push(uint64_t pos, ElemOf<ES> old_value, ElemOf<ES> new_value) {
+    if (count_ == capacity_) Grow(count_ + 1);
+    if (pos32_ != nullptr) {
+      pos32_[count_] = static_cast<uint32_t>(pos);
+    } else {
+      pos64_[count_] = pos;
+    }
+    std::memcpy(old_ + count_ * ES, &old_value, ES);
+    std::memcpy(new_ + count_ * ES, &new_value, ES);
+    ++count_;
+  }
+  template <size_t ES>
+  void AddXorRunTyped(uint64_t first, const uint8_t* xors, size_t n);
+  void Grow(uint64_t at_least);
+
+  const uint8_t* base_;
+  uint32_t es_;
+  ChangeSet* out_;
+  uint64_t count_ = 0;
+  uint64_t capacity_ = 0;
+  uint32_t* pos32_ = nullptr;
+  uint64_t* pos64_ = nullptr;
+  uint8_t* old_ = nullptr;
+  uint8_t* new_ = nullptr;
+};
 
 const Codec& DenseCodec();
 const Codec& IndicesCodec();

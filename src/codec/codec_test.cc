@@ -32,6 +32,9 @@ constexpr size_t kGuardBytes = 32;
   std::span<uint8_t> target(buffer.data() + kGuardBytes, base.size());
   Status status = DecodeApply(encoding, encoded, target, elem_size, options);
   if (!status.ok()) return ::testing::AssertionFailure() << status.ToString();
+  ::testing::AssertionResult changes = codec_test::ChangesMatchApply(
+      encoding, encoded, base, elem_size, options, status, {target.begin(), target.end()});
+  if (!changes) return changes;
   for (size_t i = 0; i < kGuardBytes; ++i) {
     if (buffer[i] != kGuard || buffer[buffer.size() - 1 - i] != kGuard) {
       return ::testing::AssertionFailure() << "wrote outside the target";

@@ -10,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "deltasync/codec.h"
 #include "deltasync/diff.h"
 
 namespace deltasync::codec_test {
@@ -109,6 +110,55 @@ inline std::vector<uint8_t> XorImage(const TensorPair& pair) {
   std::vector<uint8_t> image(pair.new_bytes.size());
   for (size_t i = 0; i < image.size(); ++i) image[i] = pair.new_bytes[i] ^ pair.old_bytes[i];
   return image;
+}
+
+// Checks Codec::DecodeChanges against DecodeApply: given the status and
+// result of DecodeApply on a copy of `base`, DecodeChanges must fail with the
+// same code when it failed, and otherwise list exactly the elements that
+// differ between `base` and `applied` (ascending, with their old and new
+// values), without writing `base`.
+inline ::testing::AssertionResult ChangesMatchApply(
+    Encoding encoding, std::span<const uint8_t> encoded, const std::vector<uint8_t>& base,
+    uint32_t elem_size, const DecodeOptions& options, const Status& apply_status,
+    const std::vector<uint8_t>& applied) {
+  const std::vector<uint8_t> before = base;
+  ChangeSet changes;
+  changes.pos32 = {7, 7};  // stale contents must be replaced
+  Status status = DecodeChanges(encoding, encoded, base, elem_size, &changes, options);
+  if (base != before) return ::testing::AssertionFailure() << "DecodeChanges wrote its base";
+  if (status.code() != apply_status.code()) {
+    return ::testing::AssertionFailure() << "DecodeChanges: " << status.ToString()
+                                         << "; DecodeApply: " << apply_status.ToString();
+  }
+  if (!status.ok()) return ::testing::AssertionSuccess();
+  if (changes.elem_size != elem_size || changes.numel != base.size() / elem_size) {
+    return ::testing::AssertionFailure() << "wrong numel or elem_size";
+  }
+  if (changes.new_values.size() != changes.count() * elem_size ||
+      changes.old_values.size() != changes.count() * elem_size) {
+    return ::testing::AssertionFailure() << "value vectors of the wrong size";
+  }
+  uint64_t next = 0;
+  for (uint64_t e = 0; e < changes.numel; ++e) {
+    const uint8_t* old_element = base.data() + e * elem_size;
+    const uint8_t* new_element = applied.data() + e * elem_size;
+    const bool differs = std::memcmp(old_element, new_element, elem_size) != 0;
+    const bool listed = next < changes.count() && changes.position(next) == e;
+    if (differs != listed) {
+      return ::testing::AssertionFailure()
+             << "element " << e << (differs ? " changed but is not listed" : " listed unchanged");
+    }
+    if (!listed) continue;
+    if (std::memcmp(changes.old_values.data() + next * elem_size, old_element, elem_size) != 0 ||
+        std::memcmp(changes.new_values.data() + next * elem_size, new_element, elem_size) != 0) {
+      return ::testing::AssertionFailure() << "wrong values for element " << e;
+    }
+    ++next;
+  }
+  if (next != changes.count()) {
+    return ::testing::AssertionFailure() << "positions out of order or out of range";
+  }
+  return ::testing::AssertionSuccess();
 }
 
 }  // namespace deltasync::codec_test

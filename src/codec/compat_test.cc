@@ -84,6 +84,8 @@ TEST_P(Compat, XorAppliesFramesFromOneShotAndStreamingProducers) {
     Status status = DecodeApply(Encoding::kXor, frame, target, es, options);
     ASSERT_TRUE(status.ok()) << status.ToString();
     EXPECT_EQ(target, pair.new_bytes);
+    EXPECT_TRUE(codec_test::ChangesMatchApply(Encoding::kXor, frame, pair.old_bytes, es, options,
+                                              status, target));
   }
 }
 
@@ -143,6 +145,8 @@ TEST_P(Compat, OverwriteAppliesHandBuiltFramesInAnyOrder) {
       Status status = DecodeApply(Encoding::kOverwrite, frame, target, es, options);
       ASSERT_TRUE(status.ok()) << status.ToString();
       EXPECT_EQ(target, pair.new_bytes);
+      EXPECT_TRUE(codec_test::ChangesMatchApply(Encoding::kOverwrite, frame, pair.old_bytes, es,
+                                                options, status, target));
     }
   }
 }
@@ -198,6 +202,8 @@ TEST_P(Compat, IndicesAcceptsInt64Positions) {
   Status status = DecodeApply(Encoding::kIndices, payload, target, es);
   ASSERT_TRUE(status.ok()) << status.ToString();
   EXPECT_EQ(target, pair.new_bytes);
+  EXPECT_TRUE(codec_test::ChangesMatchApply(Encoding::kIndices, payload, pair.old_bytes, es,
+                                            DecodeOptions{}, status, target));
 }
 
 // A reference reader for the sparse format written from docs/format.md,

@@ -41,6 +41,8 @@ Outcome Apply(Encoding encoding, std::span<const uint8_t> encoded, const std::ve
     outcome.guards_intact &= buffer[i] == kGuard && buffer[buffer.size() - 1 - i] == kGuard;
   }
   outcome.target.assign(buffer.begin() + kGuardBytes, buffer.end() - kGuardBytes);
+  EXPECT_TRUE(codec_test::ChangesMatchApply(encoding, encoded, base, es, options, outcome.status,
+                                            outcome.target));
   return outcome;
 }
 
@@ -419,6 +421,41 @@ TEST(SparseCorruption, XorPlanesCountMismatch) {
   std::vector<uint8_t> short_planes(planes.begin(), planes.end() - 1);
   ExpectCorruption(Apply(Encoding::kSparse, SparseEncoding(2, 2, 4, 2, short_planes), base, 2),
                    "frame ends after 7 bytes");
+}
+
+// Formats that let a position repeat (indices, overwrite): the last entry
+// wins, as when applying in order, and an element written back to its own
+// value is no change. Apply() checks DecodeChanges against DecodeApply.
+TEST(RepeatedPositions, LastEntryWinsAndRestoredElementsAreNotChanges) {
+  std::vector<uint8_t> base(40);
+  for (size_t i = 0; i < base.size(); ++i) base[i] = static_cast<uint8_t>(3 * i + 1);
+  // indices, 2-byte elements: 5 is written, then restored; 2 twice; 9 once.
+  std::vector<uint8_t> payload = IndicesPayload(4, 2, 20, {5, 2, 5, 9, 2});
+  uint8_t* values = payload.data() + payload.size() - 5 * 2;
+  const uint8_t v[5][2] = {
+      {0x11, 0x12}, {0x21, 0x22}, {base[10], base[11]}, {0x41, 0x42}, {0x51, 0x52}};
+  for (int k = 0; k < 5; ++k) std::memcpy(values + 2 * k, v[k], 2);
+  Outcome outcome = Apply(Encoding::kIndices, payload, base, 2);
+  ASSERT_TRUE(outcome.status.ok()) << outcome.status.ToString();
+  EXPECT_EQ(outcome.target[4], 0x51);
+  EXPECT_EQ(outcome.target[10], base[10]);
+  ChangeSet changes;
+  ASSERT_TRUE(DecodeChanges(Encoding::kIndices, payload, base, 2, &changes).ok());
+  ASSERT_EQ(changes.count(), 2u);
+  EXPECT_EQ(changes.position(0), 2u);
+  EXPECT_EQ(changes.position(1), 9u);
+
+  // overwrite, 4-byte elements: bytes out of order, one rewritten twice,
+  // one element's only write is its current byte.
+  std::vector<uint8_t> content =
+      OverwriteContent({13, 1, 13, 20, 2}, {0xEE, 0xAA, 0xCC, base[20], 0xBB});
+  outcome = Apply(Encoding::kOverwrite, Compress(content), base, 4);
+  ASSERT_TRUE(outcome.status.ok()) << outcome.status.ToString();
+  EXPECT_EQ(outcome.target[13], 0xCC);
+  ASSERT_TRUE(DecodeChanges(Encoding::kOverwrite, Compress(content), base, 4, &changes).ok());
+  ASSERT_EQ(changes.count(), 2u);
+  EXPECT_EQ(changes.position(0), 0u);
+  EXPECT_EQ(changes.position(1), 3u);
 }
 
 }  // namespace

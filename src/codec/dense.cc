@@ -31,6 +31,25 @@ class DenseCodecImpl final : public Codec {
     if (!encoded.empty()) std::memcpy(target.data(), encoded.data(), encoded.size());
     return Status::OK();
   }
+
+  Status DecodeChanges(std::span<const uint8_t> encoded, std::span<const uint8_t> base,
+                       uint32_t elem_size, const DecodeOptions& /*options*/,
+                       ChangeSet* out) const override {
+    DS_RETURN_IF_ERROR(ValidateTarget(base, elem_size).WithContext("dense decode"));
+    if (encoded.size() != base.size()) {
+      return Status::Corruption("dense decode: " + std::to_string(encoded.size()) +
+                                " encoded bytes for a tensor of " + std::to_string(base.size()) +
+                                " bytes");
+    }
+    // The encoding is the new tensor itself: the change list is its diff.
+    // DiffTensor writes its snapshot argument only when refreshing.
+    DiffOptions diff;
+    diff.elem_size = elem_size;
+    diff.refresh_snapshot = false;
+    diff.keep_old_values = true;
+    diff.pool = nullptr;
+    return DiffTensor(encoded, {const_cast<uint8_t*>(base.data()), base.size()}, diff, out);
+  }
 };
 
 }  // namespace

@@ -2,7 +2,9 @@
 // header so that a receiver can check it against the tensor before applying.
 // Positions are signed little-endian int32 (int64 once numel >= 2^31, where
 // torch's int32 indices stop), uncompressed: verl ships them raw.
+#include <algorithm>
 #include <string>
+#include <vector>
 
 #include "codec/codec_internal.h"
 
@@ -53,6 +55,57 @@ class IndicesCodecImpl final : public Codec {
 
   Status DecodeApply(std::span<const uint8_t> encoded, std::span<uint8_t> target,
                      uint32_t elem_size, const DecodeOptions& /*options*/) const override {
+    DS_ASSIGN_OR_RETURN(Payload p, Parse(encoded, target, elem_size));
+    for (uint64_t i = 0; i < p.count; ++i) {
+      uint64_t pos = ReadPosition(p.positions, i, p.width);
+      std::memcpy(target.data() + pos * elem_size, p.values + i * elem_size, elem_size);
+    }
+    return Status::OK();
+  }
+
+  Status DecodeChanges(std::span<const uint8_t> encoded, std::span<const uint8_t> base,
+                       uint32_t elem_size, const DecodeOptions& /*options*/,
+                       ChangeSet* out) const override {
+    DS_ASSIGN_OR_RETURN(Payload p, Parse(encoded, base, elem_size));
+    ChangeCollector collector(base, elem_size, out);
+    collector.Reserve(p.count);
+    bool ascending = true;
+    for (uint64_t i = 1; i < p.count && ascending; ++i) {
+      ascending = ReadPosition(p.positions, i - 1, p.width) < ReadPosition(p.positions, i, p.width);
+    }
+    if (ascending) {
+      for (uint64_t i = 0; i < p.count; ++i) {
+        collector.AddNew(ReadPosition(p.positions, i, p.width), p.values + i * elem_size);
+      }
+      return Status::OK();
+    }
+    // Any order is valid and a repeated position takes its last value, as
+    // when applying in order: sort entries by position, keeping the last.
+    std::vector<uint64_t> order(p.count);
+    for (uint64_t i = 0; i < p.count; ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](uint64_t a, uint64_t b) {
+      return ReadPosition(p.positions, a, p.width) < ReadPosition(p.positions, b, p.width);
+    });
+    for (uint64_t k = 0; k < p.count; ++k) {
+      const uint64_t pos = ReadPosition(p.positions, order[k], p.width);
+      if (k + 1 < p.count && ReadPosition(p.positions, order[k + 1], p.width) == pos) continue;
+      collector.AddNew(pos, p.values + order[k] * elem_size);
+    }
+    return Status::OK();
+  }
+
+ private:
+  struct Payload {
+    const uint8_t* positions = nullptr;
+    const uint8_t* values = nullptr;
+    uint64_t count = 0;
+    uint64_t width = 4;
+  };
+
+  // Checks the header, the size and every position against the tensor, so
+  // a bad payload is refused before anything is written.
+  static Result<Payload> Parse(std::span<const uint8_t> encoded, std::span<const uint8_t> target,
+                               uint32_t elem_size) {
     DS_RETURN_IF_ERROR(ValidateTarget(target, elem_size).WithContext("indices decode"));
     if (encoded.size() < kIndicesHeaderBytes) {
       return Corrupt("truncated header (" + std::to_string(encoded.size()) + " bytes)");
@@ -84,27 +137,22 @@ class IndicesCodecImpl final : public Codec {
                      std::to_string(kIndicesHeaderBytes + body) + " for " + std::to_string(count) +
                      " entries");
     }
-    // Check every position before writing any, so a bad payload leaves the
-    // target untouched (the payload is in memory already; this costs one
-    // cache-friendly pass).
-    const uint8_t* positions = h + kIndicesHeaderBytes;
-    const uint8_t* values = positions + count * width;
+    Payload p;
+    p.positions = h + kIndicesHeaderBytes;
+    p.values = p.positions + count * width;
+    p.count = count;
+    p.width = width;
     for (uint64_t i = 0; i < count; ++i) {
-      uint64_t pos = ReadPosition(positions, i, width);
+      uint64_t pos = ReadPosition(p.positions, i, width);
       if (pos >= numel) {
         return Corrupt("position " + std::to_string(static_cast<int64_t>(pos)) + " at entry " +
                        std::to_string(i) + " is outside the tensor's " + std::to_string(numel) +
                        " elements");
       }
     }
-    for (uint64_t i = 0; i < count; ++i) {
-      uint64_t pos = ReadPosition(positions, i, width);
-      std::memcpy(target.data() + pos * elem_size, values + i * elem_size, elem_size);
-    }
-    return Status::OK();
+    return p;
   }
 
- private:
   // Positions are signed on the wire; a negative one reads as a huge value
   // and fails the bound check.
   static uint64_t ReadPosition(const uint8_t* positions, uint64_t i, uint64_t width) {

@@ -10,6 +10,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "codec/codec_internal.h"
 #include "codec/zstd_stream.h"
@@ -123,6 +124,70 @@ class OverwriteCodecImpl final : public Codec {
       return ApplyBuffered(&positions, count, target);
     }
     return ApplyTwoCursors(encoded, &positions, count, target, chunk_bytes, options);
+  }
+
+  Status DecodeChanges(std::span<const uint8_t> encoded, std::span<const uint8_t> base,
+                       uint32_t elem_size, const DecodeOptions& options,
+                       ChangeSet* out) const override {
+    DS_RETURN_IF_ERROR(ValidateTarget(base, elem_size).WithContext("overwrite decode"));
+    Result<uint64_t> header_size = ZstdFrameContentSize(encoded);
+    if (!header_size.ok()) return header_size.status().WithContext("overwrite decode");
+    const uint64_t content_size = *header_size;
+    ZstdFrameReader reader;
+    DS_RETURN_IF_ERROR(
+        reader.Begin(encoded, options.zstd_window_log_max, 0).WithContext("overwrite decode"));
+    uint8_t count_bytes[4];
+    DS_RETURN_IF_ERROR(reader.Read(count_bytes, 4).WithContext("overwrite decode"));
+    const uint64_t count = LoadLE32(count_bytes);
+    if (count > base.size()) {
+      return Corrupt(std::to_string(count) + " positions for a tensor of " +
+                     std::to_string(base.size()) + " bytes");
+    }
+    const uint64_t expected_size = 4 + 5 * count;
+    if (content_size != kZstdUnknownSize && content_size != expected_size) {
+      return Corrupt("frame content is " + std::to_string(content_size) + " bytes, but K = " +
+                     std::to_string(count) + " needs " + std::to_string(expected_size));
+    }
+    // The change list is proportional to K anyway, so the entries are read
+    // whole (count <= the tensor's bytes, checked above).
+    std::vector<uint32_t> positions(count);
+    std::vector<uint8_t> values(count);
+    for (uint64_t done = 0; done < count;) {
+      const size_t m = static_cast<size_t>(std::min<uint64_t>(count - done, 1 << 18));
+      uint8_t* dst = reinterpret_cast<uint8_t*>(positions.data() + done);
+      DS_RETURN_IF_ERROR(reader.Read(dst, 4 * m).WithContext("overwrite decode"));
+      for (size_t j = 0; j < m; ++j) positions[done + j] = LoadLE32(dst + 4 * j);
+      done += m;
+    }
+    if (count)
+      DS_RETURN_IF_ERROR(reader.Read(values.data(), count).WithContext("overwrite decode"));
+    DS_RETURN_IF_ERROR(reader.ExpectEnd().WithContext("overwrite decode"));
+    for (uint64_t i = 0; i < count; ++i) {
+      if (positions[i] >= base.size()) return PositionOutside(positions[i], i, base.size());
+    }
+    // Entries may come in any order and repeat a byte (the last one wins,
+    // as when applying in order): unless strictly ascending, sort them.
+    std::vector<uint64_t> order;
+    bool ascending = true;
+    for (uint64_t i = 1; i < count && ascending; ++i) ascending = positions[i - 1] < positions[i];
+    if (!ascending) {
+      order.resize(count);
+      for (uint64_t i = 0; i < count; ++i) order[i] = i;
+      std::stable_sort(order.begin(), order.end(),
+                       [&](uint64_t a, uint64_t b) { return positions[a] < positions[b]; });
+    }
+    auto entry = [&](uint64_t k) { return ascending ? k : order[k]; };
+    ChangeCollector collector(base, elem_size, out);
+    uint8_t element[8];
+    for (uint64_t k = 0; k < count;) {
+      const uint64_t elem = positions[entry(k)] / elem_size;
+      std::memcpy(element, base.data() + elem * elem_size, elem_size);
+      for (; k < count && positions[entry(k)] / elem_size == elem; ++k) {
+        element[positions[entry(k)] % elem_size] = values[entry(k)];
+      }
+      collector.AddNew(elem, element);
+    }
+    return Status::OK();
   }
 
  private:

@@ -161,16 +161,54 @@ Status EncodeXorPlanes(const ChangeSet& changes, const EncodeOptions& options,
   return writer.Finish();
 }
 
-// target[pos * ES + j] ^= planes[j * n + i] for the i-th position.
-template <size_t ES>
-void XorPlaneValue(uint8_t* target, uint64_t pos, const uint8_t* planes, size_t n, size_t i) {
-  uint8_t* t = target + pos * ES;
-  for (size_t j = 0; j < ES; ++j) t[j] ^= planes[j * n + i];
-}
+// Where decoded XOR values go: straight into the tensor (DecodeApply) or
+// into a change list (DecodeChanges). Planes hold a block of n elements'
+// XOR values, byte j of element i at planes[j * n + i].
+struct ApplyTarget {
+  uint8_t* data;
+  // Element pos ^= the i-th value.
+  template <size_t ES>
+  void XorOne(uint64_t pos, const uint8_t* planes, size_t n, size_t i) {
+    uint8_t* t = data + pos * ES;
+    for (size_t j = 0; j < ES; ++j) t[j] ^= planes[j * n + i];
+  }
+  // Elements [first, first + n) ^= the block; returns how many it changed.
+  template <size_t ES>
+  uint64_t XorBlock(uint64_t first, const uint8_t* planes, size_t n) {
+    uint8_t* t = data + first * ES;
+    uint64_t changed = 0;
+    for (size_t i = 0; i < n; ++i) {
+      uint8_t any = 0;
+      for (size_t j = 0; j < ES; ++j) {
+        const uint8_t v = planes[j * n + i];
+        t[i * ES + j] ^= v;
+        any |= v;
+      }
+      changed += any != 0;
+    }
+    return changed;
+  }
+};
 
-template <size_t ES>
+struct CollectTarget {
+  ChangeCollector* collector;
+  template <size_t ES>
+  void XorOne(uint64_t pos, const uint8_t* planes, size_t n, size_t i) {
+    uint8_t x[ES];
+    for (size_t j = 0; j < ES; ++j) x[j] = planes[j * n + i];
+    collector->AddXor<ES>(pos, x);
+  }
+  template <size_t ES>
+  uint64_t XorBlock(uint64_t first, const uint8_t* planes, size_t n) {
+    const uint64_t before = collector->count();
+    for (size_t i = 0; i < n; ++i) XorOne<ES>(first + i, planes, n, i);
+    return collector->count() - before;
+  }
+};
+
+template <size_t ES, typename Target>
 Status ApplyPositionsBlock(const uint8_t* gaps, size_t gap_bytes, const uint8_t* planes, size_t n,
-                           uint64_t numel, uint64_t* next_position, uint8_t* target) {
+                           uint64_t numel, uint64_t* next_position, Target* target) {
   size_t cursor = 0;
   uint64_t next = *next_position;
   for (size_t i = 0; i < n; ++i) {
@@ -185,7 +223,7 @@ Status ApplyPositionsBlock(const uint8_t* gaps, size_t gap_bytes, const uint8_t*
                      " is outside the tensor's " + std::to_string(numel) + " elements");
     }
     const uint64_t pos = next + gap;
-    XorPlaneValue<ES>(target, pos, planes, n, i);
+    target->template XorOne<ES>(pos, planes, n, i);
     next = pos + 1;
   }
   if (cursor != gap_bytes) {
@@ -195,8 +233,8 @@ Status ApplyPositionsBlock(const uint8_t* gaps, size_t gap_bytes, const uint8_t*
   return Status::OK();
 }
 
-Status DecodePositions(const SparseHeader& header, ZstdFrameReader* reader,
-                       std::span<uint8_t> target) {
+template <typename Target>
+Status DecodePositions(const SparseHeader& header, ZstdFrameReader* reader, Target* target) {
   const size_t es = header.elem_size;
   const size_t block = static_cast<size_t>(std::min(kBlock, header.count));
   std::unique_ptr<uint8_t[]> gaps(new uint8_t[std::max<size_t>(block * kMaxGapBytes, 1)]);
@@ -217,19 +255,19 @@ Status DecodePositions(const SparseHeader& header, ZstdFrameReader* reader,
     switch (es) {
       case 1:
         status = ApplyPositionsBlock<1>(gaps.get(), gap_bytes, planes.get(), n, header.numel,
-                                        &next_position, target.data());
+                                        &next_position, target);
         break;
       case 2:
         status = ApplyPositionsBlock<2>(gaps.get(), gap_bytes, planes.get(), n, header.numel,
-                                        &next_position, target.data());
+                                        &next_position, target);
         break;
       case 4:
         status = ApplyPositionsBlock<4>(gaps.get(), gap_bytes, planes.get(), n, header.numel,
-                                        &next_position, target.data());
+                                        &next_position, target);
         break;
       default:
         status = ApplyPositionsBlock<8>(gaps.get(), gap_bytes, planes.get(), n, header.numel,
-                                        &next_position, target.data());
+                                        &next_position, target);
         break;
     }
     DS_RETURN_IF_ERROR(status);
@@ -237,25 +275,8 @@ Status DecodePositions(const SparseHeader& header, ZstdFrameReader* reader,
   return reader->ExpectEnd().WithContext("sparse decode");
 }
 
-// XORs a block of planes into target elements [0, n) and returns how many of
-// those elements it changed.
-template <size_t ES>
-uint64_t XorPlanesBlock(const uint8_t* planes, size_t n, uint8_t* target) {
-  uint64_t changed = 0;
-  for (size_t i = 0; i < n; ++i) {
-    uint8_t any = 0;
-    for (size_t j = 0; j < ES; ++j) {
-      const uint8_t v = planes[j * n + i];
-      target[i * ES + j] ^= v;
-      any |= v;
-    }
-    changed += any != 0;
-  }
-  return changed;
-}
-
-Status DecodeXorPlanes(const SparseHeader& header, ZstdFrameReader* reader,
-                       std::span<uint8_t> target) {
+template <typename Target>
+Status DecodeXorPlanes(const SparseHeader& header, ZstdFrameReader* reader, Target* target) {
   const size_t es = header.elem_size;
   const size_t block = static_cast<size_t>(std::min(kBlock, header.numel));
   std::unique_ptr<uint8_t[]> planes(new uint8_t[std::max<size_t>(block * es, 1)]);
@@ -263,12 +284,11 @@ Status DecodeXorPlanes(const SparseHeader& header, ZstdFrameReader* reader,
   for (uint64_t first = 0; first < header.numel; first += kBlock) {
     const size_t n = static_cast<size_t>(std::min(kBlock, header.numel - first));
     DS_RETURN_IF_ERROR(reader->Read(planes.get(), n * es).WithContext("sparse decode"));
-    uint8_t* t = target.data() + first * es;
     switch (es) {
-      case 1: changed += XorPlanesBlock<1>(planes.get(), n, t); break;
-      case 2: changed += XorPlanesBlock<2>(planes.get(), n, t); break;
-      case 4: changed += XorPlanesBlock<4>(planes.get(), n, t); break;
-      default: changed += XorPlanesBlock<8>(planes.get(), n, t); break;
+      case 1: changed += target->template XorBlock<1>(first, planes.get(), n); break;
+      case 2: changed += target->template XorBlock<2>(first, planes.get(), n); break;
+      case 4: changed += target->template XorBlock<4>(first, planes.get(), n); break;
+      default: changed += target->template XorBlock<8>(first, planes.get(), n); break;
     }
   }
   DS_RETURN_IF_ERROR(reader->ExpectEnd().WithContext("sparse decode"));
@@ -317,6 +337,23 @@ class SparseCodecImpl final : public Codec {
 
   Status DecodeApply(std::span<const uint8_t> encoded, std::span<uint8_t> target,
                      uint32_t elem_size, const DecodeOptions& options) const override {
+    ApplyTarget apply{target.data()};
+    return Decode(encoded, target, elem_size, options, &apply, nullptr);
+  }
+
+  Status DecodeChanges(std::span<const uint8_t> encoded, std::span<const uint8_t> base,
+                       uint32_t elem_size, const DecodeOptions& options,
+                       ChangeSet* out) const override {
+    ChangeCollector collector(base, elem_size, out);
+    CollectTarget collect{&collector};
+    return Decode(encoded, base, elem_size, options, &collect, &collector);
+  }
+
+ private:
+  template <typename Target>
+  static Status Decode(std::span<const uint8_t> encoded, std::span<const uint8_t> target,
+                       uint32_t elem_size, const DecodeOptions& options, Target* sink,
+                       ChangeCollector* collector) {
     DS_RETURN_IF_ERROR(ValidateTarget(target, elem_size).WithContext("sparse decode"));
     DS_ASSIGN_OR_RETURN(SparseHeader header, ReadSparseHeader(encoded));
     if (header.elem_size != elem_size) {
@@ -331,8 +368,11 @@ class SparseCodecImpl final : public Codec {
     DS_RETURN_IF_ERROR(
         reader.Begin(encoded.subspan(kSparseHeaderBytes), options.zstd_window_log_max, 0)
             .WithContext("sparse decode"));
-    if (header.mode == SparseMode::kPositions) return DecodePositions(header, &reader, target);
-    return DecodeXorPlanes(header, &reader, target);
+    // The header's count is checked against the content as it decodes;
+    // capped so a hostile header cannot reserve much before that.
+    if (collector != nullptr) collector->Reserve(std::min<uint64_t>(header.count, kBlock * 64));
+    if (header.mode == SparseMode::kPositions) return DecodePositions(header, &reader, sink);
+    return DecodeXorPlanes(header, &reader, sink);
   }
 };
 

@@ -55,6 +55,30 @@ class XorCodecImpl final : public Codec {
 
   Status DecodeApply(std::span<const uint8_t> encoded, std::span<uint8_t> target,
                      uint32_t elem_size, const DecodeOptions& options) const override {
+    return Stream(encoded, target, elem_size, options,
+                  [&](size_t offset, const uint8_t* chunk, size_t n) {
+                    XorInto(target.data() + offset, chunk, n);
+                  });
+  }
+
+  Status DecodeChanges(std::span<const uint8_t> encoded, std::span<const uint8_t> base,
+                       uint32_t elem_size, const DecodeOptions& options,
+                       ChangeSet* out) const override {
+    ChangeCollector collector(base, elem_size, out);
+    return Stream(encoded, base, elem_size, options,
+                  [&](size_t offset, const uint8_t* chunk, size_t n) {
+                    collector.AddXorRun(offset / elem_size, chunk, n / elem_size);
+                  });
+  }
+
+ private:
+  // Decompresses the frame in chunks of whole elements, handing each to
+  // sink(byte offset, chunk, bytes), after checking that the frame fits the
+  // tensor; the last chunk is handed over before the frame's checksum is
+  // verified, so a sink that writes must be undone on error.
+  template <typename Sink>
+  static Status Stream(std::span<const uint8_t> encoded, std::span<const uint8_t> target,
+                       uint32_t elem_size, const DecodeOptions& options, Sink sink) {
     DS_RETURN_IF_ERROR(ValidateTarget(target, elem_size).WithContext("xor decode"));
     Result<uint64_t> header_size = ZstdFrameContentSize(encoded);
     if (!header_size.ok()) return header_size.status().WithContext("xor decode");
@@ -69,12 +93,13 @@ class XorCodecImpl final : public Codec {
     DS_RETURN_IF_ERROR(
         reader.Begin(encoded, options.zstd_window_log_max, 0).WithContext("xor decode"));
     const size_t chunk_bytes =
-        std::max<size_t>(1, std::min<size_t>(options.chunk_bytes, target.size()));
+        ElementsPerChunk(std::min<size_t>(options.chunk_bytes, target.size()), elem_size) *
+        elem_size;
     std::unique_ptr<uint8_t[]> chunk(new uint8_t[chunk_bytes]);
     for (size_t offset = 0; offset < target.size(); offset += chunk_bytes) {
       const size_t n = std::min(chunk_bytes, target.size() - offset);
       DS_RETURN_IF_ERROR(reader.Read(chunk.get(), n).WithContext("xor decode"));
-      XorInto(target.data() + offset, chunk.get(), n);
+      sink(offset, chunk.get(), n);
     }
     Status end = reader.ExpectEnd();
     if (!end.ok()) {

@@ -227,55 +227,40 @@ class LocalFiles {
   std::vector<char> touched_;  // not vector<bool>: tasks set entries concurrently
 };
 
+// When a tensor's changes are dense enough to dirty nearly every page
+// anyway (at least one per page on average), maps its pages writable in one
+// call instead of taking a write fault per page. Sparser changes are left to
+// fault in, so that pages they do not touch stay clean. Advisory: errors
+// (an older kernel) are ignored.
+void PrefaultForWrite(std::span<uint8_t> bytes, uint64_t changes) {
+#ifdef MADV_POPULATE_WRITE
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  if (bytes.empty() || changes * page < bytes.size()) return;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(bytes.data()) & ~(uintptr_t{page} - 1);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(bytes.data()) + bytes.size();
+  (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE);
+#else
+  (void)bytes;
+  (void)changes;
+#endif
+}
+
 // Per-task decode state, one per task in flight, reused across tensors: the
-// decode buffer and the vectors of the change list and journal record (large
-// enough that fresh allocations would each be an mmap, a page-fault storm
-// and an munmap contending for the address-space lock). A buffer used by the
-// XOR path is put back all zeros (only the changed positions are cleared),
-// so the next XOR decode needs no memset.
+// change list and the journal record are large enough that fresh vectors
+// would each be an mmap, a page-fault storm and an munmap contending for
+// the address-space lock.
 class ScratchPool {
  public:
   struct Buffer {
-    uint8_t* data = nullptr;
-    size_t capacity = 0;
-    size_t dirty = 0;  // bytes from the start that may be non-zero
     ChangeSet changes;
     std::vector<uint8_t> record;
-    ~Buffer() {
-      if (data != nullptr) ::munmap(data, capacity);
-    }
   };
 
-  // A buffer of at least `size` bytes (contents as `dirty` says).
-  Result<std::unique_ptr<Buffer>> Acquire(size_t size) {
-    std::unique_ptr<Buffer> b;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto best = free_.end();
-      for (auto it = free_.begin(); it != free_.end(); ++it) {
-        if ((*it)->capacity >= size &&
-            (best == free_.end() || (*it)->capacity < (*best)->capacity)) {
-          best = it;
-        }
-      }
-      if (best == free_.end() && !free_.empty()) best = free_.end() - 1;  // grow this one
-      if (best != free_.end()) {
-        b = std::move(*best);
-        free_.erase(best);
-      }
-    }
-    if (!b) b = std::make_unique<Buffer>();
-    if (b->capacity >= size) return b;
-    if (b->data != nullptr) ::munmap(b->data, b->capacity);
-    b->data = nullptr;
-    b->capacity = 0;
-    b->dirty = 0;
-    void* map = ::mmap(nullptr, size, PROT_READ | PROT_WRITE,
-                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (map == MAP_FAILED) return Status::FromErrno(errno, "mmap of a decode buffer");
-    ::madvise(map, size, MADV_HUGEPAGE);
-    b->data = static_cast<uint8_t*>(map);
-    b->capacity = size;
+  std::unique_ptr<Buffer> Acquire() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (free_.empty()) return std::make_unique<Buffer>();
+    std::unique_ptr<Buffer> b = std::move(free_.back());
+    free_.pop_back();
     return b;
   }
   void Release(std::unique_ptr<Buffer> b) {
@@ -288,50 +273,6 @@ class ScratchPool {
   std::vector<std::unique_ptr<Buffer>> free_;
 };
 
-bool IsXorLike(Encoding e) { return e == Encoding::kXor || e == Encoding::kSparse; }
-
-// For each changed element (position p, XOR value x in changes.new_values):
-// records old = base[p] and new = old ^ x, and clears scratch[p] so the
-// decode buffer is all zeros again.
-template <typename Elem, typename Pos>
-void SplitXorTyped(const Pos* positions, size_t count, const uint8_t* xors, const uint8_t* base,
-                   uint8_t* scratch, store_internal::RecordSlots slots) {
-  constexpr size_t kSize = sizeof(Elem);
-  const Elem zero = 0;
-  for (size_t i = 0; i < count; ++i) {
-    const size_t at = static_cast<size_t>(positions[i]) * kSize;
-    Elem old_value, x;
-    std::memcpy(&old_value, base + at, kSize);
-    std::memcpy(&x, xors + i * kSize, kSize);
-    const Elem new_value = static_cast<Elem>(old_value ^ x);
-    std::memcpy(slots.old_values + i * kSize, &old_value, kSize);
-    std::memcpy(slots.new_values + i * kSize, &new_value, kSize);
-    std::memcpy(scratch + at, &zero, kSize);
-  }
-}
-
-template <typename Elem>
-void SplitXorElem(const ChangeSet& changes, const uint8_t* base, uint8_t* scratch,
-                  store_internal::RecordSlots slots) {
-  if (changes.wide) {
-    SplitXorTyped<Elem>(changes.pos64.data(), changes.pos64.size(), changes.new_values.data(), base,
-                        scratch, slots);
-  } else {
-    SplitXorTyped<Elem>(changes.pos32.data(), changes.pos32.size(), changes.new_values.data(), base,
-                        scratch, slots);
-  }
-}
-
-void SplitXor(const ChangeSet& changes, const uint8_t* base, uint8_t* scratch,
-              store_internal::RecordSlots slots) {
-  switch (changes.elem_size) {
-    case 1: return SplitXorElem<uint8_t>(changes, base, scratch, slots);
-    case 2: return SplitXorElem<uint16_t>(changes, base, scratch, slots);
-    case 4: return SplitXorElem<uint32_t>(changes, base, scratch, slots);
-    default: return SplitXorElem<uint64_t>(changes, base, scratch, slots);
-  }
-}
-
 }  // namespace
 
 struct LocalCheckpoint::State {
@@ -342,8 +283,8 @@ struct LocalCheckpoint::State {
   std::string lock_path;
   std::string journal_path;
   std::string base_record_path;
-  // Decode buffers, kept across the versions of one pull (fresh memory costs
-  // a page fault and a kernel zeroing per page) and released when it ends.
+  // Decode state, kept across the versions of one pull (fresh memory costs a
+  // page fault and a kernel zeroing per page) and released when it ends.
   std::unique_ptr<ScratchPool> scratch;
 
   Result<LocalState> LoadState();
@@ -651,7 +592,6 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
     std::string base_checksum;  // tagged, or empty
   };
   std::vector<Job> jobs;
-  size_t max_bytes = 0;
   for (const auto& file : version.files()) {
     for (const TensorView& t : file->tensors()) {
       const std::string name = QuoteForMessage(t.name);
@@ -702,7 +642,6 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
           }
         }
       }
-      max_bytes = std::max(max_bytes, target->bytes.size());
       jobs.push_back(std::move(job));
     }
   }
@@ -721,10 +660,10 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
     return a.target->bytes.size() > b.target->bytes.size();
   });
 
-  // Decode every tensor into the journal; the checkpoint is only read.
+  // Decode every tensor into the journal; the checkpoint is only read. The
+  // decoder lists (position, old, new) straight from the delta, so memory is
+  // the changed elements of the tensors in flight, never a tensor's size.
   const Codec& codec = GetCodec(info.encoding);
-  store_internal::ZeroRegion zeros;
-  if (IsXorLike(info.encoding)) DS_RETURN_IF_ERROR(zeros.Reserve(std::max<size_t>(1, max_bytes)));
   DS_ASSIGN_OR_RETURN(std::unique_ptr<JournalWriter> writer,
                       JournalWriter::Create(journal_path, info.version, info.base_version));
   CrashPoint("journal:created");
@@ -735,62 +674,28 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
   pool->ParallelFor(jobs.size(), [&](size_t j) {
     if (error.failed()) return;
     const Job& job = jobs[j];
-    const std::span<uint8_t> old = job.target->bytes;
+    const std::span<const uint8_t> old = job.target->bytes;
     const uint32_t es = static_cast<uint32_t>(DTypeSize(job.target->dtype));
-    auto fail = [&](Status s) {
-      error.Note(s.WithContext(where + ": tensor " + QuoteForMessage(job.name)));
-    };
-    Result<std::unique_ptr<ScratchPool::Buffer>> acquired = pool_of_buffers.Acquire(old.size());
-    if (!acquired.ok()) return fail(acquired.status());
-    std::unique_ptr<ScratchPool::Buffer> buf = std::move(*acquired);
-    std::span<uint8_t> work(buf->data, old.size());
-    DiffOptions diff;
-    diff.elem_size = es;
-    diff.refresh_snapshot = false;
-    diff.pool = nullptr;
+    std::unique_ptr<ScratchPool::Buffer> buf = pool_of_buffers.Acquire();
     ChangeSet& changes = buf->changes;
     std::vector<uint8_t>& record = buf->record;
-    const bool xor_like = IsXorLike(info.encoding);
-    if (xor_like) {
-      if (buf->dirty > 0) std::memset(buf->data, 0, std::min(buf->dirty, buf->capacity));
-      buf->dirty = old.size();
-      // The decoded XOR alone; the diff against zeros lists its non-zero
-      // elements (new_values = the XOR values).
-      Status s = codec.DecodeApply(job.delta.bytes, work, es, {});
-      diff.keep_old_values = false;
-      if (s.ok()) s = DiffTensor(work, zeros.span(work.size()), diff, &changes);
-      if (!s.ok()) {
-        pool_of_buffers.Release(std::move(buf));
-        return fail(s);
-      }
+    Status s = codec.DecodeChanges(job.delta.bytes, old, es, {}, &changes);
+    if (s.ok()) {
       store_internal::RecordSlots slots = store_internal::BeginJournalRecord(
           job.name, old.size() / es, es, job.checksum, job.base_checksum, changes, &record);
-      SplitXor(changes, old.data(), buf->data, slots);
-      buf->dirty = 0;
-    } else {
-      if (!old.empty()) std::memcpy(buf->data, old.data(), old.size());
-      buf->dirty = std::max(buf->dirty, old.size());
-      Status s = codec.DecodeApply(job.delta.bytes, work, es, {});
-      diff.keep_old_values = true;
-      if (s.ok()) s = DiffTensor(work, old, diff, &changes);
-      if (!s.ok()) {
-        pool_of_buffers.Release(std::move(buf));
-        return fail(s);
-      }
-      store_internal::RecordSlots slots = store_internal::BeginJournalRecord(
-          job.name, old.size() / es, es, job.checksum, job.base_checksum, changes, &record);
-      if (!changes.old_values.empty()) {
+      if (changes.count() > 0) {
         std::memcpy(slots.old_values, changes.old_values.data(), changes.old_values.size());
         std::memcpy(slots.new_values, changes.new_values.data(), changes.new_values.size());
       }
+      store_internal::SealJournalRecord(&record);
+      changed.fetch_add(changes.count(), std::memory_order_relaxed);
+      s = writer->Append(record);
     }
-    store_internal::SealJournalRecord(&record);
-    changed.fetch_add(changes.count(), std::memory_order_relaxed);
-    Status s = writer->Append(record);
-    // Back to the pool for the next tensor: a fresh tensor-sized buffer per
-    // tensor costs a zero-filled mapping and its page faults every time.
     pool_of_buffers.Release(std::move(buf));
-    if (!s.ok()) return fail(s);
+    if (!s.ok()) {
+      error.Note(s.WithContext(where + ": tensor " + QuoteForMessage(job.name)));
+      return;
+    }
     CrashPoint("journal:record");
   });
   if (!error.failed()) error.Note(writer->Finish(options.durable));
@@ -843,6 +748,7 @@ Status LocalCheckpoint::State::ReplayJournal(const Journal& journal, LocalState*
     const JournalRecord& r = records[i];
     const LocalTensor& t = *targets[i];
     local->Touch(t);
+    PrefaultForWrite(t.bytes, r.count);
     Status s = r.Apply(t.bytes, /*undo=*/false);
     if (!s.ok()) {
       error.Note(s);

@@ -93,23 +93,6 @@ class MappedFile {
   size_t size_ = 0;
 };
 
-// An anonymous read-only mapping of zeros (the kernel's zero page): a
-// snapshot of "nothing" of any size that costs no memory to read.
-class ZeroRegion {
- public:
-  ZeroRegion() = default;
-  ~ZeroRegion();
-  ZeroRegion(const ZeroRegion&) = delete;
-  ZeroRegion& operator=(const ZeroRegion&) = delete;
-  Status Reserve(size_t size);
-  // Only for the diff's snapshot argument with refresh off: never written.
-  std::span<uint8_t> span(size_t size) const { return {data_, size}; }
-
- private:
-  uint8_t* data_ = nullptr;
-  size_t size_ = 0;
-};
-
 // An exclusive flock held for the object's lifetime.
 class FileLock {
  public:

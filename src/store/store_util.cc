@@ -391,22 +391,6 @@ Status MappedFile::Sync() {
   return Status::OK();
 }
 
-ZeroRegion::~ZeroRegion() {
-  if (data_ != nullptr) ::munmap(data_, size_);
-}
-
-Status ZeroRegion::Reserve(size_t size) {
-  if (size <= size_) return Status::OK();
-  if (data_ != nullptr) ::munmap(data_, size_);
-  data_ = nullptr;
-  size_ = 0;
-  void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (map == MAP_FAILED) return Status::FromErrno(errno, "mmap of a zero region");
-  data_ = static_cast<uint8_t*>(map);
-  size_ = size;
-  return Status::OK();
-}
-
 Result<FileLock> FileLock::Acquire(const std::string& path) {
   FileLock lock;
   lock.fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
