@@ -203,27 +203,19 @@ void ChangeCollector::AddNew(uint64_t pos, const uint8_t* v) {
 }
 
 template <size_t ES>
-void ChangeCollector::AddXorRunTyped(uint64_t first, const uint8_t* xors, size_t n) {
-  const size_t bytes = n * ES;
-  constexpr size_t kPerWord = 8 / ES;
-  size_t at = 0;
-  // Element boundaries fall on word boundaries (ES divides 8), so a zero
-  // word is kPerWord unchanged elements.
-  for (; at + 8 <= bytes; at += 8) {
-    uint64_t word;
-    std::memcpy(&word, xors + at, 8);
-    if (word == 0) continue;
-    for (size_t k = 0; k < kPerWord; ++k) AddXor<ES>(first + at / ES + k, xors + at + k * ES);
-  }
-  for (; at < bytes; at += ES) AddXor<ES>(first + at / ES, xors + at);
+void ChangeCollector::AddXorListTyped(uint64_t first, const ChangeSet& found) {
+  const uint64_t n = found.count();
+  if (count_ + n > capacity_) Grow(count_ + n);
+  const uint8_t* x = found.new_values.data();
+  for (uint64_t i = 0; i < n; ++i) AddXor<ES>(first + found.position(i), x + i * ES);
 }
 
-void ChangeCollector::AddXorRun(uint64_t first, const uint8_t* xors, size_t n) {
+void ChangeCollector::AddXorList(uint64_t first, const ChangeSet& found) {
   switch (es_) {
-    case 1: return AddXorRunTyped<1>(first, xors, n);
-    case 2: return AddXorRunTyped<2>(first, xors, n);
-    case 4: return AddXorRunTyped<4>(first, xors, n);
-    default: return AddXorRunTyped<8>(first, xors, n);
+    case 1: return AddXorListTyped<1>(first, found);
+    case 2: return AddXorListTyped<2>(first, found);
+    case 4: return AddXorListTyped<4>(first, found);
+    default: return AddXorListTyped<8>(first, found);
   }
 }
 

@@ -96,9 +96,10 @@ class ChangeCollector {
   }
   // Element `pos` becomes v (elem_size bytes).
   void AddNew(uint64_t pos, const uint8_t* v);
-  // Elements [first, first + n) are XORed with the n * elem_size bytes at
-  // xors; the zero ones are skipped a word at a time.
-  void AddXorRun(uint64_t first, const uint8_t* xors, size_t n);
+  // The elements `found` lists (positions relative to element `first`,
+  // new_values holding XOR values, as DiffTensor of an XOR image against
+  // zeros gives them) are XORed in.
+  void AddXorList(uint64_t first, const ChangeSet& found);
   // Number of elements recorded so far.
   uint64_t count() const { return count_; }
 
@@ -121,7 +122,7 @@ class ChangeCollector {
     ++count_;
   }
   template <size_t ES>
-  void AddXorRunTyped(uint64_t first, const uint8_t* xors, size_t n);
+  void AddXorListTyped(uint64_t first, const ChangeSet& found);
   void Grow(uint64_t at_least);
 
   const uint8_t* base_;
