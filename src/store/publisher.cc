@@ -78,6 +78,219 @@ double SecondsSince(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// Bytes of each tensor handled at a time by the fused diff-and-hash pass:
+// the snapshot and new pieces (2x this) stay in L2 between the base digest,
+// the diff and the new digest, so each byte comes from memory once.
+constexpr size_t kFusedChunkBytes = size_t{512} << 10;
+
+// Encoded buffers kept for reuse between shards beyond this are freed: the
+// reuse is for the common sparse case, not to pin a dense version's worth.
+constexpr size_t kMaxIdleEncodedBytes = size_t{64} << 20;
+
+// What one task reuses from tensor to tensor. Large fresh allocations cost
+// a page fault and a page clear per 4 KiB, as much as the diff itself at
+// typical densities, so these stay mapped for the whole publish.
+struct TensorScratch {
+  ChangeSet changes;  // the tensor's (moved out when kept as an undo log)
+  ChangeSet piece;    // one chunk's
+  std::unique_ptr<Hasher> base_hasher;
+  std::unique_ptr<Hasher> new_hasher;
+};
+
+// A mutex-guarded free list of scratch sets: as many exist as tasks ever
+// ran at once.
+class ScratchList {
+ public:
+  std::unique_ptr<TensorScratch> Take() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (free_.empty()) return std::make_unique<TensorScratch>();
+    std::unique_ptr<TensorScratch> scratch = std::move(free_.back());
+    free_.pop_back();
+    return scratch;
+  }
+  void Give(std::unique_ptr<TensorScratch> scratch) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.push_back(std::move(scratch));
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::unique_ptr<TensorScratch>> free_;
+};
+
+// The hasher for `algo` in `slot`, made on first use and reset.
+Hasher* FreshHasher(ChecksumAlgo algo, std::unique_ptr<Hasher>* slot) {
+  if (*slot == nullptr || (*slot)->algo() != algo) {
+    *slot = NewHasher(algo);
+  } else {
+    (*slot)->Reset();
+  }
+  return slot->get();
+}
+
+// Encoded-tensor buffers returned after their shard is written, handed out
+// again by best fit on an estimate of the next encoding's size.
+class EncodedBuffers {
+ public:
+  std::vector<uint8_t> Take(size_t expected_size) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (free_.empty()) return {};
+    size_t best = free_.size();
+    for (size_t k = 0; k < free_.size(); ++k) {
+      const size_t capacity = free_[k].capacity();
+      if (capacity >= expected_size &&
+          (best == free_.size() || capacity < free_[best].capacity())) {
+        best = k;
+      }
+    }
+    if (best == free_.size()) best = free_.size() - 1;  // none fits: grow the newest
+    std::vector<uint8_t> buffer = std::move(free_[best]);
+    free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(best));
+    idle_bytes_ -= buffer.capacity();
+    buffer.clear();
+    return buffer;
+  }
+  void Give(std::vector<uint8_t>* buffer) {
+    std::vector<uint8_t> taken = std::move(*buffer);
+    buffer->clear();
+    std::lock_guard<std::mutex> lock(mu_);
+    if (taken.capacity() == 0 || idle_bytes_ + taken.capacity() > kMaxIdleEncodedBytes) return;
+    idle_bytes_ += taken.capacity();
+    free_.push_back(std::move(taken));
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::vector<uint8_t>> free_;
+  size_t idle_bytes_ = 0;
+};
+
+// The whole-tensor checks of DiffTensor, done once before a chunked pass
+// so that no chunk fails after earlier ones were refreshed.
+Status CheckChunkedOperands(std::span<const uint8_t> new_bytes, std::span<uint8_t> snapshot,
+                            uint32_t elem_size) {
+  if (elem_size != 1 && elem_size != 2 && elem_size != 4 && elem_size != 8) {
+    return Status::InvalidArgument("chunked diff: element size " + std::to_string(elem_size) +
+                                   " is not 1, 2, 4 or 8");
+  }
+  const size_t bytes = new_bytes.size();
+  if (bytes != snapshot.size()) {
+    return Status::InvalidArgument("chunked diff: length mismatch, new tensor has " +
+                                   std::to_string(bytes) + " bytes but snapshot has " +
+                                   std::to_string(snapshot.size()));
+  }
+  if (bytes % elem_size != 0) {
+    return Status::InvalidArgument("chunked diff: length " + std::to_string(bytes) +
+                                   " bytes is not a multiple of element size " +
+                                   std::to_string(elem_size));
+  }
+  // Pieces of partially overlapping spans need not overlap themselves, but
+  // refreshing one would change later pieces of the new bytes.
+  const auto new_begin = reinterpret_cast<uintptr_t>(new_bytes.data());
+  const auto old_begin = reinterpret_cast<uintptr_t>(snapshot.data());
+  if (bytes != 0 && new_begin != old_begin && new_begin < old_begin + bytes &&
+      old_begin < new_begin + bytes) {
+    return Status::InvalidArgument("chunked diff: new tensor and snapshot partially overlap");
+  }
+  return Status::OK();
+}
+
+// Elements per chunk: whole elements, at least one, and few enough that a
+// chunk's positions fit in 32 bits.
+uint64_t ChunkNumel(size_t chunk_bytes, uint32_t elem_size) {
+  return std::clamp<uint64_t>(chunk_bytes / elem_size, 1, uint64_t{UINT32_MAX});
+}
+
+// Appends one chunk's changes, found at element `first` of the tensor, to
+// the tensor's ChangeSet. The chunk is narrow (it holds < 2^32 elements);
+// the tensor may be wide.
+void AppendShifted(const ChangeSet& piece, uint64_t first, ChangeSet* out) {
+  const size_t count = piece.pos32.size();
+  if (count == 0) return;
+  if (out->wide) {
+    const size_t old = out->pos64.size();
+    out->pos64.resize(old + count);
+    for (size_t k = 0; k < count; ++k) out->pos64[old + k] = first + piece.pos32[k];
+  } else {
+    const size_t old = out->pos32.size();
+    const auto base = static_cast<uint32_t>(first);
+    out->pos32.resize(old + count);
+    for (size_t k = 0; k < count; ++k) out->pos32[old + k] = base + piece.pos32[k];
+  }
+  out->new_values.insert(out->new_values.end(), piece.new_values.begin(), piece.new_values.end());
+  out->old_values.insert(out->old_values.end(), piece.old_values.begin(), piece.old_values.end());
+}
+
+}  // namespace
+
+namespace store_internal {
+
+// Declared by the test that checks it against DiffTensor and ChecksumHex;
+// internal to the publisher otherwise.
+//
+// DiffTensor(new_bytes, snapshot, options, out) done `chunk_bytes` (rounded
+// down to whole elements, at least one) at a time, with `base_hasher` fed
+// each snapshot piece before the diff may refresh it and `new_hasher` fed
+// each new piece right after the diff read it (either may be null). `out`
+// ends up exactly as DiffTensor leaves it; options.pool is not used.
+// `piece` is scratch. Errors as DiffTensor's, with the snapshot untouched;
+// a failure past the first chunk (which the whole-tensor checks done first
+// rule out) would leave the earlier chunks refreshed and their changes in
+// `out`, so that a caller can still undo them.
+Status DiffAndHashInChunks(std::span<const uint8_t> new_bytes, std::span<uint8_t> snapshot,
+                           const DiffOptions& options, size_t chunk_bytes, Hasher* base_hasher,
+                           Hasher* new_hasher, ChangeSet* piece, ChangeSet* out) {
+  if (out == nullptr || piece == nullptr) {
+    return Status::InvalidArgument("chunked diff: output ChangeSet is null");
+  }
+  const uint32_t elem_size = options.elem_size;
+  DS_RETURN_IF_ERROR(CheckChunkedOperands(new_bytes, snapshot, elem_size));
+  const uint64_t numel = new_bytes.size() / elem_size;
+  const uint64_t chunk_numel = ChunkNumel(chunk_bytes, elem_size);
+  DiffOptions piece_options = options;
+  piece_options.pool = nullptr;
+  out->Clear();
+  out->numel = numel;
+  out->elem_size = elem_size;
+  out->wide = numel > uint64_t{UINT32_MAX};
+  for (uint64_t first = 0; first < numel; first += chunk_numel) {
+    const size_t offset = first * elem_size;
+    const size_t length = std::min(chunk_numel, numel - first) * elem_size;
+    if (base_hasher != nullptr) base_hasher->Update(snapshot.subspan(offset, length));
+    DS_RETURN_IF_ERROR(DiffTensor(new_bytes.subspan(offset, length),
+                                  snapshot.subspan(offset, length), piece_options, piece));
+    if (new_hasher != nullptr) new_hasher->Update(new_bytes.subspan(offset, length));
+    AppendShifted(*piece, first, out);
+  }
+  return Status::OK();
+}
+
+}  // namespace store_internal
+
+namespace {
+
+// Refreshes `snapshot` to `new_bytes` as DiffTensor does, a chunk at a time
+// through `piece`, returning how many elements changed.
+Result<uint64_t> RefreshInChunks(std::span<const uint8_t> new_bytes, std::span<uint8_t> snapshot,
+                                 uint32_t elem_size, ChangeSet* piece) {
+  DS_RETURN_IF_ERROR(CheckChunkedOperands(new_bytes, snapshot, elem_size));
+  DiffOptions options;
+  options.elem_size = elem_size;
+  options.refresh_snapshot = true;
+  options.keep_old_values = false;
+  const uint64_t numel = new_bytes.size() / elem_size;
+  const uint64_t chunk_numel = ChunkNumel(kFusedChunkBytes, elem_size);
+  uint64_t changed = 0;
+  for (uint64_t first = 0; first < numel; first += chunk_numel) {
+    const size_t offset = first * elem_size;
+    const size_t length = std::min(chunk_numel, numel - first) * elem_size;
+    DS_RETURN_IF_ERROR(DiffTensor(new_bytes.subspan(offset, length),
+                                  snapshot.subspan(offset, length), options, piece));
+    changed += piece->count();
+  }
+  return changed;
+}
+
 }  // namespace
 
 struct Publisher::State {
@@ -100,8 +313,11 @@ struct Publisher::State {
   Result<std::vector<DeltaTensor>> WriteDelta(const std::vector<const TensorView*>& weights,
                                               int64_t version, const std::string& dir,
                                               PublishResult* result);
+  // With `changed_elements`, also counts the elements that differ from the
+  // snapshot, in the pass that computes the digests.
   Status WriteFull(const std::vector<const TensorView*>& weights, int64_t version,
-                   const std::string& dir, std::vector<std::string>* checksums);
+                   const std::string& dir, std::vector<std::string>* checksums,
+                   uint64_t* changed_elements);
   void RestoreSnapshot(std::vector<DeltaTensor>* delta);
 };
 
@@ -151,6 +367,7 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
   std::vector<WrittenShard> shards;
   std::vector<size_t> batch;  // tensor indices of the shard being filled
   uint64_t batch_bytes = 0;
+  EncodedBuffers encoded_buffers;
   auto flush_batch = [&]() -> Status {
     if (batch.empty()) return Status::OK();
     WrittenShard shard;
@@ -169,7 +386,7 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
     for (size_t i : batch) {
       DS_RETURN_IF_ERROR(writer->Append(delta[i].encoded));
       // Only the undo log and the digests outlive the shard.
-      std::vector<uint8_t>().swap(delta[i].encoded);
+      encoded_buffers.Give(&delta[i].encoded);
     }
     DS_RETURN_IF_ERROR(writer->Finish());
     shards.push_back(std::move(shard));
@@ -180,51 +397,80 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
 
   const PublisherOptions& opt = options;
   const Codec& codec = GetCodec(opt.encoding);
+  ScratchList scratches;
   auto process = [&](size_t i) {
     if (error.failed()) return;
     SnapshotTensor& snap = tensors[i];
     DeltaTensor& out = delta[i];
     const TensorView& w = *weights[i];
-    // The base checksum must describe the bytes before the refresh.
-    if (!snap.checksum) snap.checksum = ChecksumHex(opt.checksum, snap.bytes());
+    std::unique_ptr<TensorScratch> scratch = scratches.Take();
+    ChangeSet& changes = scratch->changes;
     DiffOptions diff;
     diff.elem_size = static_cast<uint32_t>(DTypeSize(snap.dtype));
     diff.refresh_snapshot =
         !borrowed && undo_bytes.load(std::memory_order_relaxed) < opt.undo_budget_bytes;
-    diff.keep_old_values = true;
+    // Old values serve the encoding and, once refreshed, the undo log.
+    diff.keep_old_values = diff.refresh_snapshot || codec.needs_old_values();
     diff.pool = nullptr;
-    ChangeSet changes;
-    Status s = DiffTensor(w.bytes, snap.bytes(), diff, &changes);
-    if (!s.ok()) {
-      error.Note(s.WithContext("tensor '" + snap.name + "'"));
-      return;
-    }
+    // One pass computes the base digest (of the bytes before the refresh;
+    // skipped when the snapshot's is known), the diff and the new digest.
+    Hasher* base_hasher =
+        snap.checksum ? nullptr : FreshHasher(opt.checksum, &scratch->base_hasher);
+    Hasher* new_hasher = FreshHasher(opt.checksum, &scratch->new_hasher);
+    Status s =
+        store_internal::DiffAndHashInChunks(w.bytes, snap.bytes(), diff, kFusedChunkBytes,
+                                            base_hasher, new_hasher, &scratch->piece, &changes);
     out.refreshed = diff.refresh_snapshot;
-    if (changes.count() == 0) return;
-    out.changed = true;
-    out.changed_elements = changes.count();
-    out.base_checksum = *snap.checksum;
-    s = codec.Encode(w.bytes, changes, opt.encode, &out.encoded);
     if (s.ok()) {
-      out.checksum = ChecksumHex(opt.checksum, w.bytes);
+      out.base_checksum = base_hasher ? base_hasher->HexDigest() : *snap.checksum;
+      out.checksum = new_hasher->HexDigest();
+      if (changes.count() > 0) {
+        out.changed = true;
+        out.changed_elements = changes.count();
+        const size_t expected_size = codec.encoding() == Encoding::kDense
+                                         ? w.bytes.size()
+                                         : changes.count() * (diff.elem_size + 4) + 64;
+        out.encoded = encoded_buffers.Take(expected_size);
+        s = codec.Encode(w.bytes, changes, opt.encode, &out.encoded);
+        if (!s.ok()) s = s.WithContext("encoding tensor '" + snap.name + "'");
+      }
     } else {
-      error.Note(s.WithContext("encoding tensor '" + snap.name + "'"));
+      s = s.WithContext("tensor '" + snap.name + "'");
     }
+    error.Note(std::move(s));
     // Kept even on failure: a refreshed snapshot must be restorable.
-    if (out.refreshed) {
+    if (out.refreshed && changes.count() > 0) {
       std::vector<uint8_t>().swap(changes.new_values);
       undo_bytes.fetch_add(changes.count() * (changes.wide ? 8 : 4) + changes.old_values.size(),
                            std::memory_order_relaxed);
       out.undo = std::move(changes);
+      changes = ChangeSet();
     }
+    scratches.Give(std::move(scratch));
   };
 
   // Tensors are processed in windows so that the encoded bytes held at once
-  // stay near one shard plus one window.
-  const size_t window = std::max<size_t>(4, 2 * (pool->size() + 1));
-  for (size_t begin = 0; begin < n && !error.failed(); begin += window) {
-    const size_t end = std::min(n, begin + window);
-    pool->ParallelFor(end - begin, [&](size_t k) { process(begin + k); });
+  // stay near one shard plus one window. One thread works through a
+  // tensor, so a window also takes enough other bytes to keep the other
+  // threads busy meanwhile (an embedding can be a quarter of a small
+  // model), and starts its largest tensors first. A window still holds at
+  // most 2 * threads times its largest tensor's bytes.
+  const size_t threads = pool->size() + 1;
+  const size_t min_window = std::max<size_t>(4, 2 * threads);
+  std::vector<size_t> order;
+  for (size_t begin = 0, end = 0; begin < n && !error.failed(); begin = end) {
+    uint64_t window_bytes = 0;
+    uint64_t largest = 0;
+    for (end = begin; end < n; ++end) {
+      if (end - begin >= min_window && window_bytes >= threads * largest) break;
+      window_bytes += tensors[end].size;
+      largest = std::max<uint64_t>(largest, tensors[end].size);
+    }
+    order.resize(end - begin);
+    for (size_t k = 0; k < order.size(); ++k) order[k] = begin + k;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return tensors[a].size > tensors[b].size; });
+    pool->ParallelFor(order.size(), [&](size_t k) { process(order[k]); });
     if (error.failed()) break;
     for (size_t i = begin; i < end; ++i) {
       if (!delta[i].changed) continue;
@@ -296,22 +542,49 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
 void Publisher::State::RestoreSnapshot(std::vector<DeltaTensor>* delta) {
   pool->ParallelFor(delta->size(), [&](size_t i) {
     DeltaTensor& d = (*delta)[i];
-    if (!d.refreshed || d.undo.count() == 0) return;
-    const uint32_t es = d.undo.elem_size;
-    uint8_t* dst = tensors[i].data;
-    for (uint64_t k = 0; k < d.undo.count(); ++k) {
-      std::memcpy(dst + d.undo.position(k) * es, d.undo.old_values.data() + k * es, es);
+    if (d.refreshed && d.undo.count() > 0) {
+      const uint32_t es = d.undo.elem_size;
+      uint8_t* dst = tensors[i].data;
+      for (uint64_t k = 0; k < d.undo.count(); ++k) {
+        std::memcpy(dst + d.undo.position(k) * es, d.undo.old_values.data() + k * es, es);
+      }
     }
     d.refreshed = false;
+    // The snapshot holds the base again; its digest, when the diff computed
+    // it, saves the next publish a pass.
+    if (!d.base_checksum.empty()) tensors[i].checksum = d.base_checksum;
   });
 }
 
 Status Publisher::State::WriteFull(const std::vector<const TensorView*>& weights, int64_t version,
-                                   const std::string& dir, std::vector<std::string>* checksums) {
+                                   const std::string& dir, std::vector<std::string>* checksums,
+                                   uint64_t* changed_elements) {
   checksums->assign(weights.size(), std::string());
+  std::atomic<uint64_t> changed{0};
   pool->ParallelFor(weights.size(), [&](size_t i) {
-    (*checksums)[i] = ChecksumHex(options.checksum, weights[i]->bytes);
+    const std::span<const uint8_t> bytes = weights[i]->bytes;
+    if (changed_elements == nullptr) {
+      (*checksums)[i] = ChecksumHex(options.checksum, bytes);
+      return;
+    }
+    // Counted piece by piece while each piece of the new bytes is in cache.
+    const SnapshotTensor& snap = tensors[i];
+    const auto elem_size = static_cast<uint32_t>(DTypeSize(snap.dtype));
+    const size_t chunk = ChunkNumel(kFusedChunkBytes, elem_size) * elem_size;
+    std::unique_ptr<Hasher> hasher = NewHasher(options.checksum);
+    uint64_t count = 0;
+    for (size_t offset = 0; offset < bytes.size(); offset += chunk) {
+      const size_t length = std::min(chunk, bytes.size() - offset);
+      hasher->Update(bytes.subspan(offset, length));
+      Result<uint64_t> n =
+          CountChanged(bytes.subspan(offset, length),
+                       std::span<const uint8_t>(snap.data + offset, length), elem_size);
+      if (n.ok()) count += *n;
+    }
+    (*checksums)[i] = hasher->HexDigest();
+    changed.fetch_add(count, std::memory_order_relaxed);
   });
+  if (changed_elements != nullptr) *changed_elements = changed.load();
   std::vector<TensorView> views;
   views.reserve(weights.size());
   for (const TensorView* w : weights) views.push_back(*w);
@@ -455,7 +728,10 @@ Result<PublishResult> Publisher::State::Publish(const std::vector<TensorView>& w
   std::vector<DeltaTensor> delta;
   std::vector<std::string> full_checksums;
   if (full) {
-    DS_RETURN_IF_ERROR(st.WriteFull(ordered, version, temp_dir, &full_checksums));
+    // A borrowed snapshot is never refreshed, so only this pass can count
+    // the changes; an owned one counts them in its refresh below.
+    DS_RETURN_IF_ERROR(st.WriteFull(ordered, version, temp_dir, &full_checksums,
+                                    st.borrowed ? &result.changed_elements : nullptr));
     result.tensors_changed = st.tensors.size();
   } else {
     DS_ASSIGN_OR_RETURN(delta, st.WriteDelta(ordered, version, temp_dir, &result));
@@ -484,40 +760,34 @@ Result<PublishResult> Publisher::State::Publish(const std::vector<TensorView>& w
 
   // Advance the snapshot.
   if (st.borrowed) {
-    // Nothing to advance; only the statistics a full version lacks.
-    if (full) {
-      std::atomic<uint64_t> changed{0};
-      st.pool->ParallelFor(st.tensors.size(), [&](size_t i) {
-        Result<uint64_t> n = CountChanged(ordered[i]->bytes, st.tensors[i].bytes(),
-                                          static_cast<uint32_t>(DTypeSize(st.tensors[i].dtype)));
-        if (n.ok()) changed.fetch_add(*n, std::memory_order_relaxed);
-      });
-      result.changed_elements = changed.load();
-    }
+    // Nothing to advance: the snapshot is the caller's base.
   } else if (full) {
     std::atomic<uint64_t> changed{0};
+    ScratchList scratches;
     st.pool->ParallelFor(st.tensors.size(), [&](size_t i) {
       SnapshotTensor& s = st.tensors[i];
-      DiffOptions diff;
-      diff.elem_size = static_cast<uint32_t>(DTypeSize(s.dtype));
-      diff.keep_old_values = false;
-      ChangeSet changes;
-      if (DiffTensor(ordered[i]->bytes, s.bytes(), diff, &changes).ok()) {
-        changed.fetch_add(changes.count(), std::memory_order_relaxed);
+      const auto elem_size = static_cast<uint32_t>(DTypeSize(s.dtype));
+      std::unique_ptr<TensorScratch> scratch = scratches.Take();
+      Result<uint64_t> n =
+          RefreshInChunks(ordered[i]->bytes, s.bytes(), elem_size, &scratch->piece);
+      if (n.ok()) {
+        changed.fetch_add(*n, std::memory_order_relaxed);
       } else {
         if (s.size > 0) std::memcpy(s.data, ordered[i]->bytes.data(), s.size);
       }
       s.checksum = full_checksums[i];
+      scratches.Give(std::move(scratch));
     });
     result.changed_elements = changed.load();
   } else {
     st.pool->ParallelFor(st.tensors.size(), [&](size_t i) {
       SnapshotTensor& s = st.tensors[i];
       DeltaTensor& d = delta[i];
-      if (!d.changed) return;
-      if (!d.refreshed && s.size > 0) {
+      if (d.changed && !d.refreshed && s.size > 0) {
         std::memcpy(s.data, ordered[i]->bytes.data(), s.size);
       }
+      // The diff pass hashed every tensor's new bytes, which the snapshot
+      // now holds: the next publish need not hash its base.
       s.checksum = d.checksum;
       d.undo = ChangeSet();
     });
