@@ -3,6 +3,12 @@
 #include <fcntl.h>
 #include <unistd.h>
 #include <xxhash.h>
+#if defined(__x86_64__)
+// Routes the XXH3 bulk functions to the library's run-time dispatch (AVX2 or
+// AVX-512 where the CPU has them; the plain build is SSE2). Digests are the
+// same on every path.
+#include <xxh_x86dispatch.h>
+#endif
 #include <zlib.h>
 
 #include <cerrno>
