@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <bit>
 #include <cerrno>
 #include <cstring>
@@ -90,6 +91,43 @@ bool AllBelow(const uint8_t* positions, uint64_t count, uint64_t limit) {
 }
 
 template <typename Pos>
+bool Ascending(const uint8_t* positions, uint64_t count) {
+  for (uint64_t i = 1; i < count; ++i) {
+    Pos a, b;
+    std::memcpy(&a, positions + (i - 1) * sizeof(Pos), sizeof(Pos));
+    std::memcpy(&b, positions + i * sizeof(Pos), sizeof(Pos));
+    if (!(a < b)) return false;
+  }
+  return true;
+}
+
+// Writes entries from *next on while their position is below `end`.
+template <typename Elem, typename Pos>
+void ScatterBelow(const uint8_t* positions, uint64_t count, const uint8_t* values, uint8_t* target,
+                  uint64_t end, uint64_t* next) {
+  uint64_t i = *next;
+  for (; i < count; ++i) {
+    Pos p;
+    std::memcpy(&p, positions + i * sizeof(Pos), sizeof(Pos));
+    if (static_cast<uint64_t>(p) >= end) break;
+    std::memcpy(target + static_cast<size_t>(p) * sizeof(Elem), values + i * sizeof(Elem),
+                sizeof(Elem));
+  }
+  *next = i;
+}
+
+template <typename Pos>
+void ScatterBelowPos(uint32_t elem_size, const uint8_t* positions, uint64_t count,
+                     const uint8_t* values, uint8_t* target, uint64_t end, uint64_t* next) {
+  switch (elem_size) {
+    case 1: return ScatterBelow<uint8_t, Pos>(positions, count, values, target, end, next);
+    case 2: return ScatterBelow<uint16_t, Pos>(positions, count, values, target, end, next);
+    case 4: return ScatterBelow<uint32_t, Pos>(positions, count, values, target, end, next);
+    default: return ScatterBelow<uint64_t, Pos>(positions, count, values, target, end, next);
+  }
+}
+
+template <typename Pos>
 void ScatterPos(uint32_t elem_size, const uint8_t* positions, uint64_t count, const uint8_t* values,
                 uint8_t* target) {
   switch (elem_size) {
@@ -119,6 +157,38 @@ Status JournalRecord::Apply(std::span<uint8_t> target, bool undo) const {
     ScatterPos<uint32_t>(elem_size, positions, count, values, target.data());
   } else {
     ScatterPos<uint64_t>(elem_size, positions, count, values, target.data());
+  }
+  return Status::OK();
+}
+
+Status JournalRecord::ApplyAndVisit(
+    std::span<uint8_t> target, bool undo, size_t piece_bytes,
+    const std::function<void(std::span<const uint8_t>)>& visit) const {
+  const size_t es = elem_size == 0 ? 1 : elem_size;
+  const size_t piece = std::max(es, piece_bytes / es * es);
+  const bool ascending = position_width == 4 ? Ascending<uint32_t>(positions, count)
+                                             : Ascending<uint64_t>(positions, count);
+  if (!ascending) {
+    DS_RETURN_IF_ERROR(Apply(target, undo));
+    for (size_t at = 0; at < target.size(); at += piece) {
+      visit(target.subspan(at, std::min(piece, target.size() - at)));
+    }
+    return Status::OK();
+  }
+  // Ascending: the range check is the last position's.
+  if (target.size() != numel * elem_size) return Apply(target, undo);
+  if (count > 0 && position(count - 1) >= numel) return Apply(target, undo);
+  const uint8_t* values = undo ? old_values : new_values;
+  uint64_t next = 0;
+  for (size_t at = 0; at < target.size(); at += piece) {
+    const size_t n = std::min(piece, target.size() - at);
+    const uint64_t end = (at + n) / es;
+    if (position_width == 4) {
+      ScatterBelowPos<uint32_t>(elem_size, positions, count, values, target.data(), end, &next);
+    } else {
+      ScatterBelowPos<uint64_t>(elem_size, positions, count, values, target.data(), end, &next);
+    }
+    visit(target.subspan(at, n));
   }
   return Status::OK();
 }

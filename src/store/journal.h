@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -43,6 +44,14 @@ struct JournalRecord {
   // `target`, which must be the tensor's numel * elem_size bytes. Checks
   // every position before writing anything (Corruption otherwise).
   Status Apply(std::span<uint8_t> target, bool undo) const;
+  // Apply, handing `visit` consecutive pieces of `target` (piece_bytes
+  // each, rounded down to whole elements; the last may be shorter) in
+  // order, each once its changes are written. With ascending positions (as
+  // every record we write has) the two are interleaved, so a caller that
+  // hashes the pieces reads each while it is still in cache; otherwise
+  // every change is written first.
+  Status ApplyAndVisit(std::span<uint8_t> target, bool undo, size_t piece_bytes,
+                       const std::function<void(std::span<const uint8_t>)>& visit) const;
 };
 
 // Builds one record in *out (replacing its contents). The positions are

@@ -1,0 +1,126 @@
+// JournalRecord::ApplyAndVisit: pieces are handed over in order, each only
+// once its changes are written (and, for ascending positions, before the
+// next piece's are), and bad records change nothing.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+#include "store/journal.h"
+
+namespace deltasync::store_internal {
+namespace {
+
+// A record over a tensor of `numel` 2-byte elements whose element i holds i.
+struct Record {
+  std::vector<uint8_t> positions, old_values, new_values;
+  JournalRecord record;
+
+  Record(uint64_t numel, const std::vector<uint32_t>& where) {
+    for (uint32_t p : where) {
+      for (int b = 0; b < 4; ++b) positions.push_back(static_cast<uint8_t>(p >> (8 * b)));
+      const uint16_t old_value = static_cast<uint16_t>(p), new_value = static_cast<uint16_t>(~p);
+      old_values.insert(old_values.end(),
+                        {static_cast<uint8_t>(old_value), static_cast<uint8_t>(old_value >> 8)});
+      new_values.insert(new_values.end(),
+                        {static_cast<uint8_t>(new_value), static_cast<uint8_t>(new_value >> 8)});
+    }
+    record.name = "t";
+    record.numel = numel;
+    record.elem_size = 2;
+    record.position_width = 4;
+    record.count = where.size();
+    record.positions = positions.data();
+    record.old_values = old_values.data();
+    record.new_values = new_values.data();
+  }
+};
+
+std::vector<uint8_t> Tensor(uint64_t numel) {
+  std::vector<uint8_t> t(numel * 2);
+  for (uint64_t i = 0; i < numel; ++i) {
+    const uint16_t v = static_cast<uint16_t>(i);
+    std::memcpy(&t[2 * i], &v, 2);
+  }
+  return t;
+}
+
+uint16_t At(const std::vector<uint8_t>& t, size_t i) {
+  uint16_t v;
+  std::memcpy(&v, &t[2 * i], 2);
+  return v;
+}
+
+TEST(JournalRecordApplyAndVisit, AscendingPiecesArriveWrittenAndInOrder) {
+  const uint64_t numel = 1001;  // the last piece is short
+  const std::vector<uint32_t> where = {0, 31, 32, 33, 500, 511, 512, 999, 1000};
+  Record r(numel, where);
+  std::vector<uint8_t> target = Tensor(numel);
+  size_t next_offset = 0;
+  // 70 bytes rounds down to 35 elements.
+  Status s = r.record.ApplyAndVisit(target, false, 70, [&](std::span<const uint8_t> piece) {
+    const size_t offset = static_cast<size_t>(piece.data() - target.data());
+    EXPECT_EQ(offset, next_offset);
+    EXPECT_EQ(piece.size(), std::min<size_t>(70, target.size() - offset));
+    next_offset = offset + piece.size();
+    for (uint32_t p : where) {
+      const bool written = At(target, p) == static_cast<uint16_t>(~p);
+      // Changes of this piece and earlier ones are in; later ones are not.
+      EXPECT_EQ(written, 2 * p < next_offset) << "position " << p << " at piece " << offset;
+    }
+  });
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(next_offset, target.size());
+  std::vector<uint8_t> expected = Tensor(numel);
+  for (uint32_t p : where) {
+    const uint16_t v = static_cast<uint16_t>(~p);
+    std::memcpy(&expected[2 * p], &v, 2);
+  }
+  EXPECT_EQ(target, expected);
+
+  // Undo restores every old value.
+  ASSERT_TRUE(r.record.ApplyAndVisit(target, true, 64, [](std::span<const uint8_t>) {}).ok());
+  EXPECT_EQ(target, Tensor(numel));
+}
+
+TEST(JournalRecordApplyAndVisit, UnorderedPositionsAreAllWrittenBeforeTheFirstPiece) {
+  const uint64_t numel = 100;
+  const std::vector<uint32_t> where = {90, 3, 50};
+  Record r(numel, where);
+  std::vector<uint8_t> target = Tensor(numel);
+  size_t pieces = 0;
+  ASSERT_TRUE(r.record
+                  .ApplyAndVisit(target, false, 32,
+                                 [&](std::span<const uint8_t>) {
+                                   ++pieces;
+                                   for (uint32_t p : where) {
+                                     EXPECT_EQ(At(target, p), static_cast<uint16_t>(~p));
+                                   }
+                                 })
+                  .ok());
+  EXPECT_EQ(pieces, (2 * numel + 31) / 32);
+}
+
+TEST(JournalRecordApplyAndVisit, BadRecordsChangeNothingAndVisitNothing) {
+  const uint64_t numel = 100;
+  for (const std::vector<uint32_t>& where :
+       {std::vector<uint32_t>{1, 2, 100}, std::vector<uint32_t>{100, 1}}) {
+    Record r(numel, where);
+    std::vector<uint8_t> target = Tensor(numel);
+    size_t pieces = 0;
+    Status s =
+        r.record.ApplyAndVisit(target, false, 32, [&](std::span<const uint8_t>) { ++pieces; });
+    EXPECT_TRUE(s.IsCorruption()) << s.ToString();
+    EXPECT_NE(s.message().find("out of range"), std::string::npos) << s.ToString();
+    EXPECT_EQ(pieces, 0u);
+    EXPECT_EQ(target, Tensor(numel));
+  }
+  Record r(numel, {1});
+  std::vector<uint8_t> shorter = Tensor(numel - 1);
+  Status s = r.record.ApplyAndVisit(shorter, false, 32, [](std::span<const uint8_t>) {});
+  EXPECT_TRUE(s.IsCorruption()) << s.ToString();
+  EXPECT_EQ(shorter, Tensor(numel - 1));
+}
+
+}  // namespace
+}  // namespace deltasync::store_internal
