@@ -188,7 +188,10 @@ nlohmann::json BenchJson(const AgentBenchResult& r, const AgentBenchConfig& c) {
             {"worst_pair_ratio", r.worst_pair_ratio},
             {"status_requests", r.status_requests},
             {"status_errors", r.status_errors},
-            {"status_requests_per_second", r.status_requests_per_second}}},
+            {"status_requests_per_second", r.status_requests_per_second},
+            {"idle_load_requests", r.idle_load_requests},
+            {"idle_load_seconds", r.idle_load_seconds},
+            {"idle_load_cpu_seconds", r.idle_load_cpu_seconds}}},
           {"verified", r.verified},
           {"total_seconds", r.total_seconds}};
 }
@@ -237,7 +240,20 @@ int RunBenchAgent(const AgentBenchConfig& config, bool json) {
               << Fixed(b.worst_pair_ratio, 3) << "\n"
               << "  /status requests    " << b.status_requests << " ("
               << Fixed(b.status_requests_per_second, 0) << " per second), " << b.status_errors
-              << " errors\n\n"
+              << " errors\n"
+              << "  the load alone      " << b.idle_load_requests << " requests in "
+              << Fixed(b.idle_load_seconds, 2)
+              << " s with no pull: " << Fixed(b.idle_load_cpu_seconds * 1e3, 1) << " ms CPU ("
+              << Fixed(b.idle_load_requests ? b.idle_load_cpu_seconds * 1e6 /
+                                                  static_cast<double>(b.idle_load_requests)
+                                            : 0.0,
+                       0)
+              << " us per request, "
+              << Fixed(b.idle_load_seconds > 0
+                           ? 100.0 * b.idle_load_cpu_seconds / b.idle_load_seconds
+                           : 0.0,
+                       1)
+              << "% of one core)\n\n"
               << "both local checkpoints matched the trainer's weights bit for bit; "
               << Fixed(b.total_seconds, 1) << " s in all" << std::endl;
   }

@@ -2,6 +2,8 @@
 
 #include <httplib.h>
 #include <stdlib.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -401,6 +403,11 @@ Result<AgentBenchResult> RunAgentBench(const AgentBenchConfig& config,
   auto next_version = [&]() -> Result<int64_t> {
     bed.trainer->Step();
     DS_ASSIGN_OR_RETURN(PublishResult published, publisher->Publish(bed.trainer->Weights()));
+    // Writes back the version just published and the last pull's dirty
+    // pages before the next timed pull, so that background writeback (which
+    // on a small host competes for the same cores) does not land on
+    // whichever pull happens to come next.
+    ::sync();
     return published.info.version;
   };
   auto pull_direct = [&](int64_t version) -> Result<double> {
@@ -451,6 +458,32 @@ Result<AgentBenchResult> RunAgentBench(const AgentBenchConfig& config,
     transport.push_back(result.http_ms[i] - result.agent_pull_ms[i]);
   }
   result.transport_median_ms = Median(transport);
+
+  {
+    // What the load costs by itself, with the agent idle: the process's
+    // CPU over one second with the load, less one second without it.
+    auto process_cpu = [] {
+      struct rusage r;
+      ::getrusage(RUSAGE_SELF, &r);
+      return static_cast<double>(r.ru_utime.tv_sec + r.ru_stime.tv_sec) +
+             static_cast<double>(r.ru_utime.tv_usec + r.ru_stime.tv_usec) * 1e-6;
+    };
+    const double quiet_start = process_cpu();
+    const auto quiet_t0 = Clock::now();
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    const double quiet_rate = (process_cpu() - quiet_start) / SecondsSince(quiet_t0);
+    const double loaded_start = process_cpu();
+    const auto t0 = Clock::now();
+    StatusLoad idle(agent->port(), config.status_threads, config.status_interval_ms,
+                    config.max_requests_per_thread);
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    idle.Finish();
+    result.idle_load_seconds = SecondsSince(t0);
+    result.idle_load_cpu_seconds =
+        std::max(0.0, process_cpu() - loaded_start - quiet_rate * result.idle_load_seconds);
+    result.idle_load_requests = idle.requests();
+    result.status_errors += idle.errors();
+  }
 
   say("load: " + std::to_string(config.load_versions) + " pulls through the agent, half with " +
       std::to_string(config.status_threads) + " threads sending GET /status");

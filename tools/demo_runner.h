@@ -25,7 +25,7 @@ namespace deltasync::cli {
 struct DemoConfig {
   std::string preset = "qwen2.5-0.5b";
   uint64_t target_bytes = uint64_t{512} << 20;  // BF16 bytes of the model
-  int64_t steps = 10;                           // RL steps, one version each; >= 1
+  int64_t steps = 30;                           // RL steps, one version each; >= 1
   uint64_t seed = 0;
   double lr = 1e-6;
   Encoding encoding = Encoding::kSparse;
@@ -125,9 +125,11 @@ struct AgentBenchConfig {
   // sending requests one after another (a fresh connection each: the agent
   // serves one request per connection), pausing interval_ms between them
   // (0 = back to back), at most max_requests_per_thread each and never past
-  // the pull's end.
+  // the pull's end. The default is a bounded load (up to 400 requests a
+  // second), far above any monitoring poller; back to back is a CPU stress
+  // test that on a small host competes with the pull for cores.
   int status_threads = 4;
-  double status_interval_ms = 0;
+  double status_interval_ms = 10;
   int64_t max_requests_per_thread = 20000;
 };
 
@@ -156,6 +158,14 @@ struct AgentBenchResult {
   uint64_t status_requests = 0;
   uint64_t status_errors = 0;  // non-200 answers and failed connections
   double status_requests_per_second = 0;
+  // The same load with no pull running, for one second: the CPU it costs
+  // the whole process (clients and agent), as a fraction of one core. On a
+  // host whose pull uses every core, that fraction bounds what the load can
+  // take from a pull; it is measured directly where the pull-time ratio is
+  // within run-to-run noise.
+  uint64_t idle_load_requests = 0;
+  double idle_load_seconds = 0;
+  double idle_load_cpu_seconds = 0;
   bool verified = false;  // both local checkpoints equal the trainer's weights at the end
   double total_seconds = 0;
 };
