@@ -100,25 +100,9 @@ class OverwriteCodecImpl final : public Codec {
 
   Status DecodeApply(std::span<const uint8_t> encoded, std::span<uint8_t> target,
                      uint32_t elem_size, const DecodeOptions& options) const override {
-    DS_RETURN_IF_ERROR(ValidateTarget(target, elem_size).WithContext("overwrite decode"));
-    Result<uint64_t> header_size = ZstdFrameContentSize(encoded);
-    if (!header_size.ok()) return header_size.status().WithContext("overwrite decode");
-    const uint64_t content_size = *header_size;
     ZstdFrameReader positions;
-    DS_RETURN_IF_ERROR(
-        positions.Begin(encoded, options.zstd_window_log_max, 0).WithContext("overwrite decode"));
-    uint8_t count_bytes[4];
-    DS_RETURN_IF_ERROR(positions.Read(count_bytes, 4).WithContext("overwrite decode"));
-    const uint64_t count = LoadLE32(count_bytes);
-    if (count > target.size()) {
-      return Corrupt(std::to_string(count) + " positions for a tensor of " +
-                     std::to_string(target.size()) + " bytes");
-    }
-    const uint64_t expected_size = 4 + 5 * count;
-    if (content_size != kZstdUnknownSize && content_size != expected_size) {
-      return Corrupt("frame content is " + std::to_string(content_size) + " bytes, but K = " +
-                     std::to_string(count) + " needs " + std::to_string(expected_size));
-    }
+    DS_ASSIGN_OR_RETURN(const uint64_t count,
+                        BeginFrame(encoded, target, elem_size, options, &positions));
     const size_t chunk_bytes = std::max<size_t>(options.chunk_bytes, 5);
     if (5 * count <= chunk_bytes) {
       return ApplyBuffered(&positions, count, target);
@@ -129,25 +113,9 @@ class OverwriteCodecImpl final : public Codec {
   Status DecodeChanges(std::span<const uint8_t> encoded, std::span<const uint8_t> base,
                        uint32_t elem_size, const DecodeOptions& options,
                        ChangeSet* out) const override {
-    DS_RETURN_IF_ERROR(ValidateTarget(base, elem_size).WithContext("overwrite decode"));
-    Result<uint64_t> header_size = ZstdFrameContentSize(encoded);
-    if (!header_size.ok()) return header_size.status().WithContext("overwrite decode");
-    const uint64_t content_size = *header_size;
     ZstdFrameReader reader;
-    DS_RETURN_IF_ERROR(
-        reader.Begin(encoded, options.zstd_window_log_max, 0).WithContext("overwrite decode"));
-    uint8_t count_bytes[4];
-    DS_RETURN_IF_ERROR(reader.Read(count_bytes, 4).WithContext("overwrite decode"));
-    const uint64_t count = LoadLE32(count_bytes);
-    if (count > base.size()) {
-      return Corrupt(std::to_string(count) + " positions for a tensor of " +
-                     std::to_string(base.size()) + " bytes");
-    }
-    const uint64_t expected_size = 4 + 5 * count;
-    if (content_size != kZstdUnknownSize && content_size != expected_size) {
-      return Corrupt("frame content is " + std::to_string(content_size) + " bytes, but K = " +
-                     std::to_string(count) + " needs " + std::to_string(expected_size));
-    }
+    DS_ASSIGN_OR_RETURN(const uint64_t count,
+                        BeginFrame(encoded, base, elem_size, options, &reader));
     // The change list is proportional to K anyway, so the entries are read
     // whole (count <= the tensor's bytes, checked above).
     std::vector<uint32_t> positions(count);
@@ -191,6 +159,32 @@ class OverwriteCodecImpl final : public Codec {
   }
 
  private:
+  // Checks the arguments, opens the frame and reads K, refusing a K that
+  // cannot fit the tensor or disagrees with the frame's declared size.
+  static Result<uint64_t> BeginFrame(std::span<const uint8_t> encoded,
+                                     std::span<const uint8_t> target, uint32_t elem_size,
+                                     const DecodeOptions& options, ZstdFrameReader* reader) {
+    DS_RETURN_IF_ERROR(ValidateTarget(target, elem_size).WithContext("overwrite decode"));
+    Result<uint64_t> header_size = ZstdFrameContentSize(encoded);
+    if (!header_size.ok()) return header_size.status().WithContext("overwrite decode");
+    const uint64_t content_size = *header_size;
+    DS_RETURN_IF_ERROR(
+        reader->Begin(encoded, options.zstd_window_log_max, 0).WithContext("overwrite decode"));
+    uint8_t count_bytes[4];
+    DS_RETURN_IF_ERROR(reader->Read(count_bytes, 4).WithContext("overwrite decode"));
+    const uint64_t count = LoadLE32(count_bytes);
+    if (count > target.size()) {
+      return Corrupt(std::to_string(count) + " positions for a tensor of " +
+                     std::to_string(target.size()) + " bytes");
+    }
+    const uint64_t expected_size = 4 + 5 * count;
+    if (content_size != kZstdUnknownSize && content_size != expected_size) {
+      return Corrupt("frame content is " + std::to_string(content_size) + " bytes, but K = " +
+                     std::to_string(count) + " needs " + std::to_string(expected_size));
+    }
+    return count;
+  }
+
   static Status PositionOutside(uint32_t pos, uint64_t entry, size_t target_bytes) {
     return Corrupt("byte position " + std::to_string(pos) + " at entry " + std::to_string(entry) +
                    " is outside the tensor's " + std::to_string(target_bytes) + " bytes");

@@ -249,32 +249,10 @@ void PrefaultForWrite(std::span<uint8_t> bytes, uint64_t changes) {
 #endif
 }
 
-// Per-task decode state, one per task in flight, reused across tensors: the
-// change list and the journal record are large enough that fresh vectors
-// would each be an mmap, a page-fault storm and an munmap contending for
-// the address-space lock.
-class ScratchPool {
- public:
-  struct Buffer {
-    ChangeSet changes;
-    std::vector<uint8_t> record;
-  };
-
-  std::unique_ptr<Buffer> Acquire() {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (free_.empty()) return std::make_unique<Buffer>();
-    std::unique_ptr<Buffer> b = std::move(free_.back());
-    free_.pop_back();
-    return b;
-  }
-  void Release(std::unique_ptr<Buffer> b) {
-    std::lock_guard<std::mutex> lock(mu_);
-    free_.push_back(std::move(b));
-  }
-
- private:
-  std::mutex mu_;
-  std::vector<std::unique_ptr<Buffer>> free_;
+// Per-task decode state, reused across tensors (see FreeList).
+struct DecodeScratch {
+  ChangeSet changes;
+  std::vector<uint8_t> record;
 };
 
 }  // namespace
@@ -289,7 +267,7 @@ struct LocalCheckpoint::State {
   std::string base_record_path;
   // Decode state, kept across the versions of one pull (fresh memory costs a
   // page fault and a kernel zeroing per page) and released when it ends.
-  std::unique_ptr<ScratchPool> scratch;
+  std::unique_ptr<store_internal::FreeList<DecodeScratch>> scratch;
 
   Result<LocalState> LoadState();
   Status SaveState(const LocalState& st);
@@ -671,8 +649,8 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
   DS_ASSIGN_OR_RETURN(std::unique_ptr<JournalWriter> writer,
                       JournalWriter::Create(journal_path, info.version, info.base_version));
   CrashPoint("journal:created");
-  if (!scratch) scratch = std::make_unique<ScratchPool>();
-  ScratchPool& pool_of_buffers = *scratch;
+  if (!scratch) scratch = std::make_unique<store_internal::FreeList<DecodeScratch>>();
+  store_internal::FreeList<DecodeScratch>& pool_of_buffers = *scratch;
   FirstError error;
   std::atomic<uint64_t> changed{0};
   pool->ParallelFor(jobs.size(), [&](size_t j) {
@@ -680,7 +658,7 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
     const Job& job = jobs[j];
     const std::span<const uint8_t> old = job.target->bytes;
     const uint32_t es = static_cast<uint32_t>(DTypeSize(job.target->dtype));
-    std::unique_ptr<ScratchPool::Buffer> buf = pool_of_buffers.Acquire();
+    std::unique_ptr<DecodeScratch> buf = pool_of_buffers.Take();
     ChangeSet& changes = buf->changes;
     std::vector<uint8_t>& record = buf->record;
     Status s = codec.DecodeChanges(job.delta.bytes, old, es, {}, &changes);
@@ -695,7 +673,7 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
       changed.fetch_add(changes.count(), std::memory_order_relaxed);
       s = writer->Append(record);
     }
-    pool_of_buffers.Release(std::move(buf));
+    pool_of_buffers.Give(std::move(buf));
     if (!s.ok()) {
       error.Note(s.WithContext(where + ": tensor " + QuoteForMessage(job.name)));
       return;

@@ -97,27 +97,6 @@ struct TensorScratch {
   std::unique_ptr<Hasher> new_hasher;
 };
 
-// A mutex-guarded free list of scratch sets: as many exist as tasks ever
-// ran at once.
-class ScratchList {
- public:
-  std::unique_ptr<TensorScratch> Take() {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (free_.empty()) return std::make_unique<TensorScratch>();
-    std::unique_ptr<TensorScratch> scratch = std::move(free_.back());
-    free_.pop_back();
-    return scratch;
-  }
-  void Give(std::unique_ptr<TensorScratch> scratch) {
-    std::lock_guard<std::mutex> lock(mu_);
-    free_.push_back(std::move(scratch));
-  }
-
- private:
-  std::mutex mu_;
-  std::vector<std::unique_ptr<TensorScratch>> free_;
-};
-
 // The hasher for `algo` in `slot`, made on first use and reset.
 Hasher* FreshHasher(ChecksumAlgo algo, std::unique_ptr<Hasher>* slot) {
   if (*slot == nullptr || (*slot)->algo() != algo) {
@@ -397,7 +376,7 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
 
   const PublisherOptions& opt = options;
   const Codec& codec = GetCodec(opt.encoding);
-  ScratchList scratches;
+  store_internal::FreeList<TensorScratch> scratches;
   auto process = [&](size_t i) {
     if (error.failed()) return;
     SnapshotTensor& snap = tensors[i];
@@ -763,7 +742,7 @@ Result<PublishResult> Publisher::State::Publish(const std::vector<TensorView>& w
     // Nothing to advance: the snapshot is the caller's base.
   } else if (full) {
     std::atomic<uint64_t> changed{0};
-    ScratchList scratches;
+    store_internal::FreeList<TensorScratch> scratches;
     st.pool->ParallelFor(st.tensors.size(), [&](size_t i) {
       SnapshotTensor& s = st.tensors[i];
       const auto elem_size = static_cast<uint32_t>(DTypeSize(s.dtype));

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <span>
@@ -104,6 +105,30 @@ class FileLock {
 
  private:
   int fd_ = -1;
+};
+
+// A mutex-guarded free list of per-task scratch objects, reused across the
+// tasks of a parallel loop: vectors sized for large tensors are an mmap, a
+// page-fault storm and an munmap each when made fresh. As many exist as
+// tasks ever ran at once.
+template <typename T>
+class FreeList {
+ public:
+  std::unique_ptr<T> Take() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (free_.empty()) return std::make_unique<T>();
+    std::unique_ptr<T> item = std::move(free_.back());
+    free_.pop_back();
+    return item;
+  }
+  void Give(std::unique_ptr<T> item) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.push_back(std::move(item));
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::unique_ptr<T>> free_;
 };
 
 // Keeps the first error that any of several parallel tasks reports.
