@@ -7,6 +7,7 @@
 
 #include "cli_test_util.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -202,6 +203,46 @@ TEST(BenchCliTest, ByteSizesAcceptUnits) {
     EXPECT_EQ(j["config"]["requested_bytes"], 4194304);
     EXPECT_EQ(j["config"]["bytes"], TinyReport()["config"]["bytes"]);
   }
+}
+
+// The agent benchmark end to end on a tiny model: the overhead versions
+// are pulled both ways, every load version by the loaded and the quiet agent,
+// the /status load got answers, and all three checkpoints verified.
+TEST(BenchAgentTest, JsonReportsPairedPullsAndTheLoad) {
+  CliRun r = RunCli(
+      "demo --bench-agent --preset tiny --bytes 4MiB --bench-versions 2 --status-threads 2 "
+      "--json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out, nullptr, /*allow_exceptions=*/false);
+  ASSERT_TRUE(j.is_object()) << r.out;
+  EXPECT_EQ(j["verified"], true);
+  const nlohmann::json& overhead = j["overhead"];
+  EXPECT_EQ(overhead["versions"], 2);
+  EXPECT_EQ(overhead["http_ms"].size(), 2u);
+  EXPECT_EQ(overhead["direct_ms"].size(), 2u);
+  const nlohmann::json& load = j["load"];
+  ASSERT_EQ(load["loaded_ms"].size(), 2u);
+  ASSERT_EQ(load["unloaded_ms"].size(), 2u);
+  ASSERT_EQ(load["pair_ratios"].size(), 2u);
+  double worst = 0;
+  for (size_t i = 0; i < 2; ++i) {
+    const double ratio = load["loaded_ms"][i].get<double>() / load["unloaded_ms"][i].get<double>();
+    EXPECT_NEAR(load["pair_ratios"][i].get<double>(), ratio, 1e-9);
+    worst = std::max(worst, ratio);
+  }
+  EXPECT_NEAR(load["worst_pair_ratio"].get<double>(), worst, 1e-9);
+  EXPECT_EQ(load["status_threads"], 2);
+  EXPECT_EQ(load["status_errors"], 0);
+  ExpectPositiveNumber(load, "status_requests");
+  ExpectPositiveNumber(load, "idle_load_requests");
+  ExpectPositiveNumber(load, "idle_load_seconds");
+  EXPECT_GE(load["idle_load_cpu_seconds"].get<double>(), 0.0);
+}
+
+TEST(BenchAgentTest, RejectsTooFewVersions) {
+  CliRun r = RunCli("demo --bench-agent --preset tiny --bytes 4MiB --bench-versions 1");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("bench-versions"), std::string::npos) << r.err;
 }
 
 }  // namespace

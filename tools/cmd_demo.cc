@@ -185,6 +185,8 @@ nlohmann::json BenchJson(const AgentBenchResult& r, const AgentBenchConfig& c) {
             {"unloaded_median_ms", r.unloaded_median_ms},
             {"loaded_median_ms", r.loaded_median_ms},
             {"ratio", r.load_ratio},
+            {"pair_ratios", r.pair_ratios},
+            {"pair_ratio_median", r.pair_ratio_median},
             {"worst_pair_ratio", r.worst_pair_ratio},
             {"status_requests", r.status_requests},
             {"status_errors", r.status_errors},
@@ -227,17 +229,25 @@ int RunBenchAgent(const AgentBenchConfig& config, bool json) {
               << " ms per pull (median of per-version /pull_weights - direct)\n"
               << "  HTTP round trip  median " << Fixed(b.transport_median_ms, 2)
               << " ms per pull (median of per-version /pull_weights - agent-timed pull)\n\n"
-              << "/status load during pulls (" << config.status_threads << " threads, "
+              << "/status load during pulls (" << b.loaded_ms.size()
+              << " versions, each pulled by an agent under load and by a quiet agent, "
+                 "alternating which goes first; "
+              << config.status_threads << " threads, "
               << (config.status_interval_ms > 0
                       ? Fixed(config.status_interval_ms, 1) + " ms between requests"
                       : std::string("back to back"))
               << ", at most " << config.max_requests_per_thread << " requests each)\n"
-              << "  pulls without load  median " << Fixed(b.unloaded_median_ms, 1) << " ms   ["
+              << "  quiet agent       median " << Fixed(b.unloaded_median_ms, 1) << " ms   ["
               << MsList(b.unloaded_ms) << "]\n"
-              << "  pulls with load     median " << Fixed(b.loaded_median_ms, 1) << " ms   ["
+              << "  agent under load  median " << Fixed(b.loaded_median_ms, 1) << " ms   ["
               << MsList(b.loaded_ms) << "]\n"
-              << "  ratio (medians)     " << Fixed(b.load_ratio, 3) << "   worst adjacent pair "
-              << Fixed(b.worst_pair_ratio, 3) << "\n"
+              << "  loaded / quiet    median " << Fixed(b.pair_ratio_median, 3) << "   worst "
+              << Fixed(b.worst_pair_ratio, 3) << "   per version [" <<
+        [&] {
+          std::string out;
+          for (double v : b.pair_ratios) out += (out.empty() ? "" : " ") + Fixed(v, 2);
+          return out;
+        }() << "]\n"
               << "  /status requests    " << b.status_requests << " ("
               << Fixed(b.status_requests_per_second, 0) << " per second), " << b.status_errors
               << " errors\n"
@@ -254,7 +264,7 @@ int RunBenchAgent(const AgentBenchConfig& config, bool json) {
                            : 0.0,
                        1)
               << "% of one core)\n\n"
-              << "both local checkpoints matched the trainer's weights bit for bit; "
+              << "all three local checkpoints matched the trainer's weights bit for bit; "
               << Fixed(b.total_seconds, 1) << " s in all" << std::endl;
   }
   if (r->status_errors > 0) {

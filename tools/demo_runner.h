@@ -118,7 +118,7 @@ Result<DemoResult> RunDemo(const DemoConfig& config, const DemoObserver& observe
 struct AgentBenchConfig {
   DemoConfig demo;  // preset, size, seed, lr, encoding, work dir
   // Versions pulled both ways for the overhead figure (after one warm-up
-  // version), and versions pulled with and without /status load, half each.
+  // version), and versions pulled both with and without /status load.
   int64_t overhead_versions = 8;
   int64_t load_versions = 8;
   // /status load during a loaded pull: this many client threads, each
@@ -148,13 +148,16 @@ struct AgentBenchResult {
   // the agent's bookkeeping add to the same pull, free of the variation
   // between two pulls.
   double transport_median_ms = 0;
-  // Load: pulls through the agent with and without /status traffic.
+  // Load: each version pulled through one agent under /status traffic and
+  // through a second, quiet agent (index i of both vectors is version i).
   std::vector<double> unloaded_ms;
   std::vector<double> loaded_ms;
+  std::vector<double> pair_ratios;  // loaded / unloaded, per version
   double unloaded_median_ms = 0;
   double loaded_median_ms = 0;
-  double load_ratio = 0;        // loaded median / unloaded median
-  double worst_pair_ratio = 0;  // largest loaded / unloaded of adjacent versions
+  double load_ratio = 0;         // loaded median / unloaded median
+  double pair_ratio_median = 0;  // median of pair_ratios
+  double worst_pair_ratio = 0;   // largest of pair_ratios
   uint64_t status_requests = 0;
   uint64_t status_errors = 0;  // non-200 answers and failed connections
   double status_requests_per_second = 0;
