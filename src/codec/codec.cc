@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <string>
+#include <vector>
 
 #include "codec/codec_internal.h"
 
@@ -217,6 +218,19 @@ void ChangeCollector::AddXorList(uint64_t first, const ChangeSet& found) {
     case 4: return AddXorListTyped<4>(first, found);
     default: return AddXorListTyped<8>(first, found);
   }
+}
+
+Status DecodeChangesViaCopy(const Codec& codec, std::span<const uint8_t> encoded,
+                            std::span<const uint8_t> base, uint32_t elem_size,
+                            const DecodeOptions& options, ChangeSet* out) {
+  std::vector<uint8_t> copy(base.begin(), base.end());
+  DS_RETURN_IF_ERROR(codec.DecodeApply(encoded, copy, elem_size, options));
+  DiffOptions diff;
+  diff.elem_size = elem_size;
+  diff.refresh_snapshot = false;  // `base` is never written
+  diff.keep_old_values = true;
+  diff.pool = nullptr;
+  return DiffTensor(copy, {const_cast<uint8_t*>(base.data()), base.size()}, diff, out);
 }
 
 Status ValidateTarget(std::span<const uint8_t> target, uint32_t elem_size) {

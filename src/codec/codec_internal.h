@@ -136,6 +136,14 @@ class ChangeCollector {
   uint8_t* new_ = nullptr;
 };
 
+// Codec::DecodeChanges by way of a scratch copy of `base`: DecodeApply onto
+// the copy, then a diff against `base`. Memory is one tensor; decoders use it
+// where gathering or ordering their entries would cost more (entries out of
+// order, or more entries than the tensor has bytes).
+Status DecodeChangesViaCopy(const Codec& codec, std::span<const uint8_t> encoded,
+                            std::span<const uint8_t> base, uint32_t elem_size,
+                            const DecodeOptions& options, ChangeSet* out);
+
 const Codec& DenseCodec();
 const Codec& IndicesCodec();
 const Codec& XorCodec();

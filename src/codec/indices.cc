@@ -64,32 +64,21 @@ class IndicesCodecImpl final : public Codec {
   }
 
   Status DecodeChanges(std::span<const uint8_t> encoded, std::span<const uint8_t> base,
-                       uint32_t elem_size, const DecodeOptions& /*options*/,
+                       uint32_t elem_size, const DecodeOptions& options,
                        ChangeSet* out) const override {
     DS_ASSIGN_OR_RETURN(Payload p, Parse(encoded, base, elem_size));
+    // Any order is valid and a repeated position takes its last value, as
+    // when applying in order. Ours are strictly ascending; anything else is
+    // applied to a scratch copy and diffed (no per-entry sort memory).
+    for (uint64_t i = 1; i < p.count; ++i) {
+      if (ReadPosition(p.positions, i - 1, p.width) >= ReadPosition(p.positions, i, p.width)) {
+        return DecodeChangesViaCopy(*this, encoded, base, elem_size, options, out);
+      }
+    }
     ChangeCollector collector(base, elem_size, out);
     collector.Reserve(p.count);
-    bool ascending = true;
-    for (uint64_t i = 1; i < p.count && ascending; ++i) {
-      ascending = ReadPosition(p.positions, i - 1, p.width) < ReadPosition(p.positions, i, p.width);
-    }
-    if (ascending) {
-      for (uint64_t i = 0; i < p.count; ++i) {
-        collector.AddNew(ReadPosition(p.positions, i, p.width), p.values + i * elem_size);
-      }
-      return Status::OK();
-    }
-    // Any order is valid and a repeated position takes its last value, as
-    // when applying in order: sort entries by position, keeping the last.
-    std::vector<uint64_t> order(p.count);
-    for (uint64_t i = 0; i < p.count; ++i) order[i] = i;
-    std::stable_sort(order.begin(), order.end(), [&](uint64_t a, uint64_t b) {
-      return ReadPosition(p.positions, a, p.width) < ReadPosition(p.positions, b, p.width);
-    });
-    for (uint64_t k = 0; k < p.count; ++k) {
-      const uint64_t pos = ReadPosition(p.positions, order[k], p.width);
-      if (k + 1 < p.count && ReadPosition(p.positions, order[k + 1], p.width) == pos) continue;
-      collector.AddNew(pos, p.values + order[k] * elem_size);
+    for (uint64_t i = 0; i < p.count; ++i) {
+      collector.AddNew(ReadPosition(p.positions, i, p.width), p.values + i * elem_size);
     }
     return Status::OK();
   }

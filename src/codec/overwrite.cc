@@ -116,8 +116,11 @@ class OverwriteCodecImpl final : public Codec {
     ZstdFrameReader reader;
     DS_ASSIGN_OR_RETURN(const uint64_t count,
                         BeginFrame(encoded, base, elem_size, options, &reader));
-    // The change list is proportional to K anyway, so the entries are read
-    // whole (count <= the tensor's bytes, checked above).
+    // Gathering K entries costs 5 K bytes: beyond the tensor's own size a
+    // scratch copy is the cheaper way (a hostile K must not cost more).
+    if (5 * count > base.size()) {
+      return DecodeChangesViaCopy(*this, encoded, base, elem_size, options, out);
+    }
     std::vector<uint32_t> positions(count);
     std::vector<uint8_t> values(count);
     for (uint64_t done = 0; done < count;) {
@@ -127,31 +130,28 @@ class OverwriteCodecImpl final : public Codec {
       for (size_t j = 0; j < m; ++j) positions[done + j] = LoadLE32(dst + 4 * j);
       done += m;
     }
-    if (count)
+    if (count) {
       DS_RETURN_IF_ERROR(reader.Read(values.data(), count).WithContext("overwrite decode"));
+    }
     DS_RETURN_IF_ERROR(reader.ExpectEnd().WithContext("overwrite decode"));
     for (uint64_t i = 0; i < count; ++i) {
       if (positions[i] >= base.size()) return PositionOutside(positions[i], i, base.size());
     }
     // Entries may come in any order and repeat a byte (the last one wins,
-    // as when applying in order): unless strictly ascending, sort them.
-    std::vector<uint64_t> order;
-    bool ascending = true;
-    for (uint64_t i = 1; i < count && ascending; ++i) ascending = positions[i - 1] < positions[i];
-    if (!ascending) {
-      order.resize(count);
-      for (uint64_t i = 0; i < count; ++i) order[i] = i;
-      std::stable_sort(order.begin(), order.end(),
-                       [&](uint64_t a, uint64_t b) { return positions[a] < positions[b]; });
+    // as when applying in order). Ours and vime's are strictly ascending;
+    // anything else is applied to a scratch copy and diffed.
+    for (uint64_t i = 1; i < count; ++i) {
+      if (positions[i - 1] >= positions[i]) {
+        return DecodeChangesViaCopy(*this, encoded, base, elem_size, options, out);
+      }
     }
-    auto entry = [&](uint64_t k) { return ascending ? k : order[k]; };
     ChangeCollector collector(base, elem_size, out);
     uint8_t element[8];
     for (uint64_t k = 0; k < count;) {
-      const uint64_t elem = positions[entry(k)] / elem_size;
+      const uint64_t elem = positions[k] / elem_size;
       std::memcpy(element, base.data() + elem * elem_size, elem_size);
-      for (; k < count && positions[entry(k)] / elem_size == elem; ++k) {
-        element[positions[entry(k)] % elem_size] = values[entry(k)];
+      for (; k < count && positions[k] / elem_size == elem; ++k) {
+        element[positions[k] % elem_size] = values[k];
       }
       collector.AddNew(elem, element);
     }
