@@ -127,8 +127,10 @@ class Codec {
   // delta changes. An element the delta writes with its current value is not
   // listed. Accepts and rejects exactly the input DecodeApply does, with the
   // same status codes. Memory is the decoder's bounded buffers plus *out
-  // (proportional to the changed elements, never to the tensor), which lets
-  // a receiver journal a delta before it touches its checkpoint. *out's
+  // (proportional to the changed elements), which lets a receiver journal a
+  // delta before it touches its checkpoint; only indices/overwrite entries
+  // out of order (or more overwrite entries than the tensor has bytes) are
+  // applied to one scratch copy of the tensor and diffed instead. *out's
   // vectors keep their capacity, so reusing one ChangeSet avoids
   // reallocation; on error its contents are unspecified.
   virtual Status DecodeChanges(std::span<const uint8_t> encoded, std::span<const uint8_t> base,
