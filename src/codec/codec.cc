@@ -225,12 +225,17 @@ Status DecodeChangesViaCopy(const Codec& codec, std::span<const uint8_t> encoded
                             const DecodeOptions& options, ChangeSet* out) {
   std::vector<uint8_t> copy(base.begin(), base.end());
   DS_RETURN_IF_ERROR(codec.DecodeApply(encoded, copy, elem_size, options));
+  return DiffAgainst(copy, base, elem_size, /*keep_old_values=*/true, out);
+}
+
+Status DiffAgainst(std::span<const uint8_t> new_bytes, std::span<const uint8_t> base,
+                   uint32_t elem_size, bool keep_old_values, ChangeSet* out) {
   DiffOptions diff;
   diff.elem_size = elem_size;
-  diff.refresh_snapshot = false;  // `base` is never written
-  diff.keep_old_values = true;
+  diff.refresh_snapshot = false;  // so DiffTensor never writes `base`
+  diff.keep_old_values = keep_old_values;
   diff.pool = nullptr;
-  return DiffTensor(copy, {const_cast<uint8_t*>(base.data()), base.size()}, diff, out);
+  return DiffTensor(new_bytes, {const_cast<uint8_t*>(base.data()), base.size()}, diff, out);
 }
 
 Status ValidateTarget(std::span<const uint8_t> target, uint32_t elem_size) {

@@ -136,6 +136,12 @@ class ChangeCollector {
   uint8_t* new_ = nullptr;
 };
 
+// The ChangeSet of `new_bytes` against `base` (old values kept only with
+// keep_old_values), with the diff kernel and one thread; `base` is never
+// written. What a decoder calls when it holds new bytes or XOR values whole.
+Status DiffAgainst(std::span<const uint8_t> new_bytes, std::span<const uint8_t> base,
+                   uint32_t elem_size, bool keep_old_values, ChangeSet* out);
+
 // Codec::DecodeChanges by way of a scratch copy of `base`: DecodeApply onto
 // the copy, then a diff against `base`. Memory is one tensor; decoders use it
 // where gathering or ordering their entries would cost more (entries out of

@@ -42,13 +42,7 @@ class DenseCodecImpl final : public Codec {
                                 " bytes");
     }
     // The encoding is the new tensor itself: the change list is its diff.
-    // DiffTensor writes its snapshot argument only when refreshing.
-    DiffOptions diff;
-    diff.elem_size = elem_size;
-    diff.refresh_snapshot = false;
-    diff.keep_old_values = true;
-    diff.pool = nullptr;
-    return DiffTensor(encoded, {const_cast<uint8_t*>(base.data()), base.size()}, diff, out);
+    return DiffAgainst(encoded, base, elem_size, /*keep_old_values=*/true, out);
   }
 };
 

@@ -69,21 +69,17 @@ class XorCodecImpl final : public Codec {
     // page finds the non-zero elements far faster than a scalar scan.
     static const uint8_t kZeros[size_t{1} << 16] = {};
     ChangeSet found;
-    DiffOptions diff;
-    diff.elem_size = elem_size;
-    diff.refresh_snapshot = false;
-    diff.keep_old_values = false;
-    diff.pool = nullptr;
     Status scan;
-    Status streamed = Stream(
-        encoded, base, elem_size, options, [&](size_t offset, const uint8_t* chunk, size_t n) {
-          for (size_t at = 0; at < n && scan.ok(); at += sizeof(kZeros)) {
-            const size_t m = std::min(sizeof(kZeros), n - at);
-            // Never written: refresh_snapshot is off.
-            scan = DiffTensor({chunk + at, m}, {const_cast<uint8_t*>(kZeros), m}, diff, &found);
-            if (scan.ok()) collector.AddXorList((offset + at) / elem_size, found);
-          }
-        });
+    Status streamed = Stream(encoded, base, elem_size, options,
+                             [&](size_t offset, const uint8_t* chunk, size_t n) {
+                               for (size_t at = 0; at < n && scan.ok(); at += sizeof(kZeros)) {
+                                 const size_t m = std::min(sizeof(kZeros), n - at);
+                                 scan = DiffAgainst({chunk + at, m}, {kZeros, m}, elem_size,
+                                                    /*keep_old_values=*/false, &found);
+                                 if (scan.ok())
+                                   collector.AddXorList((offset + at) / elem_size, found);
+                               }
+                             });
     DS_RETURN_IF_ERROR(scan.WithContext("xor decode"));
     return streamed;
   }

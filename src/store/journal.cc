@@ -69,16 +69,6 @@ uint64_t JournalRecord::position(uint64_t i) const {
 
 namespace {
 
-template <typename Elem, typename Pos>
-void Scatter(const uint8_t* positions, uint64_t count, const uint8_t* values, uint8_t* target) {
-  for (uint64_t i = 0; i < count; ++i) {
-    Pos p;
-    std::memcpy(&p, positions + i * sizeof(Pos), sizeof(Pos));
-    std::memcpy(target + static_cast<size_t>(p) * sizeof(Elem), values + i * sizeof(Elem),
-                sizeof(Elem));
-  }
-}
-
 template <typename Pos>
 bool AllBelow(const uint8_t* positions, uint64_t count, uint64_t limit) {
   Pos max = 0;
@@ -127,17 +117,6 @@ void ScatterBelowPos(uint32_t elem_size, const uint8_t* positions, uint64_t coun
   }
 }
 
-template <typename Pos>
-void ScatterPos(uint32_t elem_size, const uint8_t* positions, uint64_t count, const uint8_t* values,
-                uint8_t* target) {
-  switch (elem_size) {
-    case 1: return Scatter<uint8_t, Pos>(positions, count, values, target);
-    case 2: return Scatter<uint16_t, Pos>(positions, count, values, target);
-    case 4: return Scatter<uint32_t, Pos>(positions, count, values, target);
-    default: return Scatter<uint64_t, Pos>(positions, count, values, target);
-  }
-}
-
 }  // namespace
 
 Status JournalRecord::Apply(std::span<uint8_t> target, bool undo) const {
@@ -153,10 +132,14 @@ Status JournalRecord::Apply(std::span<uint8_t> target, bool undo) const {
                               "': a position is out of range");
   }
   const uint8_t* values = undo ? old_values : new_values;
+  // Positions are all in range (checked above), so none stops the scatter.
+  uint64_t next = 0;
   if (position_width == 4) {
-    ScatterPos<uint32_t>(elem_size, positions, count, values, target.data());
+    ScatterBelowPos<uint32_t>(elem_size, positions, count, values, target.data(), UINT64_MAX,
+                              &next);
   } else {
-    ScatterPos<uint64_t>(elem_size, positions, count, values, target.data());
+    ScatterBelowPos<uint64_t>(elem_size, positions, count, values, target.data(), UINT64_MAX,
+                              &next);
   }
   return Status::OK();
 }
@@ -193,9 +176,9 @@ Status JournalRecord::ApplyAndVisit(
   return Status::OK();
 }
 
-RecordSlots BeginJournalRecord(std::string_view name, uint64_t numel, uint32_t elem_size,
-                               std::string_view checksum, std::string_view base_checksum,
-                               const ChangeSet& changes, std::vector<uint8_t>* out) {
+void BuildJournalRecord(std::string_view name, uint64_t numel, uint32_t elem_size,
+                        std::string_view checksum, std::string_view base_checksum,
+                        const ChangeSet& changes, std::vector<uint8_t>* out) {
   const uint64_t count = changes.count();
   const uint32_t width = changes.wide ? 8 : 4;
   const size_t strings =
@@ -225,15 +208,16 @@ RecordSlots BeginJournalRecord(std::string_view name, uint64_t numel, uint32_t e
       std::memcpy(positions, changes.pos32.data(), count * 4);
     }
   }
-  RecordSlots slots;
-  slots.old_values = positions + count * width;
-  slots.new_values = slots.old_values + count * elem_size;
-  return slots;
-}
-
-void SealJournalRecord(std::vector<uint8_t>* out) {
-  const size_t body = out->size() - 8;
-  Put<uint64_t>(out->data() + body, Hash64(out->data(), body));
+  uint8_t* old_values = positions + count * width;
+  if (!changes.old_values.empty()) {
+    std::memcpy(old_values, changes.old_values.data(), changes.old_values.size());
+  }
+  if (!changes.new_values.empty()) {
+    std::memcpy(old_values + count * elem_size, changes.new_values.data(),
+                changes.new_values.size());
+  }
+  const size_t sealed = out->size() - 8;
+  Put<uint64_t>(out->data() + sealed, Hash64(out->data(), sealed));
 }
 
 Result<std::unique_ptr<JournalWriter>> JournalWriter::Create(const std::string& path,

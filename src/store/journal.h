@@ -54,17 +54,11 @@ struct JournalRecord {
                        const std::function<void(std::span<const uint8_t>)>& visit) const;
 };
 
-// Builds one record in *out (replacing its contents). The positions are
-// copied from `changes`; the caller fills the old and new values through the
-// returned pointers, then calls SealJournalRecord.
-struct RecordSlots {
-  uint8_t* old_values = nullptr;
-  uint8_t* new_values = nullptr;
-};
-RecordSlots BeginJournalRecord(std::string_view name, uint64_t numel, uint32_t elem_size,
-                               std::string_view checksum, std::string_view base_checksum,
-                               const ChangeSet& changes, std::vector<uint8_t>* out);
-void SealJournalRecord(std::vector<uint8_t>* out);
+// Builds one sealed record of `changes` (positions, old and new values) in
+// *out, replacing its contents but keeping its capacity.
+void BuildJournalRecord(std::string_view name, uint64_t numel, uint32_t elem_size,
+                        std::string_view checksum, std::string_view base_checksum,
+                        const ChangeSet& changes, std::vector<uint8_t>* out);
 
 // Writes a journal; records may be appended from many threads at once.
 class JournalWriter {

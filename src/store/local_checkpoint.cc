@@ -663,13 +663,8 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
     std::vector<uint8_t>& record = buf->record;
     Status s = codec.DecodeChanges(job.delta.bytes, old, es, {}, &changes);
     if (s.ok()) {
-      store_internal::RecordSlots slots = store_internal::BeginJournalRecord(
-          job.name, old.size() / es, es, job.checksum, job.base_checksum, changes, &record);
-      if (changes.count() > 0) {
-        std::memcpy(slots.old_values, changes.old_values.data(), changes.old_values.size());
-        std::memcpy(slots.new_values, changes.new_values.data(), changes.new_values.size());
-      }
-      store_internal::SealJournalRecord(&record);
+      store_internal::BuildJournalRecord(job.name, old.size() / es, es, job.checksum,
+                                         job.base_checksum, changes, &record);
       changed.fetch_add(changes.count(), std::memory_order_relaxed);
       s = writer->Append(record);
     }
