@@ -75,6 +75,7 @@ void RegisterAgent(CLI::App& app, CommandFn* run) {
     std::string store, local, base, listen = "127.0.0.1:8470", token_file, reload_url, reload_cmd,
                                     max_body = "64KiB";
     double reload_timeout = 600;
+    int request_nice = 19;
     bool verify_after_pull = false, durable = false;
   };
   auto o = std::make_shared<Opts>();
@@ -109,6 +110,11 @@ void RegisterAgent(CLI::App& app, CommandFn* run) {
       ->check(CLI::PositiveNumber);
   cmd->add_option("--max-body", o->max_body, "Largest request body accepted (413 beyond)")
       ->capture_default_str();
+  cmd->add_option("--request-nice", o->request_nice,
+                  "Nice value (0-19) of the threads that read requests and serve /status, "
+                  "/health and /metrics; pulls keep the agent's own priority")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 19));
   cmd->add_flag("--verify-after-pull", o->verify_after_pull,
                 "Recompute every tensor's checksum after each pull (reads the whole checkpoint)");
   cmd->add_flag("--durable", o->durable,
@@ -121,6 +127,7 @@ void RegisterAgent(CLI::App& app, CommandFn* run) {
       if (!max_body.ok()) return Fail(max_body.status().WithContext("--max-body"));
       options.max_body_bytes = static_cast<size_t>(*max_body);
       options.verify_after_pull = o->verify_after_pull;
+      options.request_nice = o->request_nice;
       if (!o->token_file.empty()) {
         Result<std::string> token = ReadTokenFile(o->token_file);
         if (!token.ok()) return Fail(token.status());

@@ -109,6 +109,11 @@ struct AgentOptions {
   // already verifies every tensor it changed; this re-reads the whole
   // checkpoint, so it is off by default.
   bool verify_after_pull = false;
+  // Nice value (0..19) of the threads that read requests and answer
+  // /status, /health and /metrics. Pulls run on a thread of their own at the
+  // priority of the thread that called Start(), so that a busy scraper cannot
+  // take CPU from a pull on a small host. 0 leaves them at that priority.
+  int request_nice = 19;
 };
 
 // The HTTP agent. /pull_weights requests are served one at a time (a mutex

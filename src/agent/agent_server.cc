@@ -1,11 +1,15 @@
 // The rollout-side HTTP agent (include/deltasync/agent.h).
 #include <arpa/inet.h>
 #include <httplib.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cctype>
+#include <cerrno>
 #include <charconv>
 #include <chrono>
+#include <condition_variable>
 #include <fstream>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -154,6 +158,102 @@ std::string StripBrackets(const std::string& host) {
   return host;
 }
 
+// Raises the calling thread's nice value to `nice` (never lowers it: that
+// needs privileges, and the caller chose its own priority).
+void LowerThreadPriority(int nice) {
+  const auto tid = static_cast<id_t>(::gettid());
+  errno = 0;
+  const int current = ::getpriority(PRIO_PROCESS, tid);
+  if (errno != 0 || current >= nice) return;
+  ::setpriority(PRIO_PROCESS, tid, nice);  // best effort: a failure only costs priority
+}
+
+// httplib's request threads, each lowering its own priority before its
+// first request. Linux keeps a nice value per thread, so the pull thread and
+// the puller's worker pool keep theirs.
+class NicedTaskQueue final : public httplib::TaskQueue {
+ public:
+  NicedTaskQueue(size_t threads, int nice) : pool_(threads), nice_(nice) {}
+
+  void enqueue(std::function<void()> fn) override {
+    pool_.enqueue([nice = nice_, fn = std::move(fn)] {
+      thread_local bool lowered = false;
+      if (!lowered) {
+        LowerThreadPriority(nice);
+        lowered = true;
+      }
+      fn();
+    });
+  }
+  void shutdown() override { pool_.shutdown(); }
+
+ private:
+  httplib::ThreadPool pool_;
+  int nice_;
+};
+
+// The thread pulls run on: started by Agent::Start, so it has the priority
+// of the thread that started the agent, not that of the request threads.
+class PullThread {
+ public:
+  ~PullThread() { Stop(); }
+
+  void Start() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (thread_.joinable()) return;
+    thread_ = std::thread([this] { Loop(); });
+  }
+
+  // Runs `job` on the pull thread and waits for it; runs it here when the
+  // thread is not running.
+  void Run(const std::function<void()>& job) {
+    std::unique_lock<std::mutex> run_lock(run_mu_);
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!thread_.joinable() || quit_) {
+      lock.unlock();
+      job();
+      return;
+    }
+    job_ = &job;
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return job_ == nullptr; });
+  }
+
+  void Stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      quit_ = true;
+      cv_.notify_all();
+    }
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [&] { return job_ != nullptr || quit_; });
+      if (job_ != nullptr) {
+        const std::function<void()>* job = job_;
+        lock.unlock();
+        (*job)();
+        lock.lock();
+        job_ = nullptr;
+        cv_.notify_all();
+        continue;
+      }
+      return;
+    }
+  }
+
+  std::mutex run_mu_;  // one job at a time
+  std::mutex mu_;
+  std::condition_variable cv_;
+  const std::function<void()>* job_ = nullptr;
+  bool quit_ = false;
+  std::thread thread_;
+};
+
 }  // namespace
 
 bool IsLoopbackHost(const std::string& host_in) {
@@ -210,6 +310,7 @@ struct Agent::State {
   bool stopped = false;
 
   std::mutex pull_mu;  // one pull at a time in this process
+  PullThread pull_thread;
   AgentMetrics metrics;
 
   // What /status reports, guarded by status_mu (never held across a pull).
@@ -346,8 +447,12 @@ struct Agent::State {
     } idle_on_exit{this};
 
     const auto start = std::chrono::steady_clock::now();
-    Result<PullResult> pulled = puller->Pull(request->target);
-    Status verified = pulled.ok() && options.verify_after_pull ? puller->Verify() : Status::OK();
+    Result<PullResult> pulled = Status::Internal("the pull did not run");
+    Status verified;
+    pull_thread.Run([&] {
+      pulled = puller->Pull(request->target);
+      if (pulled.ok() && options.verify_after_pull) verified = puller->Verify();
+    });
     const double pull_seconds = SecondsSince(start);
     if (!pulled.ok() || !verified.ok()) {
       metrics.RecordPullFailure();
@@ -422,6 +527,11 @@ struct Agent::State {
       setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
     });
     server.set_payload_max_length(options.max_body_bytes);
+    if (options.request_nice > 0) {
+      server.new_task_queue = [nice = options.request_nice] {
+        return new NicedTaskQueue(CPPHTTPLIB_THREAD_POOL_COUNT, nice);
+      };
+    }
     // One request per connection. Requests are few (a pull per training
     // step, a scrape now and then), and httplib cannot otherwise close a
     // connection whose body it refused unread: it would wait out the read
@@ -487,6 +597,10 @@ Result<std::unique_ptr<Agent>> Agent::Create(const AgentOptions& options,
     return Status::InvalidArgument("agent port " + std::to_string(options.port) +
                                    " is outside 0..65535");
   }
+  if (options.request_nice < 0 || options.request_nice > 19) {
+    return Status::InvalidArgument("agent request nice value " +
+                                   std::to_string(options.request_nice) + " is outside 0..19");
+  }
   if (options.max_body_bytes == 0) {
     return Status::InvalidArgument("agent body size limit must be positive");
   }
@@ -524,6 +638,7 @@ Status Agent::Start() {
                            std::to_string(s.options.port));
   }
   s.port = port;
+  s.pull_thread.Start();
   s.listener = std::thread([&s] {
     s.server.listen_after_bind();
     s.listener_done = true;
@@ -555,6 +670,8 @@ void Agent::Stop() {
     s.server.stop();
     if (s.listener.joinable()) s.listener.join();
   }
+  // After the request threads: a request waiting on a pull gets its answer.
+  s.pull_thread.Stop();
   s.stopped = true;
 }
 

@@ -366,6 +366,41 @@ TEST(AgentCreateTest, RefusesNonLoopbackWithoutToken) {
                    .ok());
 }
 
+TEST_F(AgentTest, RequestThreadsYieldToThePull) {
+  const int own_nice = ::getpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()));
+  if (own_nice >= 19) GTEST_SKIP() << "the test already runs at nice 19";
+  StartAgent();
+  ASSERT_EQ(Pull("{\"target_version\": 2}").first, 200);
+  ASSERT_EQ(Get("/status").first, 200);
+  // /status (and the request parsing of every endpoint) runs at nice 19; the
+  // pull keeps the priority of the thread that started the agent.
+  EXPECT_EQ(checkpoint_->latest_thread_nice.load(), 19);
+  EXPECT_EQ(checkpoint_->pull_thread_nice.load(), own_nice);
+}
+
+TEST_F(AgentTest, RequestNiceZeroLeavesRequestThreadsAlone) {
+  const int own_nice = ::getpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()));
+  AgentOptions options;
+  options.request_nice = 0;
+  StartAgent(options);
+  ASSERT_EQ(Get("/status").first, 200);
+  EXPECT_EQ(checkpoint_->latest_thread_nice.load(), own_nice);
+  ASSERT_EQ(Pull("").first, 200);
+  EXPECT_EQ(checkpoint_->pull_thread_nice.load(), own_nice);
+}
+
+TEST(AgentCreateTest, RequestNiceOutsideRangeIsRefused) {
+  for (int nice : {-1, 20}) {
+    AgentOptions options;
+    options.request_nice = nice;
+    Result<std::unique_ptr<Agent>> agent = Agent::Create(
+        options, std::make_unique<FakePuller>(std::make_shared<FakeCheckpoint>()), nullptr);
+    ASSERT_FALSE(agent.ok()) << nice;
+    EXPECT_EQ(agent.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(agent.status().message().find("nice"), std::string::npos);
+  }
+}
+
 TEST(AgentCreateTest, LoopbackHosts) {
   EXPECT_TRUE(IsLoopbackHost("127.0.0.1"));
   EXPECT_TRUE(IsLoopbackHost("127.255.0.9"));

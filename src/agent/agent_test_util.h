@@ -4,6 +4,7 @@
 #include <arpa/inet.h>
 #include <httplib.h>
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -37,6 +38,9 @@ struct FakeCheckpoint {
   std::atomic<int> pulls_in_flight{0};
   std::atomic<int> max_pulls_in_flight{0};
   std::string local = "/nonexistent/fake-local";
+  // The nice value of the thread that ran the last Pull / LatestVersion.
+  std::atomic<int> pull_thread_nice{-100};
+  std::atomic<int> latest_thread_nice{-100};
 
   size_t pull_count() {
     std::lock_guard<std::mutex> lock(mu);
@@ -48,7 +52,10 @@ class FakePuller final : public CheckpointPuller {
  public:
   explicit FakePuller(std::shared_ptr<FakeCheckpoint> state) : s_(std::move(state)) {}
 
+  static int ThisThreadNice() { return ::getpriority(PRIO_PROCESS, static_cast<id_t>(::gettid())); }
+
   Result<PullResult> Pull(std::optional<int64_t> target) override {
+    s_->pull_thread_nice = ThisThreadNice();
     const int now = ++s_->pulls_in_flight;
     int seen = s_->max_pulls_in_flight.load();
     while (now > seen && !s_->max_pulls_in_flight.compare_exchange_weak(seen, now)) {
@@ -84,6 +91,7 @@ class FakePuller final : public CheckpointPuller {
     return s_->current;
   }
   Result<int64_t> LatestVersion() override {
+    s_->latest_thread_nice = ThisThreadNice();
     std::lock_guard<std::mutex> lock(s_->mu);
     if (!s_->latest_error.ok()) return s_->latest_error;
     return s_->store_latest;
