@@ -231,6 +231,16 @@ TEST(BenchAgentTest, JsonReportsPairedPullsAndTheLoad) {
     worst = std::max(worst, ratio);
   }
   EXPECT_NEAR(load["worst_pair_ratio"].get<double>(), worst, 1e-9);
+  std::vector<double> loaded = load["loaded_ms"].get<std::vector<double>>();
+  std::vector<double> quiet = load["unloaded_ms"].get<std::vector<double>>();
+  std::sort(loaded.begin(), loaded.end());
+  std::sort(quiet.begin(), quiet.end());
+  EXPECT_NEAR(load["worst_quantile_ratio"].get<double>(),
+              std::max(loaded[0] / quiet[0], loaded[1] / quiet[1]), 1e-9);
+  EXPECT_EQ(load["status_client_nice"], 19);
+  EXPECT_GT(load["status_p99_ms"].get<double>(), 0.0);
+  EXPECT_GE(load["status_max_ms"].get<double>(), load["status_p99_ms"].get<double>());
+  EXPECT_GE(load["status_p99_ms"].get<double>(), load["status_p50_ms"].get<double>());
   EXPECT_EQ(load["status_threads"], 2);
   EXPECT_EQ(load["status_errors"], 0);
   ExpectPositiveNumber(load, "status_requests");

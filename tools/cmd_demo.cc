@@ -180,6 +180,7 @@ nlohmann::json BenchJson(const AgentBenchResult& r, const AgentBenchConfig& c) {
           {"load",
            {{"status_threads", c.status_threads},
             {"status_interval_ms", c.status_interval_ms},
+            {"status_client_nice", c.status_client_nice},
             {"unloaded_ms", r.unloaded_ms},
             {"loaded_ms", r.loaded_ms},
             {"unloaded_median_ms", r.unloaded_median_ms},
@@ -188,9 +189,13 @@ nlohmann::json BenchJson(const AgentBenchResult& r, const AgentBenchConfig& c) {
             {"pair_ratios", r.pair_ratios},
             {"pair_ratio_median", r.pair_ratio_median},
             {"worst_pair_ratio", r.worst_pair_ratio},
+            {"worst_quantile_ratio", r.worst_quantile_ratio},
             {"status_requests", r.status_requests},
             {"status_errors", r.status_errors},
             {"status_requests_per_second", r.status_requests_per_second},
+            {"status_p50_ms", r.status_p50_ms},
+            {"status_p99_ms", r.status_p99_ms},
+            {"status_max_ms", r.status_max_ms},
             {"idle_load_requests", r.idle_load_requests},
             {"idle_load_seconds", r.idle_load_seconds},
             {"idle_load_cpu_seconds", r.idle_load_cpu_seconds}}},
@@ -236,7 +241,8 @@ int RunBenchAgent(const AgentBenchConfig& config, bool json) {
               << (config.status_interval_ms > 0
                       ? Fixed(config.status_interval_ms, 1) + " ms between requests"
                       : std::string("back to back"))
-              << ", at most " << config.max_requests_per_thread << " requests each)\n"
+              << ", at most " << config.max_requests_per_thread
+              << " requests each, clients at nice " << config.status_client_nice << ")\n"
               << "  quiet agent       median " << Fixed(b.unloaded_median_ms, 1) << " ms   ["
               << MsList(b.unloaded_ms) << "]\n"
               << "  agent under load  median " << Fixed(b.loaded_median_ms, 1) << " ms   ["
@@ -248,9 +254,12 @@ int RunBenchAgent(const AgentBenchConfig& config, bool json) {
           for (double v : b.pair_ratios) out += (out.empty() ? "" : " ") + Fixed(v, 2);
           return out;
         }() << "]\n"
+              << "  by quantile       worst " << Fixed(b.worst_quantile_ratio, 3)
+              << "   (k-th fastest loaded pull / k-th fastest quiet pull)\n"
               << "  /status requests    " << b.status_requests << " ("
               << Fixed(b.status_requests_per_second, 0) << " per second), " << b.status_errors
-              << " errors\n"
+              << " errors; round trip median " << Fixed(b.status_p50_ms, 2) << " ms, p99 "
+              << Fixed(b.status_p99_ms, 1) << " ms, max " << Fixed(b.status_max_ms, 1) << " ms\n"
               << "  the load alone      " << b.idle_load_requests << " requests in "
               << Fixed(b.idle_load_seconds, 2)
               << " s with no pull: " << Fixed(b.idle_load_cpu_seconds * 1e3, 1) << " ms CPU ("
@@ -321,6 +330,11 @@ void RegisterDemo(CLI::App& app, CommandFn* run) {
                   "--bench-agent: threads sending GET /status during loaded pulls")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
+  cmd->add_option("--status-client-nice", o->bench.status_client_nice,
+                  "--bench-agent: nice value (0-19) of the /status client threads, which stand "
+                  "in for a scraper on another host")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 19));
   cmd->add_option("--status-interval-ms", o->bench.status_interval_ms,
                   "--bench-agent: pause of each /status thread between requests (0 = none)")
       ->capture_default_str()

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -331,17 +332,24 @@ Result<HttpPull> PullThroughAgent(int port, int64_t version) {
 // request budget or a time limit runs out).
 class StatusLoad {
  public:
-  StatusLoad(int port, int threads, double interval_ms, int64_t max_requests) {
+  StatusLoad(int port, int threads, double interval_ms, int64_t max_requests, int nice) {
     const auto deadline = Clock::now() + std::chrono::seconds(120);
     for (int t = 0; t < threads; ++t) {
-      threads_.emplace_back([this, port, interval_ms, max_requests, deadline] {
+      threads_.emplace_back([this, port, interval_ms, max_requests, deadline, nice] {
+        if (nice > 0) ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), nice);
         for (int64_t i = 0; i < max_requests && !stop_.load() && Clock::now() < deadline; ++i) {
           httplib::Client client("127.0.0.1", port);
           client.set_connection_timeout(5, 0);
           client.set_read_timeout(5, 0);
+          const auto sent = Clock::now();
           httplib::Result r = client.Get("/status");
+          const double ms = SecondsSince(sent) * 1e3;
           ++requests_;
           if (!r || r->status != 200) ++errors_;
+          {
+            std::lock_guard<std::mutex> lock(mu_);
+            latencies_ms_.push_back(ms);
+          }
           if (interval_ms > 0) {
             std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(interval_ms));
           }
@@ -358,8 +366,12 @@ class StatusLoad {
   }
   uint64_t requests() const { return requests_.load(); }
   uint64_t errors() const { return errors_.load(); }
+  // Each request's round trip; call after Finish().
+  const std::vector<double>& latencies_ms() const { return latencies_ms_; }
 
  private:
+  std::mutex mu_;
+  std::vector<double> latencies_ms_;
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> requests_{0};
   std::atomic<uint64_t> errors_{0};
@@ -371,10 +383,11 @@ class StatusLoad {
 Result<AgentBenchResult> RunAgentBench(const AgentBenchConfig& config,
                                        const AgentBenchProgress& progress) {
   if (config.overhead_versions < 1 || config.load_versions < 2 || config.status_threads < 1 ||
-      config.max_requests_per_thread < 1 || config.status_interval_ms < 0) {
+      config.max_requests_per_thread < 1 || config.status_interval_ms < 0 ||
+      config.status_client_nice < 0 || config.status_client_nice > 19) {
     return Status::InvalidArgument(
         "agent bench needs >= 1 overhead version, >= 2 load versions, >= 1 status thread, "
-        ">= 1 request per thread and a non-negative interval");
+        ">= 1 request per thread, a non-negative interval and a client nice value in 0..19");
   }
   auto say = [&](const std::string& line) {
     if (progress) progress(line);
@@ -475,7 +488,7 @@ Result<AgentBenchResult> RunAgentBench(const AgentBenchConfig& config,
     const double loaded_start = process_cpu();
     const auto t0 = Clock::now();
     StatusLoad idle(agent->port(), config.status_threads, config.status_interval_ms,
-                    config.max_requests_per_thread);
+                    config.max_requests_per_thread, config.status_client_nice);
     std::this_thread::sleep_for(std::chrono::seconds(1));
     idle.Finish();
     result.idle_load_seconds = SecondsSince(t0);
@@ -499,40 +512,67 @@ Result<AgentBenchResult> RunAgentBench(const AgentBenchConfig& config,
       " versions, each pulled by one agent under load from " +
       std::to_string(config.status_threads) + " threads sending GET /status and by a quiet one");
   double load_seconds = 0;
-  for (int64_t i = 0; i < config.load_versions; ++i) {
+  std::vector<double> status_ms;
+  // Version -1 is a warm-up pair, not counted: the first loaded pull also
+  // pays for starting the clients' and the agent's request threads.
+  for (int64_t i = -1; i < config.load_versions; ++i) {
     DS_ASSIGN_OR_RETURN(const int64_t v, next_version());
     auto loaded_pull = [&]() -> Result<double> {
+      ::sync();  // the other pull's dirty pages are not written back during this one
       StatusLoad load(agent->port(), config.status_threads, config.status_interval_ms,
-                      config.max_requests_per_thread);
+                      config.max_requests_per_thread, config.status_client_nice);
       // Let the clients get going before the pull starts.
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       const auto load_start = Clock::now();
       Result<HttpPull> pull = PullThroughAgent(agent->port(), v);
       load.Finish();
-      load_seconds += SecondsSince(load_start);
-      result.status_requests += load.requests();
+      const double seconds = SecondsSince(load_start);
       result.status_errors += load.errors();
       DS_RETURN_IF_ERROR(pull.status());
+      if (i >= 0) {
+        load_seconds += seconds;
+        result.status_requests += load.requests();
+        status_ms.insert(status_ms.end(), load.latencies_ms().begin(), load.latencies_ms().end());
+      }
       return pull->wall_ms;
     };
     double loaded_ms = 0;
     if (i % 2 == 0) {
       DS_ASSIGN_OR_RETURN(loaded_ms, loaded_pull());
     }
+    ::sync();
     DS_ASSIGN_OR_RETURN(HttpPull unloaded, PullThroughAgent(quiet->port(), v));
     if (i % 2 != 0) {
       DS_ASSIGN_OR_RETURN(loaded_ms, loaded_pull());
     }
+    if (i < 0) continue;
     result.loaded_ms.push_back(loaded_ms);
     result.unloaded_ms.push_back(unloaded.wall_ms);
     result.pair_ratios.push_back(loaded_ms / unloaded.wall_ms);
     result.worst_pair_ratio = std::max(result.worst_pair_ratio, loaded_ms / unloaded.wall_ms);
   }
   result.pair_ratio_median = Median(result.pair_ratios);
+  {
+    std::vector<double> loaded = result.loaded_ms, quiet = result.unloaded_ms;
+    std::sort(loaded.begin(), loaded.end());
+    std::sort(quiet.begin(), quiet.end());
+    for (size_t k = 0; k < loaded.size(); ++k) {
+      result.worst_quantile_ratio = std::max(result.worst_quantile_ratio, loaded[k] / quiet[k]);
+    }
+  }
   result.unloaded_median_ms = Median(result.unloaded_ms);
   result.loaded_median_ms = Median(result.loaded_ms);
   result.load_ratio =
       result.unloaded_median_ms > 0 ? result.loaded_median_ms / result.unloaded_median_ms : 0;
+  std::sort(status_ms.begin(), status_ms.end());
+  auto percentile = [&](double p) {
+    if (status_ms.empty()) return 0.0;
+    return status_ms[std::min(status_ms.size() - 1,
+                              static_cast<size_t>(p * static_cast<double>(status_ms.size())))];
+  };
+  result.status_p50_ms = percentile(0.5);
+  result.status_p99_ms = percentile(0.99);
+  result.status_max_ms = status_ms.empty() ? 0.0 : status_ms.back();
   result.status_requests_per_second =
       load_seconds > 0 ? static_cast<double>(result.status_requests) / load_seconds : 0;
 

@@ -131,6 +131,12 @@ struct AgentBenchConfig {
   int status_threads = 4;
   double status_interval_ms = 10;
   int64_t max_requests_per_thread = 20000;
+  // Nice value of the client threads. A monitoring scraper runs on another
+  // host or as its own low-priority process; here it shares the bench's
+  // process, so by default it runs at nice 19 and the ratio measures what
+  // serving /status costs the pull, not what a busy client on the same
+  // cores would cost any process. 0 runs the clients at normal priority.
+  int status_client_nice = 19;
 };
 
 struct AgentBenchResult {
@@ -158,9 +164,19 @@ struct AgentBenchResult {
   double load_ratio = 0;         // loaded median / unloaded median
   double pair_ratio_median = 0;  // median of pair_ratios
   double worst_pair_ratio = 0;   // largest of pair_ratios
+  // Both lists sorted, the largest ratio of the k-th fastest loaded pull to
+  // the k-th fastest quiet one: how far the load shifts any quantile of the
+  // pull time. Unlike a single pair, it is not at the mercy of one noisy
+  // quiet pull (two pulls of the same version differ by up to 20% here with
+  // no load at all; see the overhead section's pairs).
+  double worst_quantile_ratio = 0;
   uint64_t status_requests = 0;
   uint64_t status_errors = 0;  // non-200 answers and failed connections
   double status_requests_per_second = 0;
+  // Round trips of the /status requests sent during the timed loaded pulls.
+  double status_p50_ms = 0;
+  double status_p99_ms = 0;
+  double status_max_ms = 0;
   // The same load with no pull running, for one second: the CPU it costs
   // the whole process (clients and agent), as a fraction of one core. On a
   // host whose pull uses every core, that fraction bounds what the load can
