@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -79,6 +80,14 @@ struct DecodeOptions {
   // Largest zstd window a frame may ask for (log2 bytes). Bounds decoder
   // memory against hostile frames; level-1 frames use at most 2^19.
   int zstd_window_log_max = 27;
+  // DecodeChanges only. When set, each time *out holds max_chunk_changes
+  // changes (1 if 0) they are handed to on_changes and *out starts over, so
+  // a tensor of any size is listed in bounded memory; what is left at the
+  // end stays in *out. Chunks come in ascending position order. The scratch-
+  // copy fallback and dense deliver everything in *out. On error, chunks
+  // already handed over are not taken back: the caller discards them.
+  std::function<void(const ChangeSet&)> on_changes;
+  uint64_t max_chunk_changes = 0;
 };
 
 // One encoding: its capabilities and its two directions. Implementations are

@@ -153,8 +153,13 @@ Status ValidateChangeSet(std::span<const uint8_t> new_bytes, const ChangeSet& ch
   return Status::OK();
 }
 
-ChangeCollector::ChangeCollector(std::span<const uint8_t> base, uint32_t elem_size, ChangeSet* out)
+ChangeCollector::ChangeCollector(std::span<const uint8_t> base, uint32_t elem_size,
+                                 const DecodeOptions& options, ChangeSet* out)
     : base_(base.data()), es_(elem_size), out_(out) {
+  if (options.on_changes) {
+    sink_ = &options.on_changes;
+    limit_ = std::max<uint64_t>(1, options.max_chunk_changes);
+  }
   out->Clear();
   out->elem_size = elem_size;
   out->numel = elem_size ? base.size() / elem_size : 0;
@@ -172,12 +177,21 @@ ChangeCollector::~ChangeCollector() {
 }
 
 void ChangeCollector::Reserve(uint64_t changes) {
+  if (limit_ != 0) changes = std::min(changes, limit_);
   if (changes > capacity_) Grow(changes);
+}
+
+void ChangeCollector::Flush() {
+  // Grow sizes the vectors to capacity_, which equals count_ here.
+  (*sink_)(*out_);
+  flushed_ += count_;
+  count_ = 0;
 }
 
 void ChangeCollector::Grow(uint64_t at_least) {
   // Doubling, from a floor that spares small tensors repeated regrowth.
   capacity_ = std::max<uint64_t>({at_least, 2 * capacity_, 4096});
+  if (limit_ != 0) capacity_ = std::min(capacity_, limit_);
   if (out_->wide) {
     out_->pos64.resize(capacity_);
     pos64_ = out_->pos64.data();
@@ -206,7 +220,7 @@ void ChangeCollector::AddNew(uint64_t pos, const uint8_t* v) {
 template <size_t ES>
 void ChangeCollector::AddXorListTyped(uint64_t first, const ChangeSet& found) {
   const uint64_t n = found.count();
-  if (count_ + n > capacity_) Grow(count_ + n);
+  if (limit_ == 0 && count_ + n > capacity_) Grow(count_ + n);
   const uint8_t* x = found.new_values.data();
   for (uint64_t i = 0; i < n; ++i) AddXor<ES>(first + found.position(i), x + i * ES);
 }

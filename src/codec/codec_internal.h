@@ -76,7 +76,10 @@ class ChangeCollector {
  public:
   // Clears *out (keeping capacity) and sets its numel, elem_size and
   // position width for a tensor of base.size() / elem_size elements.
-  ChangeCollector(std::span<const uint8_t> base, uint32_t elem_size, ChangeSet* out);
+  // With options.on_changes, full chunks of options.max_chunk_changes go
+  // there as they fill.
+  ChangeCollector(std::span<const uint8_t> base, uint32_t elem_size, const DecodeOptions& options,
+                  ChangeSet* out);
   ~ChangeCollector();
   ChangeCollector(const ChangeCollector&) = delete;
   ChangeCollector& operator=(const ChangeCollector&) = delete;
@@ -100,8 +103,8 @@ class ChangeCollector {
   // new_values holding XOR values, as DiffTensor of an XOR image against
   // zeros gives them) are XORed in.
   void AddXorList(uint64_t first, const ChangeSet& found);
-  // Number of elements recorded so far.
-  uint64_t count() const { return count_; }
+  // Number of elements recorded so far, flushed chunks included.
+  uint64_t count() const { return flushed_ + count_; }
 
  private:
   template <size_t ES>
@@ -111,7 +114,13 @@ class ChangeCollector {
 
   template <size_t ES>
   void Push(uint64_t pos, ElemOf<ES> old_value, ElemOf<ES> new_value) {
-    if (count_ == capacity_) Grow(count_ + 1);
+    if (count_ == capacity_) {
+      if (limit_ != 0 && count_ >= limit_) {
+        Flush();
+      } else {
+        Grow(count_ + 1);
+      }
+    }
     if (pos32_ != nullptr) {
       pos32_[count_] = static_cast<uint32_t>(pos);
     } else {
@@ -124,10 +133,15 @@ class ChangeCollector {
   template <size_t ES>
   void AddXorListTyped(uint64_t first, const ChangeSet& found);
   void Grow(uint64_t at_least);
+  // Hands the full chunk (*out_ sized exactly count_) to the sink and starts over.
+  void Flush();
 
   const uint8_t* base_;
   uint32_t es_;
   ChangeSet* out_;
+  const std::function<void(const ChangeSet&)>* sink_ = nullptr;
+  uint64_t limit_ = 0;    // chunk size with a sink, else 0
+  uint64_t flushed_ = 0;  // changes handed to the sink
   uint64_t count_ = 0;
   uint64_t capacity_ = 0;
   uint32_t* pos32_ = nullptr;

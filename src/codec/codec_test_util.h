@@ -117,46 +117,94 @@ inline std::vector<uint8_t> XorImage(const TensorPair& pair) {
 // same code when it failed, and otherwise list exactly the elements that
 // differ between `base` and `applied` (ascending, with their old and new
 // values), without writing `base`.
+// The changes DecodeChanges listed, flattened (positions widened).
+struct ListedChanges {
+  std::vector<uint64_t> positions;
+  std::vector<uint8_t> old_values;
+  std::vector<uint8_t> new_values;
+
+  void Append(const ChangeSet& c) {
+    for (uint64_t i = 0; i < c.count(); ++i) positions.push_back(c.position(i));
+    old_values.insert(old_values.end(), c.old_values.begin(), c.old_values.end());
+    new_values.insert(new_values.end(), c.new_values.begin(), c.new_values.end());
+  }
+};
+
+// Exactly the elements that differ between `base` and `applied`, ascending,
+// with their old and new values.
+inline ::testing::AssertionResult ListsTheDifference(const ListedChanges& listed,
+                                                     const std::vector<uint8_t>& base,
+                                                     const std::vector<uint8_t>& applied,
+                                                     uint32_t elem_size) {
+  const uint64_t count = listed.positions.size();
+  if (listed.new_values.size() != count * elem_size ||
+      listed.old_values.size() != count * elem_size) {
+    return ::testing::AssertionFailure() << "value vectors of the wrong size";
+  }
+  uint64_t next = 0;
+  for (uint64_t e = 0; e < base.size() / elem_size; ++e) {
+    const uint8_t* old_element = base.data() + e * elem_size;
+    const uint8_t* new_element = applied.data() + e * elem_size;
+    const bool differs = std::memcmp(old_element, new_element, elem_size) != 0;
+    const bool is_listed = next < count && listed.positions[next] == e;
+    if (differs != is_listed) {
+      return ::testing::AssertionFailure()
+             << "element " << e << (differs ? " changed but is not listed" : " listed unchanged");
+    }
+    if (!is_listed) continue;
+    if (std::memcmp(listed.old_values.data() + next * elem_size, old_element, elem_size) != 0 ||
+        std::memcmp(listed.new_values.data() + next * elem_size, new_element, elem_size) != 0) {
+      return ::testing::AssertionFailure() << "wrong values for element " << e;
+    }
+    ++next;
+  }
+  if (next != count)
+    return ::testing::AssertionFailure() << "positions out of order or out of range";
+  return ::testing::AssertionSuccess();
+}
+
+// Checks Codec::DecodeChanges against DecodeApply: given the status and
+// result of DecodeApply on a copy of `base`, DecodeChanges must fail with the
+// same code when it failed, and otherwise list exactly the elements that
+// differ between `base` and `applied` (ascending, with their old and new
+// values), without writing `base`. Checked whole and in chunks of 1 and 5
+// changes handed to DecodeOptions::on_changes.
 inline ::testing::AssertionResult ChangesMatchApply(
     Encoding encoding, std::span<const uint8_t> encoded, const std::vector<uint8_t>& base,
     uint32_t elem_size, const DecodeOptions& options, const Status& apply_status,
     const std::vector<uint8_t>& applied) {
   const std::vector<uint8_t> before = base;
-  ChangeSet changes;
-  changes.pos32 = {7, 7};  // stale contents must be replaced
-  Status status = DecodeChanges(encoding, encoded, base, elem_size, &changes, options);
-  if (base != before) return ::testing::AssertionFailure() << "DecodeChanges wrote its base";
-  if (status.code() != apply_status.code()) {
-    return ::testing::AssertionFailure() << "DecodeChanges: " << status.ToString()
-                                         << "; DecodeApply: " << apply_status.ToString();
-  }
-  if (!status.ok()) return ::testing::AssertionSuccess();
-  if (changes.elem_size != elem_size || changes.numel != base.size() / elem_size) {
-    return ::testing::AssertionFailure() << "wrong numel or elem_size";
-  }
-  if (changes.new_values.size() != changes.count() * elem_size ||
-      changes.old_values.size() != changes.count() * elem_size) {
-    return ::testing::AssertionFailure() << "value vectors of the wrong size";
-  }
-  uint64_t next = 0;
-  for (uint64_t e = 0; e < changes.numel; ++e) {
-    const uint8_t* old_element = base.data() + e * elem_size;
-    const uint8_t* new_element = applied.data() + e * elem_size;
-    const bool differs = std::memcmp(old_element, new_element, elem_size) != 0;
-    const bool listed = next < changes.count() && changes.position(next) == e;
-    if (differs != listed) {
-      return ::testing::AssertionFailure()
-             << "element " << e << (differs ? " changed but is not listed" : " listed unchanged");
+  for (uint64_t chunk : {uint64_t{0}, uint64_t{1}, uint64_t{5}}) {
+    ChangeSet changes;
+    changes.pos32 = {7, 7};  // stale contents must be replaced
+    ListedChanges listed;
+    DecodeOptions chunked = options;
+    bool chunk_sizes_ok = true;
+    if (chunk != 0) {
+      chunked.max_chunk_changes = chunk;
+      chunked.on_changes = [&](const ChangeSet& c) {
+        if (c.count() != chunk || c.elem_size != elem_size || c.numel != base.size() / elem_size) {
+          chunk_sizes_ok = false;
+        }
+        listed.Append(c);
+      };
     }
-    if (!listed) continue;
-    if (std::memcmp(changes.old_values.data() + next * elem_size, old_element, elem_size) != 0 ||
-        std::memcmp(changes.new_values.data() + next * elem_size, new_element, elem_size) != 0) {
-      return ::testing::AssertionFailure() << "wrong values for element " << e;
+    Status status = DecodeChanges(encoding, encoded, base, elem_size, &changes, chunked);
+    if (base != before) return ::testing::AssertionFailure() << "DecodeChanges wrote its base";
+    if (status.code() != apply_status.code()) {
+      return ::testing::AssertionFailure() << "DecodeChanges: " << status.ToString()
+                                           << "; DecodeApply: " << apply_status.ToString();
     }
-    ++next;
-  }
-  if (next != changes.count()) {
-    return ::testing::AssertionFailure() << "positions out of order or out of range";
+    if (!status.ok()) continue;
+    if (changes.elem_size != elem_size || changes.numel != base.size() / elem_size) {
+      return ::testing::AssertionFailure() << "wrong numel or elem_size";
+    }
+    if (!chunk_sizes_ok) {
+      return ::testing::AssertionFailure() << "a chunk of other than " << chunk << " changes";
+    }
+    listed.Append(changes);
+    ::testing::AssertionResult r = ListsTheDifference(listed, base, applied, elem_size);
+    if (!r) return r << " (chunks of " << chunk << ")";
   }
   return ::testing::AssertionSuccess();
 }

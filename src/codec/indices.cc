@@ -75,7 +75,7 @@ class IndicesCodecImpl final : public Codec {
         return DecodeChangesViaCopy(*this, encoded, base, elem_size, options, out);
       }
     }
-    ChangeCollector collector(base, elem_size, out);
+    ChangeCollector collector(base, elem_size, options, out);
     collector.Reserve(p.count);
     for (uint64_t i = 0; i < p.count; ++i) {
       collector.AddNew(ReadPosition(p.positions, i, p.width), p.values + i * elem_size);

@@ -145,7 +145,7 @@ class OverwriteCodecImpl final : public Codec {
         return DecodeChangesViaCopy(*this, encoded, base, elem_size, options, out);
       }
     }
-    ChangeCollector collector(base, elem_size, out);
+    ChangeCollector collector(base, elem_size, options, out);
     uint8_t element[8];
     for (uint64_t k = 0; k < count;) {
       const uint64_t elem = positions[k] / elem_size;

@@ -344,7 +344,7 @@ class SparseCodecImpl final : public Codec {
   Status DecodeChanges(std::span<const uint8_t> encoded, std::span<const uint8_t> base,
                        uint32_t elem_size, const DecodeOptions& options,
                        ChangeSet* out) const override {
-    ChangeCollector collector(base, elem_size, out);
+    ChangeCollector collector(base, elem_size, options, out);
     CollectTarget collect{&collector};
     return Decode(encoded, base, elem_size, options, &collect, &collector);
   }

@@ -64,7 +64,7 @@ class XorCodecImpl final : public Codec {
   Status DecodeChanges(std::span<const uint8_t> encoded, std::span<const uint8_t> base,
                        uint32_t elem_size, const DecodeOptions& options,
                        ChangeSet* out) const override {
-    ChangeCollector collector(base, elem_size, out);
+    ChangeCollector collector(base, elem_size, options, out);
     // Most of the XOR image is zeros: the diff kernel (SIMD) against a zero
     // page finds the non-zero elements far faster than a scalar scan.
     static const uint8_t kZeros[size_t{1} << 16] = {};
