@@ -253,6 +253,11 @@ struct LocalCheckpointOptions {
   // Otherwise the next Pull does it.
   bool recover_on_open = true;
   ThreadPool* pool = nullptr;  // nullptr = ThreadPool::Default()
+  // Most changes in one journal record. A larger tensor's changes are
+  // journaled as several records, so a pull's memory is a few such records
+  // per thread whatever the model's size (128 Ki changes of a BF16 tensor
+  // are 1 MiB).
+  uint64_t journal_record_changes = uint64_t{128} << 10;
 };
 
 struct PullResult {

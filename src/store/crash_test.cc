@@ -92,6 +92,8 @@ TEST_P(ApplyCrash, RecoversBitExactly) {
   const std::vector<Model> models = PublishSteps(publisher.get(), f.base_model, 2, 100, 0.05);
   LocalCheckpointOptions lo = f.LocalOpts();
   lo.durable = c.durable;
+  // Several journal records per tensor, as a large tensor gets.
+  lo.journal_record_changes = 5;
   {
     auto local = LocalCheckpoint::Open(lo);
     DS_ASSERT_OK(local);
@@ -267,7 +269,9 @@ TEST(CrashDuringRollback, EndsAtTheOldVersion) {
       auto local = f.OpenLocal();
       DS_ASSERT_OK(local->Pull(1));
     }
-    ASSERT_EQ(PullInChild(f.LocalOpts(), 2, point), kCrashExit) << point;
+    LocalCheckpointOptions lo = f.LocalOpts();
+    lo.journal_record_changes = 3;  // the forged tensor spans several records
+    ASSERT_EQ(PullInChild(lo, 2, point), kCrashExit) << point;
     auto local = f.OpenLocal();
     EXPECT_EQ(**local->CurrentVersion(), 1) << point;
     EXPECT_TRUE(HoldsModel(f.local, models[1])) << point;

@@ -120,17 +120,7 @@ void ScatterBelowPos(uint32_t elem_size, const uint8_t* positions, uint64_t coun
 }  // namespace
 
 Status JournalRecord::Apply(std::span<uint8_t> target, bool undo) const {
-  if (target.size() != numel * elem_size) {
-    return Status::Corruption("journal record for tensor '" + std::string(name) + "' covers " +
-                              std::to_string(numel * elem_size) + " bytes but the tensor has " +
-                              std::to_string(target.size()));
-  }
-  const bool in_range = position_width == 4 ? AllBelow<uint32_t>(positions, count, numel)
-                                            : AllBelow<uint64_t>(positions, count, numel);
-  if (!in_range) {
-    return Status::Corruption("journal record for tensor '" + std::string(name) +
-                              "': a position is out of range");
-  }
+  DS_RETURN_IF_ERROR(CheckFits(target.size()));
   const uint8_t* values = undo ? old_values : new_values;
   // Positions are all in range (checked above), so none stops the scatter.
   uint64_t next = 0;
@@ -144,32 +134,78 @@ Status JournalRecord::Apply(std::span<uint8_t> target, bool undo) const {
   return Status::OK();
 }
 
+Status JournalRecord::CheckFits(size_t target_bytes) const {
+  if (target_bytes != numel * elem_size) {
+    return Status::Corruption("journal record for tensor '" + std::string(name) + "' covers " +
+                              std::to_string(numel * elem_size) + " bytes but the tensor has " +
+                              std::to_string(target_bytes));
+  }
+  const bool in_range = position_width == 4 ? AllBelow<uint32_t>(positions, count, numel)
+                                            : AllBelow<uint64_t>(positions, count, numel);
+  if (!in_range) {
+    return Status::Corruption("journal record for tensor '" + std::string(name) +
+                              "': a position is out of range");
+  }
+  return Status::OK();
+}
+
 Status JournalRecord::ApplyAndVisit(
     std::span<uint8_t> target, bool undo, size_t piece_bytes,
     const std::function<void(std::span<const uint8_t>)>& visit) const {
-  const size_t es = elem_size == 0 ? 1 : elem_size;
+  const JournalRecord* self = this;
+  return ApplyRecordsAndVisit({&self, 1}, target, undo, piece_bytes, visit);
+}
+
+Status ApplyRecordsAndVisit(std::span<const JournalRecord* const> records,
+                            std::span<uint8_t> target, bool undo, size_t piece_bytes,
+                            const std::function<void(std::span<const uint8_t>)>& visit) {
+  if (records.empty()) return Status::InvalidArgument("no journal records to apply");
+  const size_t es = records[0]->elem_size == 0 ? 1 : records[0]->elem_size;
   const size_t piece = std::max(es, piece_bytes / es * es);
-  const bool ascending = position_width == 4 ? Ascending<uint32_t>(positions, count)
-                                             : Ascending<uint64_t>(positions, count);
-  if (!ascending) {
-    DS_RETURN_IF_ERROR(Apply(target, undo));
+  // Streaming needs every record ascending and in range, each past the one
+  // before it, all of one element size and covering this target.
+  bool streams = true;
+  uint64_t after = 0;  // first position the next record may start at
+  for (const JournalRecord* r : records) {
+    const bool ascending = r->position_width == 4 ? Ascending<uint32_t>(r->positions, r->count)
+                                                  : Ascending<uint64_t>(r->positions, r->count);
+    if (!ascending || r->elem_size != records[0]->elem_size ||
+        target.size() != r->numel * r->elem_size ||
+        (r->count > 0 && (r->position(0) < after || r->position(r->count - 1) >= r->numel))) {
+      streams = false;
+      break;
+    }
+    if (r->count > 0) after = r->position(r->count - 1) + 1;
+  }
+  if (!streams) {
+    // Every record is checked before any is written; undo goes in reverse.
+    for (const JournalRecord* r : records) DS_RETURN_IF_ERROR(r->CheckFits(target.size()));
+    for (size_t k = 0; k < records.size(); ++k) {
+      DS_RETURN_IF_ERROR(records[undo ? records.size() - 1 - k : k]->Apply(target, undo));
+    }
     for (size_t at = 0; at < target.size(); at += piece) {
       visit(target.subspan(at, std::min(piece, target.size() - at)));
     }
     return Status::OK();
   }
-  // Ascending: the range check is the last position's.
-  if (target.size() != numel * elem_size) return Apply(target, undo);
-  if (count > 0 && position(count - 1) >= numel) return Apply(target, undo);
-  const uint8_t* values = undo ? old_values : new_values;
-  uint64_t next = 0;
+  size_t k = 0;       // record being scattered
+  uint64_t next = 0;  // its next entry
   for (size_t at = 0; at < target.size(); at += piece) {
     const size_t n = std::min(piece, target.size() - at);
     const uint64_t end = (at + n) / es;
-    if (position_width == 4) {
-      ScatterBelowPos<uint32_t>(elem_size, positions, count, values, target.data(), end, &next);
-    } else {
-      ScatterBelowPos<uint64_t>(elem_size, positions, count, values, target.data(), end, &next);
+    while (k < records.size()) {
+      const JournalRecord& r = *records[k];
+      const uint8_t* values = undo ? r.old_values : r.new_values;
+      if (r.position_width == 4) {
+        ScatterBelowPos<uint32_t>(r.elem_size, r.positions, r.count, values, target.data(), end,
+                                  &next);
+      } else {
+        ScatterBelowPos<uint64_t>(r.elem_size, r.positions, r.count, values, target.data(), end,
+                                  &next);
+      }
+      if (next < r.count) break;  // the rest lies past this piece
+      ++k;
+      next = 0;
     }
     visit(target.subspan(at, n));
   }

@@ -44,6 +44,9 @@ struct JournalRecord {
   // `target`, which must be the tensor's numel * elem_size bytes. Checks
   // every position before writing anything (Corruption otherwise).
   Status Apply(std::span<uint8_t> target, bool undo) const;
+  // Corruption unless the record covers target_bytes and every position is
+  // in range.
+  Status CheckFits(size_t target_bytes) const;
   // Apply, handing `visit` consecutive pieces of `target` (piece_bytes
   // each, rounded down to whole elements; the last may be shorter) in
   // order, each once its changes are written. With ascending positions (as
@@ -53,6 +56,15 @@ struct JournalRecord {
   Status ApplyAndVisit(std::span<uint8_t> target, bool undo, size_t piece_bytes,
                        const std::function<void(std::span<const uint8_t>)>& visit) const;
 };
+
+// ApplyAndVisit for the records of one tensor, in journal order: a large
+// tensor's changes are journaled as several records, each a run of
+// ascending positions past the previous record's. Records that do not
+// follow that shape are applied whole, one after another (in reverse with
+// `undo`), before the pieces are visited.
+Status ApplyRecordsAndVisit(std::span<const JournalRecord* const> records,
+                            std::span<uint8_t> target, bool undo, size_t piece_bytes,
+                            const std::function<void(std::span<const uint8_t>)>& visit);
 
 // Builds one sealed record of `changes` (positions, old and new values) in
 // *out, replacing its contents but keeping its capacity.

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "store/journal.h"
@@ -120,6 +121,79 @@ TEST(JournalRecordApplyAndVisit, BadRecordsChangeNothingAndVisitNothing) {
   Status s = r.record.ApplyAndVisit(shorter, false, 32, [](std::span<const uint8_t>) {});
   EXPECT_TRUE(s.IsCorruption()) << s.ToString();
   EXPECT_EQ(shorter, Tensor(numel - 1));
+}
+
+// A tensor journaled as several records, each a run of positions past the
+// one before: pieces still arrive in order, each with exactly the changes
+// of all records up to its end.
+TEST(JournalApplyRecordsAndVisit, ConsecutiveRecordsStreamAcrossRecordBoundaries) {
+  const uint64_t numel = 1001;
+  const std::vector<std::vector<uint32_t>> parts = {
+      {0, 31}, {32, 33, 500}, {}, {511, 512}, {999, 1000}};
+  std::vector<std::unique_ptr<Record>> owned;
+  std::vector<const JournalRecord*> records;
+  std::vector<uint32_t> where;
+  for (const auto& part : parts) {
+    owned.push_back(std::make_unique<Record>(numel, part));
+    records.push_back(&owned.back()->record);
+    where.insert(where.end(), part.begin(), part.end());
+  }
+  std::vector<uint8_t> target = Tensor(numel);
+  size_t next_offset = 0;
+  Status s = ApplyRecordsAndVisit(records, target, false, 70, [&](std::span<const uint8_t> piece) {
+    const size_t offset = static_cast<size_t>(piece.data() - target.data());
+    EXPECT_EQ(offset, next_offset);
+    next_offset = offset + piece.size();
+    for (uint32_t p : where) {
+      EXPECT_EQ(At(target, p) == static_cast<uint16_t>(~p), 2 * p < next_offset)
+          << "position " << p << " at piece " << offset;
+    }
+  });
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(next_offset, target.size());
+  ASSERT_TRUE(
+      ApplyRecordsAndVisit(records, target, true, 64, [](std::span<const uint8_t>) {}).ok());
+  EXPECT_EQ(target, Tensor(numel));
+}
+
+// Records that overlap (not written by us) are applied whole and in order,
+// so the later one wins; undo goes in reverse, back to the first's old values.
+TEST(JournalApplyRecordsAndVisit, OverlappingRecordsApplyInOrderAndUndoInReverse) {
+  const uint64_t numel = 100;
+  Record first(numel, {10, 20});
+  Record second(numel, {20, 30});
+  // The second record's value at 20 differs from the first's.
+  second.new_values[0] = 0xAB;
+  second.new_values[1] = 0xCD;
+  second.old_values[0] = static_cast<uint8_t>(~20);
+  second.old_values[1] = static_cast<uint8_t>(~20 >> 8);
+  const std::vector<const JournalRecord*> records = {&first.record, &second.record};
+  std::vector<uint8_t> target = Tensor(numel);
+  size_t pieces = 0;
+  ASSERT_TRUE(ApplyRecordsAndVisit(records, target, false, 32, [&](std::span<const uint8_t>) {
+                ++pieces;
+                EXPECT_EQ(At(target, 30), static_cast<uint16_t>(~30));  // all written first
+              }).ok());
+  EXPECT_EQ(pieces, (2 * numel + 31) / 32);
+  EXPECT_EQ(At(target, 10), static_cast<uint16_t>(~10));
+  EXPECT_EQ(At(target, 20), 0xCDAB);
+  ASSERT_TRUE(
+      ApplyRecordsAndVisit(records, target, true, 32, [](std::span<const uint8_t>) {}).ok());
+  EXPECT_EQ(target, Tensor(numel));
+}
+
+TEST(JournalApplyRecordsAndVisit, AnOutOfRangeRecordChangesNothing) {
+  const uint64_t numel = 100;
+  Record good(numel, {1, 2});
+  Record bad(numel, {50, 100});
+  const std::vector<const JournalRecord*> records = {&good.record, &bad.record};
+  std::vector<uint8_t> target = Tensor(numel);
+  size_t pieces = 0;
+  Status s =
+      ApplyRecordsAndVisit(records, target, false, 32, [&](std::span<const uint8_t>) { ++pieces; });
+  EXPECT_TRUE(s.IsCorruption()) << s.ToString();
+  EXPECT_EQ(pieces, 0u);
+  EXPECT_EQ(target, Tensor(numel));
 }
 
 }  // namespace

@@ -16,6 +16,8 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <unordered_map>
+#include <vector>
 
 #include "deltasync/checkpoint.h"
 #include "deltasync/diff.h"
@@ -661,12 +663,23 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
     std::unique_ptr<DecodeScratch> buf = pool_of_buffers.Take();
     ChangeSet& changes = buf->changes;
     std::vector<uint8_t>& record = buf->record;
-    Status s = codec.DecodeChanges(job.delta.bytes, old, es, {}, &changes);
-    if (s.ok()) {
+    // A tensor's changes go to the journal in records of at most
+    // journal_record_changes, so memory does not grow with the tensor.
+    Status appended;
+    auto append = [&](const ChangeSet& part) {
+      if (!appended.ok()) return;
       store_internal::BuildJournalRecord(job.name, old.size() / es, es, job.checksum,
-                                         job.base_checksum, changes, &record);
-      changed.fetch_add(changes.count(), std::memory_order_relaxed);
-      s = writer->Append(record);
+                                         job.base_checksum, part, &record);
+      changed.fetch_add(part.count(), std::memory_order_relaxed);
+      appended = writer->Append(record);
+    };
+    DecodeOptions decode;
+    decode.on_changes = append;
+    decode.max_chunk_changes = options.journal_record_changes;
+    Status s = codec.DecodeChanges(job.delta.bytes, old, es, decode, &changes);
+    if (s.ok()) {
+      append(changes);  // the last record of the tensor (maybe empty): every tensor has one
+      s = appended;
     }
     pool_of_buffers.Give(std::move(buf));
     if (!s.ok()) {
@@ -703,38 +716,58 @@ Status LocalCheckpoint::State::ReplayJournal(const Journal& journal, LocalState*
   const std::string where = "applying version " + FormatVersion(journal.version());
   DS_ASSIGN_OR_RETURN(std::unique_ptr<LocalFiles> local, LocalFiles::Open(options.local));
   const auto& records = journal.records();
-  std::vector<const LocalTensor*> targets(records.size(), nullptr);
-  for (size_t i = 0; i < records.size(); ++i) {
-    targets[i] = local->Find(records[i].name);
-    if (targets[i] == nullptr ||
-        targets[i]->bytes.size() != records[i].numel * records[i].elem_size ||
-        DTypeSize(targets[i]->dtype) != records[i].elem_size) {
-      return Status::FailedPrecondition(where + ": tensor '" + std::string(records[i].name) +
-                                        "' of the journal does not match the local checkpoint");
+  // A tensor's records, in journal order (one per tensor unless it is large).
+  struct Group {
+    const LocalTensor* target = nullptr;
+    std::vector<const JournalRecord*> records;
+  };
+  std::vector<Group> groups;
+  std::unordered_map<std::string_view, size_t> group_of;
+  for (const JournalRecord& r : records) {
+    auto [it, added] = group_of.emplace(r.name, groups.size());
+    if (added) {
+      const LocalTensor* t = local->Find(r.name);
+      if (t == nullptr || t->bytes.size() != r.numel * r.elem_size ||
+          DTypeSize(t->dtype) != r.elem_size) {
+        return Status::FailedPrecondition(where + ": tensor '" + std::string(r.name) +
+                                          "' of the journal does not match the local checkpoint");
+      }
+      groups.push_back({t, {}});
     }
+    Group& g = groups[it->second];
+    if (!g.records.empty() &&
+        (r.numel != g.records[0]->numel || r.elem_size != g.records[0]->elem_size ||
+         r.checksum != g.records[0]->checksum)) {
+      return Status::Corruption(where + ": the journal's records of tensor '" +
+                                std::string(r.name) + "' disagree on its size or checksum");
+    }
+    g.records.push_back(&r);
   }
-  std::vector<size_t> order(records.size());
+  std::vector<size_t> order(groups.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return targets[a]->bytes.size() > targets[b]->bytes.size();
+    return groups[a].target->bytes.size() > groups[b].target->bytes.size();
   });
   FirstError error;
-  std::vector<char> mismatch(records.size(), 0);
-  pool->ParallelFor(records.size(), [&](size_t k) {
+  std::vector<char> mismatch(groups.size(), 0);
+  pool->ParallelFor(groups.size(), [&](size_t k) {
     const size_t i = order[k];
-    const JournalRecord& r = records[i];
-    const LocalTensor& t = *targets[i];
+    const Group& g = groups[i];
+    const LocalTensor& t = *g.target;
     local->Touch(t);
-    Result<ParsedDigest> expected = ParseTaggedDigest(r.checksum);
+    Result<ParsedDigest> expected = ParseTaggedDigest(g.records[0]->checksum);
     if (!expected.ok()) {
       error.Note(expected.status());
       return;
     }
-    PrefaultForWrite(t.bytes, r.count);
+    uint64_t count = 0;
+    for (const JournalRecord* r : g.records) count += r->count;
+    PrefaultForWrite(t.bytes, count);
     // Each piece is hashed right after its changes land, while in cache.
     std::unique_ptr<Hasher> hasher = NewHasher(expected->algo);
-    Status s = r.ApplyAndVisit(t.bytes, /*undo=*/false, kVerifyPieceBytes,
-                               [&](std::span<const uint8_t> piece) { hasher->Update(piece); });
+    Status s = store_internal::ApplyRecordsAndVisit(
+        g.records, t.bytes, /*undo=*/false, kVerifyPieceBytes,
+        [&](std::span<const uint8_t> piece) { hasher->Update(piece); });
     if (!s.ok()) {
       error.Note(s);
       return;
@@ -763,8 +796,10 @@ Status LocalCheckpoint::State::ReplayJournal(const Journal& journal, LocalState*
 
   // Roll back to the base: every record's old values, idempotently.
   FirstError undo_error;
-  pool->ParallelFor(records.size(), [&](size_t i) {
-    undo_error.Note(records[i].Apply(targets[i]->bytes, /*undo=*/true));
+  pool->ParallelFor(groups.size(), [&](size_t i) {
+    undo_error.Note(store_internal::ApplyRecordsAndVisit(groups[i].records, groups[i].target->bytes,
+                                                         /*undo=*/true, SIZE_MAX,
+                                                         [](std::span<const uint8_t>) {}));
   });
   DS_RETURN_IF_ERROR(undo_error.status().WithContext(where + ": rolling back"));
   CrashPoint("undo:done");
@@ -778,13 +813,15 @@ Status LocalCheckpoint::State::ReplayJournal(const Journal& journal, LocalState*
 
   // Say which tensors failed, and whether their base was wrong.
   std::string wrong_base, corrupt;
-  for (size_t i = 0; i < records.size(); ++i) {
+  for (size_t i = 0; i < groups.size(); ++i) {
     if (!mismatch[i]) continue;
-    const JournalRecord& r = records[i];
+    const JournalRecord& r = *groups[i].records[0];
     std::string* list = &corrupt;
     if (!r.base_checksum.empty()) {
       Result<ParsedDigest> base = ParseTaggedDigest(r.base_checksum);
-      if (base.ok() && ChecksumHex(base->algo, targets[i]->bytes) != base->hex) list = &wrong_base;
+      if (base.ok() && ChecksumHex(base->algo, groups[i].target->bytes) != base->hex) {
+        list = &wrong_base;
+      }
     }
     if (list->size() < 300) *list += (list->empty() ? "'" : ", '") + std::string(r.name) + "'";
   }
@@ -807,6 +844,9 @@ const std::string& LocalCheckpoint::local() const { return state_->options.local
 Result<std::unique_ptr<LocalCheckpoint>> LocalCheckpoint::Open(
     const LocalCheckpointOptions& options) {
   if (options.local.empty()) return Status::InvalidArgument("no local checkpoint dir given");
+  if (options.journal_record_changes == 0) {
+    return Status::InvalidArgument("journal_record_changes must be at least 1");
+  }
   auto state = std::make_unique<State>();
   state->options = options;
   state->pool = options.pool ? options.pool : &ThreadPool::Default();

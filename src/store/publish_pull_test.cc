@@ -103,9 +103,11 @@ TEST_P(RoundTrip, PublishAndPullEveryVersion) {
   }
   EXPECT_FALSE(store_internal::PathExists(f.local + "/.weight_sync/journal"));
 
-  // All at once, from nothing, into a second local dir.
+  // All at once, from nothing, into a second local dir, with every tensor's
+  // changes journaled as several records.
   LocalCheckpointOptions lo = f.LocalOpts();
   lo.local = f.tmp.Join("local2");
+  lo.journal_record_changes = 7;
   auto local2 = LocalCheckpoint::Open(lo);
   DS_ASSERT_OK(local2);
   Result<PullResult> r = (*local2)->Pull(std::nullopt);
