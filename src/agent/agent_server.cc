@@ -2,6 +2,7 @@
 #include <arpa/inet.h>
 #include <httplib.h>
 #include <sys/resource.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -168,28 +169,39 @@ void LowerThreadPriority(int nice) {
   ::setpriority(PRIO_PROCESS, tid, nice);  // best effort: a failure only costs priority
 }
 
-// httplib's request threads, each lowering its own priority before its
-// first request. Linux keeps a nice value per thread, so the pull thread and
-// the puller's worker pool keep theirs.
-class NicedTaskQueue final : public httplib::TaskQueue {
+// httplib's request threads. Each lowers its own priority to `nice` before
+// its first request (Linux keeps a nice value per thread, so the pull thread
+// and the puller's worker pool keep theirs) and reports the CPU time each
+// connection cost it.
+class RequestQueue final : public httplib::TaskQueue {
  public:
-  NicedTaskQueue(size_t threads, int nice) : pool_(threads), nice_(nice) {}
+  RequestQueue(size_t threads, int nice, AgentMetrics* metrics)
+      : pool_(threads), nice_(nice), metrics_(metrics) {}
 
   void enqueue(std::function<void()> fn) override {
-    pool_.enqueue([nice = nice_, fn = std::move(fn)] {
+    pool_.enqueue([this, fn = std::move(fn)] {
       thread_local bool lowered = false;
       if (!lowered) {
-        LowerThreadPriority(nice);
+        if (nice_ > 0) LowerThreadPriority(nice_);
         lowered = true;
       }
+      const double start = ThreadCpuSeconds();
       fn();
+      metrics_->RecordRequest(ThreadCpuSeconds() - start);
     });
   }
   void shutdown() override { pool_.shutdown(); }
 
  private:
+  static double ThreadCpuSeconds() {
+    timespec ts{};
+    ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+  }
+
   httplib::ThreadPool pool_;
   int nice_;
+  AgentMetrics* metrics_;
 };
 
 // The thread pulls run on: started by Agent::Start, so it has the priority
@@ -527,11 +539,9 @@ struct Agent::State {
       setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
     });
     server.set_payload_max_length(options.max_body_bytes);
-    if (options.request_nice > 0) {
-      server.new_task_queue = [nice = options.request_nice] {
-        return new NicedTaskQueue(CPPHTTPLIB_THREAD_POOL_COUNT, nice);
-      };
-    }
+    server.new_task_queue = [this] {
+      return new RequestQueue(CPPHTTPLIB_THREAD_POOL_COUNT, options.request_nice, &metrics);
+    };
     // One request per connection. Requests are few (a pull per training
     // step, a scrape now and then), and httplib cannot otherwise close a
     // connection whose body it refused unread: it would wait out the read

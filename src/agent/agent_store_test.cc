@@ -1,8 +1,11 @@
 // The agent and the coordinator on the real store: publish, sync to two
 // in-process agents, and compare their local checkpoints with the weights
 // the trainer published, bit for bit.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
+#include <sys/stat.h>
+#include <time.h>
 
 #include <nlohmann/json.hpp>
 
@@ -92,6 +95,51 @@ class AgentStoreTest : public ::testing::Test {
   std::vector<std::unique_ptr<Agent>> agents_;
   std::vector<std::string> urls_;
 };
+
+// /status's store_latest comes from a listing reused while the store
+// directory is unchanged; one taken right after a change is never reused.
+TEST_F(AgentStoreTest, LatestVersionFollowsTheStoreDirectory) {
+  LocalCheckpointOptions options;
+  options.local = Local(0);
+  options.store = Store();
+  options.base = StepDir(0);
+  options.pool = &pool_;
+  Result<std::unique_ptr<CheckpointPuller>> opened = OpenLocalCheckpointPuller(options);
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  CheckpointPuller& puller = **opened;
+  ASSERT_EQ(::mkdir(Store().c_str(), 0755), 0);
+  ASSERT_EQ(::mkdir((Store() + "/weight_v000001").c_str(), 0755), 0);
+  auto latest = [&] {
+    Result<int64_t> v = puller.LatestVersion();
+    EXPECT_TRUE(v.ok()) << v.status().ToString();
+    return v.ok() ? *v : -1;
+  };
+  auto set_mtime = [&](timespec t) {
+    const timespec times[2] = {t, t};
+    ASSERT_EQ(::utimensat(AT_FDCWD, Store().c_str(), times, 0), 0);
+  };
+  struct stat st {};
+  ASSERT_EQ(::stat(Store().c_str(), &st), 0);
+  EXPECT_EQ(latest(), 1);
+  // A version added within the same timestamp tick (mtime unchanged) is seen:
+  // the first listing was too close to the change to be trusted.
+  ASSERT_EQ(::mkdir((Store() + "/weight_v000002").c_str(), 0755), 0);
+  set_mtime(st.st_mtim);
+  EXPECT_EQ(latest(), 2);
+  // An old mtime settles the listing: it is reused while the directory is
+  // unchanged (shown here by a removal with the mtime put back) ...
+  timespec old_time{};
+  ::clock_gettime(CLOCK_REALTIME, &old_time);
+  old_time.tv_sec -= 10;
+  set_mtime(old_time);
+  EXPECT_EQ(latest(), 2);
+  ASSERT_EQ(::rmdir((Store() + "/weight_v000002").c_str()), 0);
+  set_mtime(old_time);
+  EXPECT_EQ(latest(), 2);
+  // ... and dropped as soon as the directory changes.
+  ASSERT_EQ(::mkdir((Store() + "/weight_v000003").c_str(), 0755), 0);
+  EXPECT_EQ(latest(), 3);
+}
 
 TEST_F(AgentStoreTest, SyncBringsEveryHostToTheNewWeightsBitExactly) {
   std::unique_ptr<Publisher> publisher = MakePublisher();

@@ -267,6 +267,14 @@ TEST_F(AgentTest, StatusHealthAndMetricsEndpoints) {
   EXPECT_EQ(Metric("deltasync_agent_apply_seconds_count"), 2);
   EXPECT_EQ(Metric("deltasync_agent_applied_version"), 3);
   EXPECT_EQ(Metric("deltasync_agent_busy"), 0);
+  // Every connection is counted once it is closed, with the CPU it took.
+  double connections = 0;
+  for (int i = 0; i < 200 && connections < 4; ++i) {
+    connections = Metric("deltasync_agent_connections_total");
+    if (connections < 4) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_GE(connections, 4);
+  EXPECT_GT(Metric("deltasync_agent_request_cpu_seconds_total"), 0.0);
   httplib::Result res = client_->Get("/metrics");
   ASSERT_TRUE(res);
   EXPECT_EQ(res->get_header_value("Content-Type").rfind("text/plain", 0), 0u);

@@ -1,5 +1,7 @@
 #include "agent/metrics.h"
 
+#include <cstdio>
+
 #include <algorithm>
 
 #include "agent/http_util.h"
@@ -103,6 +105,12 @@ void HistogramSamples(std::string* out, const char* name, const Histogram& h) {
 
 }  // namespace
 
+void AgentMetrics::RecordRequest(double cpu_seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++requests_;
+  request_cpu_seconds_ += cpu_seconds;
+}
+
 std::string AgentMetrics::Render() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::string out;
@@ -133,6 +141,15 @@ std::string AgentMetrics::Render() const {
   Sample(&out, "deltasync_agent_applied_version", std::to_string(applied_version_.value_or(-1)));
   Family(&out, "deltasync_agent_busy", "gauge", "1 while a pull is in flight, else 0.");
   Sample(&out, "deltasync_agent_busy", busy_ ? "1" : "0");
+  Family(&out, "deltasync_agent_connections_total", "counter",
+         "Connections served by the request threads (one request each).");
+  Sample(&out, "deltasync_agent_connections_total", std::to_string(requests_));
+  Family(&out, "deltasync_agent_request_cpu_seconds_total", "counter",
+         "CPU time the request threads spent reading requests and answering them; pulls run "
+         "on a thread of their own and are not included.");
+  char cpu[64];
+  std::snprintf(cpu, sizeof(cpu), "%.9g", request_cpu_seconds_);
+  Sample(&out, "deltasync_agent_request_cpu_seconds_total", cpu);
   return out;
 }
 

@@ -45,6 +45,9 @@ class AgentMetrics {
   void RecordRejected();
   void SetAppliedVersion(std::optional<int64_t> version);
   void SetBusy(bool busy);
+  // A connection served by a request thread and the CPU time that thread
+  // spent on it (pulls run elsewhere and are not included).
+  void RecordRequest(double cpu_seconds);
 
   // The exposition text: HELP and TYPE lines for every family, then its samples.
   std::string Render() const;
@@ -59,6 +62,8 @@ class AgentMetrics {
   uint64_t rejected_ = 0;
   std::optional<int64_t> applied_version_;
   bool busy_ = false;
+  uint64_t requests_ = 0;
+  double request_cpu_seconds_ = 0;
   Histogram pull_seconds_;
   Histogram reload_seconds_;
 };

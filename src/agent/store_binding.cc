@@ -1,5 +1,8 @@
 // The pieces of the agent module that run on the real store: the
 // LocalCheckpoint-backed puller and the publishing SyncCoordinator.
+#include <sys/stat.h>
+#include <time.h>
+
 #include <chrono>
 #include <mutex>
 
@@ -25,10 +28,31 @@ class LocalCheckpointPuller final : public CheckpointPuller {
     std::lock_guard<std::mutex> lock(mu_);
     return checkpoint_->CurrentVersion();
   }
+  // /status asks on every request: the listing (a stat per version) is
+  // reused while the store directory's mtime and inode stay the same, once
+  // that mtime is a second older than the listing, so that a version added
+  // within the same timestamp tick cannot hide behind it.
   Result<int64_t> LatestVersion() override {
     if (store_.empty()) return int64_t{0};
+    struct stat st {};
+    const bool stated = ::stat(store_.c_str(), &st) == 0;
+    std::lock_guard<std::mutex> lock(latest_mu_);
+    if (stated && cache_.settled && cache_.ino == st.st_ino &&
+        cache_.mtime.tv_sec == st.st_mtim.tv_sec && cache_.mtime.tv_nsec == st.st_mtim.tv_nsec) {
+      return cache_.latest;
+    }
+    timespec now{};
+    ::clock_gettime(CLOCK_REALTIME, &now);
+    cache_.settled = false;
     DS_ASSIGN_OR_RETURN(std::vector<int64_t> versions, ListVersionNumbers(store_));
-    return versions.empty() ? int64_t{0} : versions.back();
+    const int64_t latest = versions.empty() ? int64_t{0} : versions.back();
+    if (stated) {
+      cache_.ino = st.st_ino;
+      cache_.mtime = st.st_mtim;
+      cache_.latest = latest;
+      cache_.settled = now.tv_sec - st.st_mtim.tv_sec >= 2;
+    }
+    return latest;
   }
   Status Verify() override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -38,6 +62,13 @@ class LocalCheckpointPuller final : public CheckpointPuller {
 
  private:
   std::mutex mu_;  // LocalCheckpoint is not promised to be thread-safe
+  std::mutex latest_mu_;
+  struct {
+    bool settled = false;  // the listing may be reused while the directory is unchanged
+    ino_t ino = 0;
+    timespec mtime{};
+    int64_t latest = 0;
+  } cache_;
   std::unique_ptr<LocalCheckpoint> checkpoint_;
   std::string store_;
 };
