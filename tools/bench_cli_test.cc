@@ -247,6 +247,10 @@ TEST(BenchAgentTest, JsonReportsPairedPullsAndTheLoad) {
   ExpectPositiveNumber(load, "idle_load_requests");
   ExpectPositiveNumber(load, "idle_load_seconds");
   EXPECT_GE(load["idle_load_cpu_seconds"].get<double>(), 0.0);
+  // The agent counted the load's connections (each client request is one).
+  EXPECT_GE(load["idle_load_agent_connections"].get<double>(),
+            load["idle_load_requests"].get<double>() - 4);
+  EXPECT_GT(load["idle_load_agent_cpu_seconds"].get<double>(), 0.0);
 }
 
 TEST(BenchAgentTest, RejectsTooFewVersions) {

@@ -198,7 +198,9 @@ nlohmann::json BenchJson(const AgentBenchResult& r, const AgentBenchConfig& c) {
             {"status_max_ms", r.status_max_ms},
             {"idle_load_requests", r.idle_load_requests},
             {"idle_load_seconds", r.idle_load_seconds},
-            {"idle_load_cpu_seconds", r.idle_load_cpu_seconds}}},
+            {"idle_load_cpu_seconds", r.idle_load_cpu_seconds},
+            {"idle_load_agent_connections", r.idle_load_agent_connections},
+            {"idle_load_agent_cpu_seconds", r.idle_load_agent_cpu_seconds}}},
           {"verified", r.verified},
           {"total_seconds", r.total_seconds}};
 }
@@ -236,7 +238,7 @@ int RunBenchAgent(const AgentBenchConfig& config, bool json) {
               << " ms per pull (median of per-version /pull_weights - agent-timed pull)\n\n"
               << "/status load during pulls (" << b.loaded_ms.size()
               << " versions, each pulled by an agent under load and by a quiet agent, "
-                 "alternating which goes first; "
+                 "the two agents swapping roles every version and order every two; "
               << config.status_threads << " threads, "
               << (config.status_interval_ms > 0
                       ? Fixed(config.status_interval_ms, 1) + " ms between requests"
@@ -272,7 +274,14 @@ int RunBenchAgent(const AgentBenchConfig& config, bool json) {
                            ? 100.0 * b.idle_load_cpu_seconds / b.idle_load_seconds
                            : 0.0,
                        1)
-              << "% of one core)\n\n"
+              << "% of one core)\n"
+              << "    of which the agent  " << Fixed(b.idle_load_agent_cpu_seconds * 1e3, 1)
+              << " ms over " << Fixed(b.idle_load_agent_connections, 0) << " connections ("
+              << Fixed(b.idle_load_agent_connections > 0
+                           ? b.idle_load_agent_cpu_seconds * 1e6 / b.idle_load_agent_connections
+                           : 0.0,
+                       0)
+              << " us each, its request threads' CPU time); the rest is the clients\n\n"
               << "all three local checkpoints matched the trainer's weights bit for bit; "
               << Fixed(b.total_seconds, 1) << " s in all" << std::endl;
   }

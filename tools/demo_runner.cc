@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 
 #include "deltasync/agent.h"
@@ -328,6 +329,30 @@ Result<HttpPull> PullThroughAgent(int port, int64_t version) {
   return pull;
 }
 
+// The agent's own count of served connections and the CPU its request
+// threads spent on them, from /metrics.
+struct AgentRequestCost {
+  double connections = 0;
+  double cpu_seconds = 0;
+};
+Result<AgentRequestCost> ScrapeRequestCost(int port) {
+  httplib::Client client("127.0.0.1", port);
+  client.set_read_timeout(10, 0);
+  httplib::Result r = client.Get("/metrics");
+  if (!r || r->status != 200) return Status::Internal("GET /metrics failed");
+  auto sample = [&](const std::string& name) -> Result<double> {
+    const std::string key = "\n" + name + " ";
+    const std::string text = "\n" + r->body;
+    const size_t at = text.find(key);
+    if (at == std::string::npos) return Status::Internal("/metrics lacks " + name);
+    return std::strtod(text.c_str() + at + key.size(), nullptr);
+  };
+  AgentRequestCost cost;
+  DS_ASSIGN_OR_RETURN(cost.connections, sample("deltasync_agent_connections_total"));
+  DS_ASSIGN_OR_RETURN(cost.cpu_seconds, sample("deltasync_agent_request_cpu_seconds_total"));
+  return cost;
+}
+
 // Clients sending GET /status to an agent until told to stop (or their
 // request budget or a time limit runs out).
 class StatusLoad {
@@ -485,6 +510,7 @@ Result<AgentBenchResult> RunAgentBench(const AgentBenchConfig& config,
     const auto quiet_t0 = Clock::now();
     std::this_thread::sleep_for(std::chrono::seconds(1));
     const double quiet_rate = (process_cpu() - quiet_start) / SecondsSince(quiet_t0);
+    DS_ASSIGN_OR_RETURN(const AgentRequestCost agent_before, ScrapeRequestCost(agent->port()));
     const double loaded_start = process_cpu();
     const auto t0 = Clock::now();
     StatusLoad idle(agent->port(), config.status_threads, config.status_interval_ms,
@@ -495,19 +521,27 @@ Result<AgentBenchResult> RunAgentBench(const AgentBenchConfig& config,
     result.idle_load_cpu_seconds =
         std::max(0.0, process_cpu() - loaded_start - quiet_rate * result.idle_load_seconds);
     result.idle_load_requests = idle.requests();
+    // The scrape itself is one more connection, counted once it closes:
+    // give the last ones a moment to be recorded, then leave it out.
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    DS_ASSIGN_OR_RETURN(const AgentRequestCost agent_after, ScrapeRequestCost(agent->port()));
+    result.idle_load_agent_connections = agent_after.connections - agent_before.connections - 1;
+    result.idle_load_agent_cpu_seconds = agent_after.cpu_seconds - agent_before.cpu_seconds;
     result.status_errors += idle.errors();
   }
 
-  // Each load version is pulled twice through HTTP: by the agent under
-  // /status load and by a second, quiet agent on its own local checkpoint,
-  // alternating which goes first. Pairing on the same version keeps the
-  // step-to-step variation of the delta (1.6-2.8% of elements changed) out
-  // of the ratio.
-  const std::string local_quiet = Join(setup.workdir, "host-quiet/model");
-  DS_ASSIGN_OR_RETURN(std::unique_ptr<Agent> quiet, StartAgent(setup, local_quiet));
-  setup.engines.push_back({"quiet", AgentUrl(*quiet), local_quiet});
-  DS_RETURN_IF_ERROR(PullThroughAgent(quiet->port(), 0).status());
-  DS_RETURN_IF_ERROR(PullThroughAgent(quiet->port(), publisher->latest_version()).status());
+  // Each load version is pulled twice through HTTP, by two agents on their
+  // own local checkpoints: one under /status load, the other quiet. Pairing
+  // on the same version keeps the step-to-step variation of the delta
+  // (1.6-2.8% of elements changed) out of the ratio. Which agent is loaded
+  // alternates every version and which pull goes first every two, so that
+  // neither an agent's nor a position's own bias (a few percent here, seen
+  // with almost no load) lands on one side.
+  const std::string local_second = Join(setup.workdir, "host-second/model");
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<Agent> second, StartAgent(setup, local_second));
+  setup.engines.push_back({"second", AgentUrl(*second), local_second});
+  DS_RETURN_IF_ERROR(PullThroughAgent(second->port(), 0).status());
+  DS_RETURN_IF_ERROR(PullThroughAgent(second->port(), publisher->latest_version()).status());
   say("load: " + std::to_string(config.load_versions) +
       " versions, each pulled by one agent under load from " +
       std::to_string(config.status_threads) + " threads sending GET /status and by a quiet one");
@@ -517,39 +551,48 @@ Result<AgentBenchResult> RunAgentBench(const AgentBenchConfig& config,
   // pays for starting the clients' and the agent's request threads.
   for (int64_t i = -1; i < config.load_versions; ++i) {
     DS_ASSIGN_OR_RETURN(const int64_t v, next_version());
-    auto loaded_pull = [&]() -> Result<double> {
+    const bool swap_agents = (i & 1) != 0;
+    Agent& loaded_agent = swap_agents ? *second : *agent;
+    Agent& quiet_agent = swap_agents ? *agent : *second;
+    auto timed_pull = [&](Agent& target, bool with_load) -> Result<double> {
       ::sync();  // the other pull's dirty pages are not written back during this one
-      StatusLoad load(agent->port(), config.status_threads, config.status_interval_ms,
-                      config.max_requests_per_thread, config.status_client_nice);
-      // Let the clients get going before the pull starts.
+      std::optional<StatusLoad> load;
+      if (with_load) {
+        load.emplace(target.port(), config.status_threads, config.status_interval_ms,
+                     config.max_requests_per_thread, config.status_client_nice);
+      }
+      // Let the clients get going before the pull starts (both sides wait).
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       const auto load_start = Clock::now();
-      Result<HttpPull> pull = PullThroughAgent(agent->port(), v);
-      load.Finish();
+      Result<HttpPull> pull = PullThroughAgent(target.port(), v);
+      if (!load) {
+        DS_RETURN_IF_ERROR(pull.status());
+        return pull->wall_ms;
+      }
+      load->Finish();
       const double seconds = SecondsSince(load_start);
-      result.status_errors += load.errors();
+      result.status_errors += load->errors();
       DS_RETURN_IF_ERROR(pull.status());
       if (i >= 0) {
         load_seconds += seconds;
-        result.status_requests += load.requests();
-        status_ms.insert(status_ms.end(), load.latencies_ms().begin(), load.latencies_ms().end());
+        result.status_requests += load->requests();
+        status_ms.insert(status_ms.end(), load->latencies_ms().begin(), load->latencies_ms().end());
       }
       return pull->wall_ms;
     };
-    double loaded_ms = 0;
-    if (i % 2 == 0) {
-      DS_ASSIGN_OR_RETURN(loaded_ms, loaded_pull());
-    }
-    ::sync();
-    DS_ASSIGN_OR_RETURN(HttpPull unloaded, PullThroughAgent(quiet->port(), v));
-    if (i % 2 != 0) {
-      DS_ASSIGN_OR_RETURN(loaded_ms, loaded_pull());
+    double loaded_ms = 0, quiet_ms = 0;
+    if (((i + 1) / 2) % 2 == 0) {
+      DS_ASSIGN_OR_RETURN(loaded_ms, timed_pull(loaded_agent, true));
+      DS_ASSIGN_OR_RETURN(quiet_ms, timed_pull(quiet_agent, false));
+    } else {
+      DS_ASSIGN_OR_RETURN(quiet_ms, timed_pull(quiet_agent, false));
+      DS_ASSIGN_OR_RETURN(loaded_ms, timed_pull(loaded_agent, true));
     }
     if (i < 0) continue;
     result.loaded_ms.push_back(loaded_ms);
-    result.unloaded_ms.push_back(unloaded.wall_ms);
-    result.pair_ratios.push_back(loaded_ms / unloaded.wall_ms);
-    result.worst_pair_ratio = std::max(result.worst_pair_ratio, loaded_ms / unloaded.wall_ms);
+    result.unloaded_ms.push_back(quiet_ms);
+    result.pair_ratios.push_back(loaded_ms / quiet_ms);
+    result.worst_pair_ratio = std::max(result.worst_pair_ratio, loaded_ms / quiet_ms);
   }
   result.pair_ratio_median = Median(result.pair_ratios);
   {
@@ -582,12 +625,12 @@ Result<AgentBenchResult> RunAgentBench(const AgentBenchConfig& config,
   const std::vector<TensorView> weights = bed.trainer->Weights();
   Status http_match = CompareWithWeights(local_http, weights);
   Status direct_match = CompareWithWeights(local_direct, weights);
-  Status quiet_match = CompareWithWeights(local_quiet, weights);
+  Status second_match = CompareWithWeights(local_second, weights);
   agent->Stop();
-  quiet->Stop();
+  second->Stop();
   if (!http_match.ok()) return Status::Internal(http_match.ToString());
   if (!direct_match.ok()) return Status::Internal(direct_match.ToString());
-  if (!quiet_match.ok()) return Status::Internal(quiet_match.ToString());
+  if (!second_match.ok()) return Status::Internal(second_match.ToString());
   result.verified = true;
   result.setup = setup;
   result.total_seconds = SecondsSince(start);

@@ -185,6 +185,11 @@ struct AgentBenchResult {
   uint64_t idle_load_requests = 0;
   double idle_load_seconds = 0;
   double idle_load_cpu_seconds = 0;
+  // Of that, what the agent's request threads spent (its /metrics counters,
+  // the bench's own two scrapes left out): the part a scraper on another
+  // host would still cost this one.
+  double idle_load_agent_connections = 0;
+  double idle_load_agent_cpu_seconds = 0;
   bool verified = false;  // both local checkpoints equal the trainer's weights at the end
   double total_seconds = 0;
 };
