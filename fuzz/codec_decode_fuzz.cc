@@ -118,6 +118,32 @@ void CheckChangesMatchApply(Encoding encoding, std::span<const uint8_t> encoded,
     ++next;
   }
   Require(next == changes.count(), "DecodeChanges positions ascend within the tensor");
+
+  // In chunks of 3 through on_changes, the same list in the same order.
+  std::vector<uint64_t> positions;
+  std::vector<uint8_t> old_values, new_values;
+  auto append = [&](const ChangeSet& c) {
+    for (uint64_t i = 0; i < c.count(); ++i) positions.push_back(c.position(i));
+    old_values.insert(old_values.end(), c.old_values.begin(), c.old_values.end());
+    new_values.insert(new_values.end(), c.new_values.begin(), c.new_values.end());
+  };
+  DecodeOptions chunked = options;
+  chunked.max_chunk_changes = 3;
+  chunked.on_changes = [&](const ChangeSet& c) {
+    Require(c.count() == 3, "DecodeChanges hands over full chunks");
+    append(c);
+  };
+  ChangeSet rest;
+  Status chunked_status = deltasync::DecodeChanges(encoding, encoded, {pristine.get(), base.size()},
+                                                   elem_size, &rest, chunked);
+  Require(chunked_status.ok(), "DecodeChanges in chunks accepts what it accepts whole");
+  append(rest);
+  Require(positions.size() == changes.count(), "chunks hold every change");
+  for (uint64_t i = 0; i < positions.size(); ++i) {
+    Require(positions[i] == changes.position(i), "chunks list the same positions");
+  }
+  Require(old_values == changes.old_values && new_values == changes.new_values,
+          "chunks list the same values");
 }
 
 void FuzzRaw(Encoding encoding, uint32_t elem_size, const DecodeOptions& options,
