@@ -237,6 +237,12 @@ TEST(BenchAgentTest, JsonReportsPairedPullsAndTheLoad) {
   std::sort(quiet.begin(), quiet.end());
   EXPECT_NEAR(load["worst_quantile_ratio"].get<double>(),
               std::max(loaded[0] / quiet[0], loaded[1] / quiet[1]), 1e-9);
+  ASSERT_EQ(load["swapped_pair_ratios"].size(), 1u);
+  EXPECT_NEAR(
+      load["swapped_pair_ratios"][0].get<double>(),
+      std::sqrt(load["pair_ratios"][0].get<double>() * load["pair_ratios"][1].get<double>()), 1e-9);
+  EXPECT_NEAR(load["worst_swapped_pair_ratio"].get<double>(),
+              load["swapped_pair_ratios"][0].get<double>(), 1e-9);
   EXPECT_EQ(load["status_client_nice"], 19);
   EXPECT_GT(load["status_p99_ms"].get<double>(), 0.0);
   EXPECT_GE(load["status_max_ms"].get<double>(), load["status_p99_ms"].get<double>());

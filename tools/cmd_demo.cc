@@ -190,6 +190,8 @@ nlohmann::json BenchJson(const AgentBenchResult& r, const AgentBenchConfig& c) {
             {"pair_ratio_median", r.pair_ratio_median},
             {"worst_pair_ratio", r.worst_pair_ratio},
             {"worst_quantile_ratio", r.worst_quantile_ratio},
+            {"swapped_pair_ratios", r.swapped_pair_ratios},
+            {"worst_swapped_pair_ratio", r.worst_swapped_pair_ratio},
             {"status_requests", r.status_requests},
             {"status_errors", r.status_errors},
             {"status_requests_per_second", r.status_requests_per_second},
@@ -258,6 +260,14 @@ int RunBenchAgent(const AgentBenchConfig& config, bool json) {
         }() << "]\n"
               << "  by quantile       worst " << Fixed(b.worst_quantile_ratio, 3)
               << "   (k-th fastest loaded pull / k-th fastest quiet pull)\n"
+              << "  swapped pairs     worst " << Fixed(b.worst_swapped_pair_ratio, 3) << "   [" <<
+        [&] {
+          std::string out;
+          for (double v : b.swapped_pair_ratios) {
+            out += (out.empty() ? "" : " ") + Fixed(v, 2);
+          }
+          return out;
+        }() << "] (geometric mean of versions 2k and 2k+1, whose agents swap roles)\n"
               << "  /status requests    " << b.status_requests << " ("
               << Fixed(b.status_requests_per_second, 0) << " per second), " << b.status_errors
               << " errors; round trip median " << Fixed(b.status_p50_ms, 2) << " ms, p99 "

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -595,6 +596,14 @@ Result<AgentBenchResult> RunAgentBench(const AgentBenchConfig& config,
     result.worst_pair_ratio = std::max(result.worst_pair_ratio, loaded_ms / quiet_ms);
   }
   result.pair_ratio_median = Median(result.pair_ratios);
+  // Versions 2k and 2k+1 have the agents in swapped roles: the geometric
+  // mean of their two ratios cancels whatever one agent's checkpoint costs
+  // over the other's and leaves the load's effect.
+  for (size_t k = 0; k + 1 < result.pair_ratios.size(); k += 2) {
+    const double swapped = std::sqrt(result.pair_ratios[k] * result.pair_ratios[k + 1]);
+    result.swapped_pair_ratios.push_back(swapped);
+    result.worst_swapped_pair_ratio = std::max(result.worst_swapped_pair_ratio, swapped);
+  }
   {
     std::vector<double> loaded = result.loaded_ms, quiet = result.unloaded_ms;
     std::sort(loaded.begin(), loaded.end());

@@ -170,6 +170,11 @@ struct AgentBenchResult {
   // quiet pull (two pulls of the same version differ by up to 20% here with
   // no load at all; see the overhead section's pairs).
   double worst_quantile_ratio = 0;
+  // Per two consecutive versions, whose agents swap roles: the geometric
+  // mean of their pair ratios, free of one agent's own bias (its checkpoint
+  // pulling some percent slower than the other's, load or not).
+  std::vector<double> swapped_pair_ratios;
+  double worst_swapped_pair_ratio = 0;
   uint64_t status_requests = 0;
   uint64_t status_errors = 0;  // non-200 answers and failed connections
   double status_requests_per_second = 0;
