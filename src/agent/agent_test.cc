@@ -45,23 +45,7 @@ class AgentTest : public ::testing::Test {
   // Sends `request` as is on a fresh connection; returns everything read
   // until the server closes it (or 5 s pass).
   std::string RawRequest(const std::string& request) {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    addr.sin_port = htons(static_cast<uint16_t>(agent_->port()));
-    timeval tv{5, 0};
-    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    std::string out;
-    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-        ::send(fd, request.data(), request.size(), MSG_NOSIGNAL) ==
-            static_cast<ssize_t>(request.size())) {
-      char buf[4096];
-      ssize_t n;
-      while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) out.append(buf, static_cast<size_t>(n));
-    }
-    ::close(fd);
-    return out;
+    return testing_agent::RawHttpRequest(agent_->port(), request, 5);
   }
   std::string MetricsText() {
     httplib::Result res = client_->Get("/metrics");

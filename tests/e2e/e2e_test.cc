@@ -29,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "agent/agent_test_util.h"
 #include "deltasync/checkpoint.h"
 #include "deltasync/store.h"
 #include "deltasync/synth.h"
@@ -214,23 +215,7 @@ HttpAnswer Pull(int port, const std::string& target, std::optional<std::string> 
 
 // Sends `request` as is and returns everything the agent answers.
 std::string RawRequest(int port, const std::string& request) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  timeval tv{10, 0};
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  std::string out;
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      ::send(fd, request.data(), request.size(), MSG_NOSIGNAL) ==
-          static_cast<ssize_t>(request.size())) {
-    char buf[4096];
-    ssize_t n;
-    while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) out.append(buf, static_cast<size_t>(n));
-  }
-  ::close(fd);
-  return out;
+  return testing_agent::RawHttpRequest(port, request, 10);
 }
 
 // Every tensor of `local` equals the tensor of the same name in `expected`
