@@ -25,7 +25,7 @@ namespace deltasync::cli {
 struct DemoConfig {
   std::string preset = "qwen2.5-0.5b";
   uint64_t target_bytes = uint64_t{512} << 20;  // BF16 bytes of the model
-  int64_t steps = 30;                           // RL steps, one version each; >= 1
+  int64_t steps = 45;                           // RL steps, one version each; >= 1
   uint64_t seed = 0;
   double lr = 1e-6;
   Encoding encoding = Encoding::kSparse;
