@@ -10,8 +10,8 @@
 #include <cerrno>
 #include <charconv>
 #include <chrono>
-#include <condition_variable>
 #include <fstream>
+#include <future>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -20,6 +20,7 @@
 #include "agent/http_util.h"
 #include "agent/metrics.h"
 #include "deltasync/agent.h"
+#include "deltasync/thread_pool.h"
 
 namespace deltasync {
 
@@ -204,68 +205,6 @@ class RequestQueue final : public httplib::TaskQueue {
   AgentMetrics* metrics_;
 };
 
-// The thread pulls run on: started by Agent::Start, so it has the priority
-// of the thread that started the agent, not that of the request threads.
-class PullThread {
- public:
-  ~PullThread() { Stop(); }
-
-  void Start() {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (thread_.joinable()) return;
-    thread_ = std::thread([this] { Loop(); });
-  }
-
-  // Runs `job` on the pull thread and waits for it; runs it here when the
-  // thread is not running.
-  void Run(const std::function<void()>& job) {
-    std::unique_lock<std::mutex> run_lock(run_mu_);
-    std::unique_lock<std::mutex> lock(mu_);
-    if (!thread_.joinable() || quit_) {
-      lock.unlock();
-      job();
-      return;
-    }
-    job_ = &job;
-    cv_.notify_all();
-    cv_.wait(lock, [&] { return job_ == nullptr; });
-  }
-
-  void Stop() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      quit_ = true;
-      cv_.notify_all();
-    }
-    if (thread_.joinable()) thread_.join();
-  }
-
- private:
-  void Loop() {
-    std::unique_lock<std::mutex> lock(mu_);
-    for (;;) {
-      cv_.wait(lock, [&] { return job_ != nullptr || quit_; });
-      if (job_ != nullptr) {
-        const std::function<void()>* job = job_;
-        lock.unlock();
-        (*job)();
-        lock.lock();
-        job_ = nullptr;
-        cv_.notify_all();
-        continue;
-      }
-      return;
-    }
-  }
-
-  std::mutex run_mu_;  // one job at a time
-  std::mutex mu_;
-  std::condition_variable cv_;
-  const std::function<void()>* job_ = nullptr;
-  bool quit_ = false;
-  std::thread thread_;
-};
-
 }  // namespace
 
 bool IsLoopbackHost(const std::string& host_in) {
@@ -322,7 +261,10 @@ struct Agent::State {
   bool stopped = false;
 
   std::mutex pull_mu;  // one pull at a time in this process
-  PullThread pull_thread;
+  // The one thread pulls run on, made by Start() so that it has the
+  // priority of the thread that started the agent, not the request threads'.
+  // Set before the server runs and reset after it stops.
+  std::unique_ptr<ThreadPool> pull_thread;
   AgentMetrics metrics;
 
   // What /status reports, guarded by status_mu (never held across a pull).
@@ -461,10 +403,13 @@ struct Agent::State {
     const auto start = std::chrono::steady_clock::now();
     Result<PullResult> pulled = Status::Internal("the pull did not run");
     Status verified;
-    pull_thread.Run([&] {
+    std::promise<void> done;
+    pull_thread->Submit([&] {
       pulled = puller->Pull(request->target);
       if (pulled.ok() && options.verify_after_pull) verified = puller->Verify();
+      done.set_value();
     });
+    done.get_future().wait();
     const double pull_seconds = SecondsSince(start);
     if (!pulled.ok() || !verified.ok()) {
       metrics.RecordPullFailure();
@@ -648,7 +593,7 @@ Status Agent::Start() {
                            std::to_string(s.options.port));
   }
   s.port = port;
-  s.pull_thread.Start();
+  s.pull_thread = std::make_unique<ThreadPool>(1);
   s.listener = std::thread([&s] {
     s.server.listen_after_bind();
     s.listener_done = true;
@@ -681,7 +626,7 @@ void Agent::Stop() {
     if (s.listener.joinable()) s.listener.join();
   }
   // After the request threads: a request waiting on a pull gets its answer.
-  s.pull_thread.Stop();
+  s.pull_thread.reset();
   s.stopped = true;
 }
 

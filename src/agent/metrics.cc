@@ -1,7 +1,5 @@
 #include "agent/metrics.h"
 
-#include <cstdio>
-
 #include <algorithm>
 
 #include "agent/http_util.h"
@@ -147,9 +145,7 @@ std::string AgentMetrics::Render() const {
   Family(&out, "deltasync_agent_request_cpu_seconds_total", "counter",
          "CPU time the request threads spent reading requests and answering them; pulls run "
          "on a thread of their own and are not included.");
-  char cpu[64];
-  std::snprintf(cpu, sizeof(cpu), "%.9g", request_cpu_seconds_);
-  Sample(&out, "deltasync_agent_request_cpu_seconds_total", cpu);
+  Sample(&out, "deltasync_agent_request_cpu_seconds_total", FormatDouble(request_cpu_seconds_));
   return out;
 }
 

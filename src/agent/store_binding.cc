@@ -30,8 +30,9 @@ class LocalCheckpointPuller final : public CheckpointPuller {
   }
   // /status asks on every request: the listing (a stat per version) is
   // reused while the store directory's mtime and inode stay the same, once
-  // that mtime is a second older than the listing, so that a version added
-  // within the same timestamp tick cannot hide behind it.
+  // that mtime is at least a full second older than the listing (two
+  // clock seconds apart), so that a version added within the same timestamp
+  // tick cannot hide behind it.
   Result<int64_t> LatestVersion() override {
     if (store_.empty()) return int64_t{0};
     struct stat st {};

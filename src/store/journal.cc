@@ -117,20 +117,24 @@ void ScatterBelowPos(uint32_t elem_size, const uint8_t* positions, uint64_t coun
   }
 }
 
+// Writes the entries of `r` from *next on while their position is below
+// `end` (every one with UINT64_MAX, whose positions the caller checked).
+void ScatterRecordBelow(const JournalRecord& r, bool undo, uint8_t* target, uint64_t end,
+                        uint64_t* next) {
+  const uint8_t* values = undo ? r.old_values : r.new_values;
+  if (r.position_width == 4) {
+    ScatterBelowPos<uint32_t>(r.elem_size, r.positions, r.count, values, target, end, next);
+  } else {
+    ScatterBelowPos<uint64_t>(r.elem_size, r.positions, r.count, values, target, end, next);
+  }
+}
+
 }  // namespace
 
 Status JournalRecord::Apply(std::span<uint8_t> target, bool undo) const {
   DS_RETURN_IF_ERROR(CheckFits(target.size()));
-  const uint8_t* values = undo ? old_values : new_values;
-  // Positions are all in range (checked above), so none stops the scatter.
   uint64_t next = 0;
-  if (position_width == 4) {
-    ScatterBelowPos<uint32_t>(elem_size, positions, count, values, target.data(), UINT64_MAX,
-                              &next);
-  } else {
-    ScatterBelowPos<uint64_t>(elem_size, positions, count, values, target.data(), UINT64_MAX,
-                              &next);
-  }
+  ScatterRecordBelow(*this, undo, target.data(), UINT64_MAX, &next);
   return Status::OK();
 }
 
@@ -181,7 +185,9 @@ Status ApplyRecordsAndVisit(std::span<const JournalRecord* const> records,
     // Every record is checked before any is written; undo goes in reverse.
     for (const JournalRecord* r : records) DS_RETURN_IF_ERROR(r->CheckFits(target.size()));
     for (size_t k = 0; k < records.size(); ++k) {
-      DS_RETURN_IF_ERROR(records[undo ? records.size() - 1 - k : k]->Apply(target, undo));
+      uint64_t next = 0;
+      ScatterRecordBelow(*records[undo ? records.size() - 1 - k : k], undo, target.data(),
+                         UINT64_MAX, &next);
     }
     for (size_t at = 0; at < target.size(); at += piece) {
       visit(target.subspan(at, std::min(piece, target.size() - at)));
@@ -194,16 +200,8 @@ Status ApplyRecordsAndVisit(std::span<const JournalRecord* const> records,
     const size_t n = std::min(piece, target.size() - at);
     const uint64_t end = (at + n) / es;
     while (k < records.size()) {
-      const JournalRecord& r = *records[k];
-      const uint8_t* values = undo ? r.old_values : r.new_values;
-      if (r.position_width == 4) {
-        ScatterBelowPos<uint32_t>(r.elem_size, r.positions, r.count, values, target.data(), end,
-                                  &next);
-      } else {
-        ScatterBelowPos<uint64_t>(r.elem_size, r.positions, r.count, values, target.data(), end,
-                                  &next);
-      }
-      if (next < r.count) break;  // the rest lies past this piece
+      ScatterRecordBelow(*records[k], undo, target.data(), end, &next);
+      if (next < records[k]->count) break;  // the rest lies past this piece
       ++k;
       next = 0;
     }

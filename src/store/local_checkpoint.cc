@@ -783,8 +783,9 @@ Status LocalCheckpoint::State::ReplayJournal(const Journal& journal, LocalState*
     st->applying.reset();
     st->from_version.reset();
     st->version = journal.version();
-    for (const JournalRecord& r : records)
-      st->checksums[std::string(r.name)] = std::string(r.checksum);
+    for (const Group& g : groups) {
+      st->checksums[std::string(g.records[0]->name)] = std::string(g.records[0]->checksum);
+    }
     st->boot_id = store_internal::CurrentBootId();
     st->durable = options.durable;
     DS_RETURN_IF_ERROR(SaveState(*st));
