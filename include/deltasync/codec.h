@@ -13,8 +13,10 @@
 //
 // Encoders read only the ChangeSet (and, for dense, the new bytes): the diff
 // has already refreshed the snapshot, so the old values of changed elements
-// exist only in ChangeSet::old_values. Decoders stream through bounded buffers
-// (one decode chunk, or one format block for sparse) and never allocate in
+// exist only in ChangeSet::old_values. xor and sparse also encode from a stream
+// of per-range ChangeSets (EncodeStream), byte for byte as from the whole
+// list, so a publisher never holds a large tensor's changes at once. Decoders stream through
+// bounded buffers (one decode chunk, or one format block for sparse) and never allocate in
 // proportion to the tensor, so applying a delta to a huge tensor costs no more
 // memory than applying it to a small one.
 #pragma once
@@ -22,6 +24,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -90,6 +93,26 @@ struct DecodeOptions {
   uint64_t max_chunk_changes = 0;
 };
 
+// Encodes one tensor from its diff handed over a range at a time, so that the
+// encoder never holds the tensor's whole ChangeSet: memory is its block
+// buffers plus the output. Made by Codec::NewEncodeStream; one thread uses a
+// stream at a time.
+class EncodeStream {
+ public:
+  virtual ~EncodeStream() = default;
+  // Elements [first, first + new_chunk.size() / elem_size) hold new_chunk
+  // and differ from the base exactly at `piece`'s positions, which are
+  // relative to `first` (ascending, with new and old values, as DiffTensor
+  // of the range gives them). Ranges must come in order, each starting where
+  // the last ended. InvalidArgument otherwise, or when the piece does not
+  // fit its range.
+  virtual Status Add(uint64_t first, std::span<const uint8_t> new_chunk,
+                     const ChangeSet& piece) = 0;
+  // Appends to the output exactly the bytes Codec::Encode appends for the
+  // whole tensor. InvalidArgument when the ranges do not cover the tensor.
+  virtual Status Finish() = 0;
+};
+
 // One encoding: its capabilities and its two directions. Implementations are
 // stateless singletons (GetCodec), safe to use from many threads at once.
 class Codec {
@@ -145,6 +168,15 @@ class Codec {
   virtual Status DecodeChanges(std::span<const uint8_t> encoded, std::span<const uint8_t> base,
                                uint32_t elem_size, const DecodeOptions& options,
                                ChangeSet* out) const = 0;
+  // A stream that appends the encoding of a tensor of `numel` elements of
+  // `elem_size` bytes to *out (which must outlive it), or null when this
+  // encoding only encodes whole ChangeSets (dense, indices, overwrite).
+  virtual std::unique_ptr<EncodeStream> NewEncodeStream(uint64_t numel, uint32_t elem_size,
+                                                        const EncodeOptions& options,
+                                                        std::vector<uint8_t>* out) const {
+    (void)numel, (void)elem_size, (void)options, (void)out;
+    return nullptr;
+  }
 };
 
 // The implementation of `encoding`; lives for the whole program. A value

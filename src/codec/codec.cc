@@ -153,6 +153,35 @@ Status ValidateChangeSet(std::span<const uint8_t> new_bytes, const ChangeSet& ch
   return Status::OK();
 }
 
+Status StreamRanges::Add(uint64_t first, std::span<const uint8_t> new_chunk,
+                         const ChangeSet& piece) {
+  auto fail = [&](const std::string& what) {
+    return Status::InvalidArgument(std::string(name_) + " encode stream: " + what);
+  };
+  if (first != covered_) {
+    return fail("range starts at element " + std::to_string(first) + ", expected " +
+                std::to_string(covered_));
+  }
+  if (piece.elem_size != es_) {
+    return fail("element size " + std::to_string(piece.elem_size) + ", the stream's is " +
+                std::to_string(es_));
+  }
+  DS_RETURN_IF_ERROR(ValidateChangeSet(new_chunk, piece, need_old_, name_));
+  if (piece.numel > numel_ - covered_) {
+    return fail("range of " + std::to_string(piece.numel) + " elements at " +
+                std::to_string(first) + " runs past the tensor's " + std::to_string(numel_));
+  }
+  covered_ += piece.numel;
+  return Status::OK();
+}
+
+Status StreamRanges::CheckComplete() const {
+  if (covered_ == numel_) return Status::OK();
+  return Status::InvalidArgument(std::string(name_) + " encode stream: finished after " +
+                                 std::to_string(covered_) + " of " + std::to_string(numel_) +
+                                 " elements");
+}
+
 ChangeCollector::ChangeCollector(std::span<const uint8_t> base, uint32_t elem_size,
                                  const DecodeOptions& options, ChangeSet* out)
     : base_(base.data()), es_(elem_size), out_(out) {

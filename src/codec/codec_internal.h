@@ -47,6 +47,28 @@ void XorInto(uint8_t* dst, const uint8_t* src, size_t n);
 Status ValidateChangeSet(std::span<const uint8_t> new_bytes, const ChangeSet& changes,
                          bool need_old_values, std::string_view encoding_name);
 
+// What every EncodeStream checks of its ranges: each Add continues where
+// the last ended, fits the tensor, and carries a valid ChangeSet for its
+// range (old values when `need_old_values`); Finish needs the whole tensor.
+class StreamRanges {
+ public:
+  StreamRanges(uint64_t numel, uint32_t elem_size, bool need_old_values,
+               std::string_view encoding_name)
+      : numel_(numel), es_(elem_size), need_old_(need_old_values), name_(encoding_name) {}
+  // Checks one Add and counts its range as covered.
+  Status Add(uint64_t first, std::span<const uint8_t> new_chunk, const ChangeSet& piece);
+  Status CheckComplete() const;
+  uint64_t numel() const { return numel_; }
+  uint32_t elem_size() const { return es_; }
+
+ private:
+  uint64_t numel_;
+  uint32_t es_;
+  bool need_old_;
+  std::string_view name_;
+  uint64_t covered_ = 0;
+};
+
 // Checks the decoder's caller-supplied arguments: a valid element size and a
 // target made of whole elements. InvalidArgument otherwise.
 Status ValidateTarget(std::span<const uint8_t> target, uint32_t elem_size);

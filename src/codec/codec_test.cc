@@ -181,6 +181,15 @@ TEST_P(RoundTrip, RestoresNewBytesExactly) {
       std::vector<uint8_t> encoded_small = EncodeOrDie(encoding, pair, changes, small_chunks);
       EXPECT_TRUE(
           AppliesTo(encoding, encoded_small, pair.old_bytes, pair.new_bytes, elem_size, small));
+      // Encoding from ranges gives the same bytes, however the tensor is cut.
+      std::vector<uint8_t> probe;
+      if (GetCodec(encoding).NewEncodeStream(numel, elem_size, options, &probe)) {
+        for (size_t range : {size_t{1}, size_t{7}, size_t{4096}, numel}) {
+          SCOPED_TRACE("ranges of " + std::to_string(range));
+          EXPECT_EQ(codec_test::EncodeByRanges(encoding, pair, options, range), encoded);
+          EXPECT_EQ(codec_test::EncodeByRanges(encoding, pair, small_chunks, range), encoded_small);
+        }
+      }
     }
   }
 }
@@ -196,6 +205,53 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(EncodingName(std::get<0>(info.param))) + "_es" +
              std::to_string(std::get<1>(info.param)) + "_" + DensityName(std::get<2>(info.param));
     });
+
+// A stream refuses ranges that skip, overlap or overrun the tensor, a
+// finish before the whole tensor was seen, and a bad element size.
+TEST(EncodeStream, RejectsBadRanges) {
+  for (Encoding e : {Encoding::kXor, Encoding::kSparse}) {
+    SCOPED_TRACE(std::string(EncodingName(e)));
+    TensorPair pair = MakeCase(100, 2, Density::kHalf, 7);
+    std::vector<uint8_t> old_range(pair.old_bytes.begin(), pair.old_bytes.begin() + 100);
+    std::span<const uint8_t> new_range(pair.new_bytes.data(), 100);
+    DiffOptions diff;
+    diff.elem_size = 2;
+    diff.refresh_snapshot = false;
+    ChangeSet piece;  // elements [0, 50)
+    ASSERT_TRUE(DiffTensor(new_range, old_range, diff, &piece).ok());
+    ASSERT_GT(piece.count(), 0u);
+    std::vector<uint8_t> out;
+    {
+      auto stream = GetCodec(e).NewEncodeStream(100, 2, {}, &out);
+      ASSERT_NE(stream, nullptr);
+      EXPECT_EQ(stream->Add(1, new_range, piece).code(), StatusCode::kInvalidArgument);
+      ASSERT_TRUE(stream->Add(0, new_range, piece).ok());
+      EXPECT_EQ(stream->Add(0, new_range, piece).code(), StatusCode::kInvalidArgument);
+      Status early = stream->Finish();
+      EXPECT_EQ(early.code(), StatusCode::kInvalidArgument);
+      EXPECT_NE(early.message().find("50 of 100"), std::string::npos) << early.ToString();
+    }
+    {
+      auto stream = GetCodec(e).NewEncodeStream(60, 2, {}, &out);
+      ASSERT_TRUE(stream->Add(0, new_range, piece).ok());
+      EXPECT_EQ(stream->Add(50, new_range, piece).code(), StatusCode::kInvalidArgument);
+    }
+    {
+      ChangeSet no_old = piece;
+      no_old.old_values.clear();
+      auto stream = GetCodec(e).NewEncodeStream(100, 2, {}, &out);
+      EXPECT_EQ(stream->Add(0, new_range, no_old).code(), StatusCode::kInvalidArgument);
+    }
+    {
+      auto stream = GetCodec(e).NewEncodeStream(100, 3, {}, &out);
+      EXPECT_EQ(stream->Finish().code(), StatusCode::kInvalidArgument);
+    }
+  }
+  for (Encoding e : {Encoding::kDense, Encoding::kIndices, Encoding::kOverwrite}) {
+    std::vector<uint8_t> out;
+    EXPECT_EQ(GetCodec(e).NewEncodeStream(100, 2, {}, &out), nullptr);
+  }
+}
 
 TEST(RoundTrip, EmptyTensor) {
   TensorPair pair;

@@ -4,9 +4,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -103,6 +105,37 @@ inline ChangeSet DiffPair(const TensorPair& pair) {
   EXPECT_TRUE(status.ok()) << status.ToString();
   EXPECT_EQ(snapshot, pair.new_bytes);
   return changes;
+}
+
+// The encoding of `pair` through the codec's EncodeStream, the tensor cut
+// into ranges of `range_numel` elements, each diffed on its own as a
+// publisher's chunked pass does. Fails the test on any error.
+inline std::vector<uint8_t> EncodeByRanges(Encoding encoding, const TensorPair& pair,
+                                           const EncodeOptions& options, size_t range_numel) {
+  std::vector<uint8_t> out;
+  const size_t es = pair.elem_size;
+  const size_t numel = pair.new_bytes.size() / es;
+  std::unique_ptr<EncodeStream> stream =
+      GetCodec(encoding).NewEncodeStream(numel, pair.elem_size, options, &out);
+  EXPECT_NE(stream, nullptr);
+  if (stream == nullptr) return out;
+  ChangeSet piece;
+  for (size_t first = 0; first < numel; first += range_numel) {
+    const size_t n = std::min(range_numel, numel - first);
+    std::span<const uint8_t> new_range(pair.new_bytes.data() + first * es, n * es);
+    std::vector<uint8_t> old_range(pair.old_bytes.begin() + first * es,
+                                   pair.old_bytes.begin() + (first + n) * es);
+    DiffOptions diff;
+    diff.elem_size = pair.elem_size;
+    diff.refresh_snapshot = false;
+    Status status = DiffTensor(new_range, old_range, diff, &piece);
+    if (status.ok()) status = stream->Add(first, new_range, piece);
+    EXPECT_TRUE(status.ok()) << status.ToString();
+    if (!status.ok()) return out;
+  }
+  Status status = stream->Finish();
+  EXPECT_TRUE(status.ok()) << status.ToString();
+  return out;
 }
 
 // new ^ old over every byte: the content of a vime xor frame.

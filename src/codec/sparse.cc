@@ -13,6 +13,7 @@
 //    because positions then cost more than the zeros they replace.
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "codec/codec_internal.h"
@@ -102,64 +103,123 @@ Status WriteSections(ZstdFrameWriter* writer, std::span<const std::span<const ui
   return Status::OK();
 }
 
-Status EncodePositions(const ChangeSet& changes, const EncodeOptions& options,
-                       std::vector<uint8_t>* out) {
-  const size_t es = changes.elem_size;
-  const uint64_t count = changes.count();
-  WriteHeader(SparseMode::kPositions, changes.elem_size, changes.numel, count, out);
-  ZstdFrameWriter writer(out);
-  DS_RETURN_IF_ERROR(writer.Begin(options.zstd_level, options.zstd_checksum, kZstdUnknownSize));
-  const size_t block = static_cast<size_t>(std::min(kBlock, count));
-  std::vector<uint8_t> gaps;
-  gaps.reserve(4 + 2 * block);
-  std::unique_ptr<uint8_t[]> planes(new uint8_t[std::max<size_t>(block * es, 1)]);
-  uint64_t next_position = 0;  // previous position + 1
-  for (uint64_t first = 0; first < count; first += kBlock) {
-    const size_t n = static_cast<size_t>(std::min(kBlock, count - first));
-    gaps.assign(4, 0);
-    for (size_t i = 0; i < n; ++i) {
-      const uint64_t pos = changes.position(first + i);
-      AppendGap(pos - next_position, &gaps);
-      next_position = pos + 1;
-      const uint8_t* nv = changes.new_values.data() + (first + i) * es;
-      const uint8_t* ov = changes.old_values.data() + (first + i) * es;
-      for (size_t j = 0; j < es; ++j) planes[j * n + i] = nv[j] ^ ov[j];
-    }
-    StoreLE32(gaps.data(), static_cast<uint32_t>(gaps.size() - 4));
-    std::span<const uint8_t> sections[9];
-    sections[0] = gaps;
-    for (size_t j = 0; j < es; ++j) sections[1 + j] = {planes.get() + j * n, n};
-    DS_RETURN_IF_ERROR(WriteSections(&writer, {sections, 1 + es}, n));
-  }
-  return writer.Finish();
+// A block buffer reused by the writers of one thread: a fresh one per tensor
+// would be a page fault per 4 KiB for every tensor of a publish.
+std::vector<uint8_t>& ThreadBlockBuffer(int slot) {
+  thread_local std::vector<uint8_t> buffers[2];
+  return buffers[slot];
 }
 
-Status EncodeXorPlanes(const ChangeSet& changes, const EncodeOptions& options,
-                       std::vector<uint8_t>* out) {
-  const size_t es = changes.elem_size;
-  const uint64_t count = changes.count();
-  const uint64_t numel = changes.numel;
-  WriteHeader(SparseMode::kXorPlanes, changes.elem_size, numel, count, out);
-  ZstdFrameWriter writer(out);
-  DS_RETURN_IF_ERROR(writer.Begin(options.zstd_level, options.zstd_checksum, numel * es));
-  const size_t block = static_cast<size_t>(std::min(kBlock, numel));
-  std::unique_ptr<uint8_t[]> planes(new uint8_t[std::max<size_t>(block * es, 1)]);
-  uint64_t next = 0;
-  for (uint64_t first = 0; first < numel; first += kBlock) {
-    const size_t n = static_cast<size_t>(std::min(kBlock, numel - first));
-    std::memset(planes.get(), 0, n * es);
-    for (; next < count && changes.position(next) < first + n; ++next) {
-      const size_t i = static_cast<size_t>(changes.position(next) - first);
-      const uint8_t* nv = changes.new_values.data() + next * es;
-      const uint8_t* ov = changes.old_values.data() + next * es;
-      for (size_t j = 0; j < es; ++j) planes[j * n + i] = nv[j] ^ ov[j];
-    }
-    std::span<const uint8_t> sections[8];
-    for (size_t j = 0; j < es; ++j) sections[j] = {planes.get() + j * n, n};
-    DS_RETURN_IF_ERROR(WriteSections(&writer, {sections, es}, n));
+// Writes the positions layout one change at a time, in ascending position
+// order: a block of up to kBlock changes (gaps, then the XOR values' byte
+// planes, each plane kBlock bytes apart in `planes_`) goes out when full.
+// The header's count is filled in by Finish.
+class PositionsWriter {
+ public:
+  PositionsWriter(uint32_t elem_size, uint64_t numel, std::vector<uint8_t>* out)
+      : es_(elem_size),
+        out_(out),
+        header_at_(out->size()),
+        gaps_(ThreadBlockBuffer(0)),
+        planes_(ThreadBlockBuffer(1)),
+        writer_((WriteHeader(SparseMode::kPositions, elem_size, numel, 0, out), out)) {}
+
+  Status Begin(const EncodeOptions& options) {
+    gaps_.assign(4, 0);
+    gaps_.reserve(4 + 2 * kBlock);
+    if (planes_.size() < kBlock * es_) planes_.resize(kBlock * es_);
+    return writer_.Begin(options.zstd_level, options.zstd_checksum, kZstdUnknownSize);
   }
-  return writer.Finish();
-}
+  // Element `pos` (above every earlier one) changes by XOR `x` (es bytes).
+  Status Add(uint64_t pos, const uint8_t* x) {
+    AppendGap(pos - next_position_, &gaps_);
+    next_position_ = pos + 1;
+    for (size_t j = 0; j < es_; ++j) planes_[j * kBlock + n_] = x[j];
+    ++count_;
+    return ++n_ == kBlock ? WriteBlock() : Status::OK();
+  }
+  Status Finish() {
+    if (n_ > 0) DS_RETURN_IF_ERROR(WriteBlock());
+    DS_RETURN_IF_ERROR(writer_.Finish());
+    StoreLE64(out_->data() + header_at_ + 16, count_);
+    return Status::OK();
+  }
+
+ private:
+  Status WriteBlock() {
+    StoreLE32(gaps_.data(), static_cast<uint32_t>(gaps_.size() - 4));
+    std::span<const uint8_t> sections[9];
+    sections[0] = gaps_;
+    for (size_t j = 0; j < es_; ++j) sections[1 + j] = {planes_.data() + j * kBlock, n_};
+    DS_RETURN_IF_ERROR(WriteSections(&writer_, {sections, 1 + es_}, n_));
+    gaps_.resize(4);
+    n_ = 0;
+    return Status::OK();
+  }
+
+  size_t es_;
+  std::vector<uint8_t>* out_;
+  size_t header_at_;
+  std::vector<uint8_t>& gaps_;
+  std::vector<uint8_t>& planes_;
+  ZstdFrameWriter writer_;  // made after the header went out
+  uint64_t next_position_ = 0;
+  uint64_t count_ = 0;
+  size_t n_ = 0;  // changes in the current block
+};
+
+// Writes the xor-planes layout one change at a time, in ascending position
+// order: every block of kBlock elements goes out, all-zero ones included.
+class XorPlanesWriter {
+ public:
+  XorPlanesWriter(uint32_t elem_size, uint64_t numel, std::vector<uint8_t>* out)
+      : es_(elem_size),
+        numel_(numel),
+        out_(out),
+        header_at_(out->size()),
+        planes_(ThreadBlockBuffer(1)),
+        writer_((WriteHeader(SparseMode::kXorPlanes, elem_size, numel, 0, out), out)) {}
+
+  Status Begin(const EncodeOptions& options) {
+    n_ = static_cast<size_t>(std::min(kBlock, numel_));
+    planes_.assign(std::max<size_t>(kBlock * es_, 1), 0);
+    return writer_.Begin(options.zstd_level, options.zstd_checksum, numel_ * es_);
+  }
+  Status Add(uint64_t pos, const uint8_t* x) {
+    while (pos >= first_ + n_) DS_RETURN_IF_ERROR(WriteBlock());
+    const size_t i = static_cast<size_t>(pos - first_);
+    for (size_t j = 0; j < es_; ++j) planes_[j * n_ + i] = x[j];
+    ++count_;
+    return Status::OK();
+  }
+  Status Finish() {
+    while (first_ < numel_) DS_RETURN_IF_ERROR(WriteBlock());
+    DS_RETURN_IF_ERROR(writer_.Finish());
+    StoreLE64(out_->data() + header_at_ + 16, count_);
+    return Status::OK();
+  }
+
+ private:
+  Status WriteBlock() {
+    std::span<const uint8_t> sections[8];
+    for (size_t j = 0; j < es_; ++j) sections[j] = {planes_.data() + j * n_, n_};
+    DS_RETURN_IF_ERROR(WriteSections(&writer_, {sections, es_}, n_));
+    std::memset(planes_.data(), 0, n_ * es_);
+    first_ += n_;
+    n_ = static_cast<size_t>(std::min(kBlock, numel_ - first_));
+    return Status::OK();
+  }
+
+  size_t es_;
+  uint64_t numel_;
+  std::vector<uint8_t>* out_;
+  size_t header_at_;
+  std::vector<uint8_t>& planes_;
+  ZstdFrameWriter writer_;
+  uint64_t first_ = 0;  // first element of the current block
+  size_t n_ = 0;        // elements in the current block
+  uint64_t count_ = 0;
+};
 
 // Where decoded XOR values go: straight into the tensor (DecodeApply) or
 // into a change list (DecodeChanges). Planes hold a block of n elements'
@@ -299,6 +359,107 @@ Status DecodeXorPlanes(const SparseHeader& header, ZstdFrameReader* reader, Targ
   return Status::OK();
 }
 
+// Hands decoded changes to a writer (re-encoding positions as xor-planes).
+template <typename Writer>
+struct ForwardTarget {
+  Writer* writer;
+  Status status;
+  template <size_t ES>
+  void XorOne(uint64_t pos, const uint8_t* planes, size_t n, size_t i) {
+    uint8_t x[ES];
+    for (size_t j = 0; j < ES; ++j) x[j] = planes[j * n + i];
+    if (status.ok()) status = writer->Add(pos, x);
+  }
+  template <size_t ES>
+  uint64_t XorBlock(uint64_t, const uint8_t*, size_t) {
+    return 0;  // only positions are forwarded
+  }
+};
+
+// The sparse encoding from ranges. Positions go out as they come (unless
+// xor-planes is forced); in auto mode a tensor that turns out dense is then
+// re-encoded from those positions as xor-planes, so the choice matches
+// Encode's without holding the tensor's changes.
+class SparseEncodeStream final : public EncodeStream {
+ public:
+  SparseEncodeStream(uint64_t numel, uint32_t elem_size, const EncodeOptions& options,
+                     std::vector<uint8_t>* out)
+      : ranges_(numel, elem_size, true, "sparse"),
+        options_(options),
+        out_(out),
+        start_(out->size()) {
+    if (!IsValidElemSize(elem_size)) {
+      begun_ = Status::InvalidArgument("sparse encode stream: element size " +
+                                       std::to_string(elem_size) + " (expected 1, 2, 4 or 8)");
+    } else if (options.sparse_mode == SparseMode::kXorPlanes) {
+      planes_.emplace(elem_size, numel, out);
+      begun_ = planes_->Begin(options);
+    } else {
+      positions_.emplace(elem_size, numel, out);
+      begun_ = positions_->Begin(options);
+    }
+  }
+
+  Status Add(uint64_t first, std::span<const uint8_t> new_chunk, const ChangeSet& piece) override {
+    DS_RETURN_IF_ERROR(begun_);
+    DS_RETURN_IF_ERROR(ranges_.Add(first, new_chunk, piece));
+    count_ += piece.count();
+    uint8_t x[8];
+    for (uint64_t i = 0; i < piece.count(); ++i) {
+      ChangedXor(piece, i, x);
+      DS_RETURN_IF_ERROR(positions_ ? positions_->Add(first + piece.position(i), x)
+                                    : planes_->Add(first + piece.position(i), x));
+    }
+    return Status::OK();
+  }
+
+  Status Finish() override {
+    DS_RETURN_IF_ERROR(begun_);
+    DS_RETURN_IF_ERROR(ranges_.CheckComplete());
+    if (planes_) return planes_->Finish().WithContext("sparse encode");
+    DS_RETURN_IF_ERROR(positions_->Finish().WithContext("sparse encode"));
+    positions_.reset();  // its frame writer trims *out_ when destroyed
+    const double density = ranges_.numel() == 0
+                               ? 0.0
+                               : static_cast<double>(count_) / static_cast<double>(ranges_.numel());
+    if (options_.sparse_mode != SparseMode::kAuto || density < kTryBothMinDensity) {
+      return Status::OK();
+    }
+    std::vector<uint8_t> planes;
+    DS_RETURN_IF_ERROR(Transcode(&planes).WithContext("sparse encode"));
+    if (density > kTryBothMaxDensity || planes.size() < out_->size() - start_) {
+      out_->resize(start_);
+      out_->insert(out_->end(), planes.begin(), planes.end());
+    }
+    return Status::OK();
+  }
+
+ private:
+  // The positions encoding just written, decoded into an xor-planes writer.
+  Status Transcode(std::vector<uint8_t>* planes) {
+    const std::span<const uint8_t> encoded(out_->data() + start_, out_->size() - start_);
+    DS_ASSIGN_OR_RETURN(SparseHeader header, ReadSparseHeader(encoded));
+    XorPlanesWriter writer(header.elem_size, header.numel, planes);
+    DS_RETURN_IF_ERROR(writer.Begin(options_));
+    ZstdFrameReader reader;
+    DS_RETURN_IF_ERROR(
+        reader.Begin(encoded.subspan(kSparseHeaderBytes), DecodeOptions().zstd_window_log_max, 1));
+    ForwardTarget<XorPlanesWriter> forward{&writer, Status::OK()};
+    DS_RETURN_IF_ERROR(DecodePositions(header, &reader, &forward));
+    DS_RETURN_IF_ERROR(forward.status);
+    return writer.Finish();
+  }
+
+  StreamRanges ranges_;
+  EncodeOptions options_;
+  std::vector<uint8_t>* out_;
+  size_t start_;
+  std::optional<PositionsWriter> positions_;
+  std::optional<XorPlanesWriter> planes_;
+  Status begun_;
+  uint64_t count_ = 0;
+};
+
 class SparseCodecImpl final : public Codec {
  public:
   Encoding encoding() const override { return Encoding::kSparse; }
@@ -308,31 +469,16 @@ class SparseCodecImpl final : public Codec {
 
   Status Encode(std::span<const uint8_t> new_bytes, const ChangeSet& changes,
                 const EncodeOptions& options, std::vector<uint8_t>* out) const override {
-    DS_RETURN_IF_ERROR(ValidateChangeSet(new_bytes, changes, true, "sparse"));
-    const double density = changes.density();
-    SparseMode mode = options.sparse_mode;
-    if (mode == SparseMode::kAuto) {
-      if (density < kTryBothMinDensity) {
-        mode = SparseMode::kPositions;
-      } else if (density > kTryBothMaxDensity) {
-        mode = SparseMode::kXorPlanes;
-      }
-    }
-    if (mode == SparseMode::kPositions) {
-      return EncodePositions(changes, options, out).WithContext("sparse encode");
-    }
-    if (mode == SparseMode::kXorPlanes) {
-      return EncodeXorPlanes(changes, options, out).WithContext("sparse encode");
-    }
-    const size_t start = out->size();
-    DS_RETURN_IF_ERROR(EncodePositions(changes, options, out).WithContext("sparse encode"));
-    std::vector<uint8_t> planes;
-    DS_RETURN_IF_ERROR(EncodeXorPlanes(changes, options, &planes).WithContext("sparse encode"));
-    if (planes.size() < out->size() - start) {
-      out->resize(start);
-      out->insert(out->end(), planes.begin(), planes.end());
-    }
-    return Status::OK();
+    // The whole tensor as one range.
+    SparseEncodeStream stream(changes.numel, changes.elem_size, options, out);
+    DS_RETURN_IF_ERROR(stream.Add(0, new_bytes, changes));
+    return stream.Finish();
+  }
+
+  std::unique_ptr<EncodeStream> NewEncodeStream(uint64_t numel, uint32_t elem_size,
+                                                const EncodeOptions& options,
+                                                std::vector<uint8_t>* out) const override {
+    return std::make_unique<SparseEncodeStream>(numel, elem_size, options, out);
   }
 
   Status DecodeApply(std::span<const uint8_t> encoded, std::span<uint8_t> target,

@@ -6,12 +6,91 @@
 #include <algorithm>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "codec/codec_internal.h"
 #include "codec/zstd_stream.h"
 
 namespace deltasync::codec_internal {
 namespace {
+
+// Per-thread buffers reused from tensor to tensor (a fresh megabyte per
+// tensor costs a page fault per 4 KiB): slot 0 stages an encoder's XOR
+// image and is all zeros between uses, slot 1 holds a decoded chunk.
+std::vector<uint8_t>& ThreadBuffer(int slot) {
+  thread_local std::vector<uint8_t> buffers[2];
+  return buffers[slot];
+}
+
+// The xor encoding from ranges: the XOR image is staged options.chunk_bytes
+// at a time, exactly as Encode stages it, so the frames are identical.
+class XorEncodeStream final : public EncodeStream {
+ public:
+  XorEncodeStream(uint64_t numel, uint32_t elem_size, const EncodeOptions& options,
+                  std::vector<uint8_t>* out)
+      : ranges_(numel, elem_size, true, "xor"), stage_(ThreadBuffer(0)), writer_(out) {
+    if (!IsValidElemSize(elem_size)) {
+      begun_ = Status::InvalidArgument("xor encode stream: element size " +
+                                       std::to_string(elem_size) + " (expected 1, 2, 4 or 8)");
+      return;
+    }
+    es_ = elem_size;
+    total_ = numel * elem_size;
+    chunk_ = static_cast<size_t>(
+        std::min<uint64_t>(ElementsPerChunk(options.chunk_bytes, es_) * es_, total_));
+    if (stage_.size() < chunk_) stage_.resize(chunk_, 0);
+    begun_ =
+        writer_.Begin(options.zstd_level, options.zstd_checksum, total_).WithContext("xor encode");
+  }
+  ~XorEncodeStream() override { ClearStage(); }
+
+  Status Add(uint64_t first, std::span<const uint8_t> new_chunk, const ChangeSet& piece) override {
+    DS_RETURN_IF_ERROR(begun_);
+    DS_RETURN_IF_ERROR(ranges_.Add(first, new_chunk, piece));
+    for (uint64_t i = 0; i < piece.count(); ++i) {
+      const uint64_t at = (first + piece.position(i)) * es_;
+      while (at >= stage_at_ + chunk_) DS_RETURN_IF_ERROR(WriteStage());
+      const auto offset = static_cast<size_t>(at - stage_at_);
+      ChangedXor(piece, i, stage_.data() + offset);
+      dirty_.push_back(offset);
+    }
+    const uint64_t covered = (first + piece.numel) * es_;
+    while (stage_at_ < total_ && covered >= stage_at_ + chunk_) DS_RETURN_IF_ERROR(WriteStage());
+    return Status::OK();
+  }
+
+  Status Finish() override {
+    DS_RETURN_IF_ERROR(begun_);
+    DS_RETURN_IF_ERROR(ranges_.CheckComplete());
+    while (stage_at_ < total_) DS_RETURN_IF_ERROR(WriteStage());
+    return writer_.Finish().WithContext("xor encode");
+  }
+
+ private:
+  Status WriteStage() {
+    const auto n = static_cast<size_t>(std::min<uint64_t>(chunk_, total_ - stage_at_));
+    DS_RETURN_IF_ERROR(writer_.Write({stage_.data(), n}).WithContext("xor encode"));
+    ClearStage();
+    stage_at_ += n;
+    return Status::OK();
+  }
+  // Re-zeroes what was scattered: the stage stays all zeros without a
+  // memset per chunk.
+  void ClearStage() {
+    for (size_t offset : dirty_) std::memset(stage_.data() + offset, 0, es_);
+    dirty_.clear();
+  }
+
+  StreamRanges ranges_;
+  std::vector<uint8_t>& stage_;
+  ZstdFrameWriter writer_;
+  Status begun_;
+  size_t es_ = 1;
+  uint64_t total_ = 0;
+  size_t chunk_ = 0;
+  uint64_t stage_at_ = 0;  // byte offset of the stage in the tensor
+  std::vector<size_t> dirty_;
+};
 
 class XorCodecImpl final : public Codec {
  public:
@@ -22,35 +101,16 @@ class XorCodecImpl final : public Codec {
 
   Status Encode(std::span<const uint8_t> new_bytes, const ChangeSet& changes,
                 const EncodeOptions& options, std::vector<uint8_t>* out) const override {
-    DS_RETURN_IF_ERROR(ValidateChangeSet(new_bytes, changes, true, "xor"));
-    const size_t es = changes.elem_size;
-    const uint64_t total = new_bytes.size();
-    const uint64_t count = changes.count();
-    ZstdFrameWriter writer(out);
-    // The content size goes into the frame header: python-zstandard's
-    // one-shot decompress(), which the peer may use, requires it.
-    DS_RETURN_IF_ERROR(
-        writer.Begin(options.zstd_level, options.zstd_checksum, total).WithContext("xor encode"));
-    const size_t chunk_elems = ElementsPerChunk(options.chunk_bytes, es);
-    const size_t chunk_bytes = static_cast<size_t>(std::min<uint64_t>(chunk_elems * es, total));
-    std::unique_ptr<uint8_t[]> chunk(new uint8_t[std::max<size_t>(chunk_bytes, 1)]());
-    uint64_t next = 0;  // first change not yet written
-    for (uint64_t offset = 0; offset < total; offset += chunk_bytes) {
-      const size_t n = static_cast<size_t>(std::min<uint64_t>(chunk_bytes, total - offset));
-      const uint64_t first_elem = offset / es;
-      const uint64_t end_elem = (offset + n) / es;
-      const uint64_t begin = next;
-      for (; next < count && changes.position(next) < end_elem; ++next) {
-        ChangedXor(changes, next, chunk.get() + (changes.position(next) - first_elem) * es);
-      }
-      DS_RETURN_IF_ERROR(writer.Write({chunk.get(), n}).WithContext("xor encode"));
-      // Re-zero only what was scattered: the chunk stays all-zero between
-      // chunks without a full memset.
-      for (uint64_t i = begin; i < next; ++i) {
-        std::memset(chunk.get() + (changes.position(i) - first_elem) * es, 0, es);
-      }
-    }
-    return writer.Finish().WithContext("xor encode");
+    // The whole tensor as one range.
+    XorEncodeStream stream(changes.numel, changes.elem_size, options, out);
+    DS_RETURN_IF_ERROR(stream.Add(0, new_bytes, changes));
+    return stream.Finish();
+  }
+
+  std::unique_ptr<EncodeStream> NewEncodeStream(uint64_t numel, uint32_t elem_size,
+                                                const EncodeOptions& options,
+                                                std::vector<uint8_t>* out) const override {
+    return std::make_unique<XorEncodeStream>(numel, elem_size, options, out);
   }
 
   Status DecodeApply(std::span<const uint8_t> encoded, std::span<uint8_t> target,
@@ -108,11 +168,12 @@ class XorCodecImpl final : public Codec {
     const size_t chunk_bytes =
         ElementsPerChunk(std::min<size_t>(options.chunk_bytes, target.size()), elem_size) *
         elem_size;
-    std::unique_ptr<uint8_t[]> chunk(new uint8_t[chunk_bytes]);
+    std::vector<uint8_t>& chunk = ThreadBuffer(1);
+    if (chunk.size() < chunk_bytes) chunk.resize(chunk_bytes);
     for (size_t offset = 0; offset < target.size(); offset += chunk_bytes) {
       const size_t n = std::min(chunk_bytes, target.size() - offset);
-      DS_RETURN_IF_ERROR(reader.Read(chunk.get(), n).WithContext("xor decode"));
-      sink(offset, chunk.get(), n);
+      DS_RETURN_IF_ERROR(reader.Read(chunk.data(), n).WithContext("xor decode"));
+      sink(offset, chunk.data(), n);
     }
     Status end = reader.ExpectEnd();
     if (!end.ok()) {

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -183,7 +184,7 @@ uint64_t ChunkNumel(size_t chunk_bytes, uint32_t elem_size) {
 // Appends one chunk's changes, found at element `first` of the tensor, to
 // the tensor's ChangeSet. The chunk is narrow (it holds < 2^32 elements);
 // the tensor may be wide.
-void AppendShifted(const ChangeSet& piece, uint64_t first, ChangeSet* out) {
+void AppendShifted(const ChangeSet& piece, uint64_t first, bool with_new_values, ChangeSet* out) {
   const size_t count = piece.pos32.size();
   if (count == 0) return;
   if (out->wide) {
@@ -196,13 +197,27 @@ void AppendShifted(const ChangeSet& piece, uint64_t first, ChangeSet* out) {
     out->pos32.resize(old + count);
     for (size_t k = 0; k < count; ++k) out->pos32[old + k] = base + piece.pos32[k];
   }
-  out->new_values.insert(out->new_values.end(), piece.new_values.begin(), piece.new_values.end());
+  if (with_new_values) {
+    out->new_values.insert(out->new_values.end(), piece.new_values.begin(), piece.new_values.end());
+  }
   out->old_values.insert(out->old_values.end(), piece.old_values.begin(), piece.old_values.end());
 }
 
 }  // namespace
 
 namespace store_internal {
+
+// Takes the changes of one chunk: elements [first, first + new_chunk.size()
+// / elem_size) hold new_chunk and `piece` lists their changes relative to
+// `first`.
+using ChunkSink = std::function<Status(uint64_t first, std::span<const uint8_t> new_chunk,
+                                       const ChangeSet& piece)>;
+
+// The pass below with each chunk's changes handed to `sink` instead of
+// gathered; a sink error stops it (earlier chunks stay refreshed).
+Status DiffAndHashInChunks(std::span<const uint8_t> new_bytes, std::span<uint8_t> snapshot,
+                           const DiffOptions& options, size_t chunk_bytes, Hasher* base_hasher,
+                           Hasher* new_hasher, ChangeSet* piece, const ChunkSink& sink);
 
 // Declared by the test that checks it against DiffTensor and ChecksumHex;
 // internal to the publisher otherwise.
@@ -222,24 +237,38 @@ Status DiffAndHashInChunks(std::span<const uint8_t> new_bytes, std::span<uint8_t
   if (out == nullptr || piece == nullptr) {
     return Status::InvalidArgument("chunked diff: output ChangeSet is null");
   }
+  DS_RETURN_IF_ERROR(CheckChunkedOperands(new_bytes, snapshot, options.elem_size));
+  out->Clear();
+  out->elem_size = options.elem_size;
+  if (options.elem_size != 0) out->numel = new_bytes.size() / options.elem_size;
+  out->wide = out->numel > uint64_t{UINT32_MAX};
+  return DiffAndHashInChunks(new_bytes, snapshot, options, chunk_bytes, base_hasher, new_hasher,
+                             piece,
+                             [&](uint64_t first, std::span<const uint8_t>, const ChangeSet& p) {
+                               AppendShifted(p, first, /*with_new_values=*/true, out);
+                               return Status::OK();
+                             });
+}
+
+Status DiffAndHashInChunks(std::span<const uint8_t> new_bytes, std::span<uint8_t> snapshot,
+                           const DiffOptions& options, size_t chunk_bytes, Hasher* base_hasher,
+                           Hasher* new_hasher, ChangeSet* piece, const ChunkSink& sink) {
+  if (piece == nullptr) return Status::InvalidArgument("chunked diff: piece ChangeSet is null");
   const uint32_t elem_size = options.elem_size;
   DS_RETURN_IF_ERROR(CheckChunkedOperands(new_bytes, snapshot, elem_size));
   const uint64_t numel = new_bytes.size() / elem_size;
   const uint64_t chunk_numel = ChunkNumel(chunk_bytes, elem_size);
   DiffOptions piece_options = options;
   piece_options.pool = nullptr;
-  out->Clear();
-  out->numel = numel;
-  out->elem_size = elem_size;
-  out->wide = numel > uint64_t{UINT32_MAX};
   for (uint64_t first = 0; first < numel; first += chunk_numel) {
     const size_t offset = first * elem_size;
     const size_t length = std::min(chunk_numel, numel - first) * elem_size;
+    const std::span<const uint8_t> new_chunk = new_bytes.subspan(offset, length);
     if (base_hasher != nullptr) base_hasher->Update(snapshot.subspan(offset, length));
-    DS_RETURN_IF_ERROR(DiffTensor(new_bytes.subspan(offset, length),
-                                  snapshot.subspan(offset, length), piece_options, piece));
-    if (new_hasher != nullptr) new_hasher->Update(new_bytes.subspan(offset, length));
-    AppendShifted(*piece, first, out);
+    DS_RETURN_IF_ERROR(
+        DiffTensor(new_chunk, snapshot.subspan(offset, length), piece_options, piece));
+    if (new_hasher != nullptr) new_hasher->Update(new_chunk);
+    DS_RETURN_IF_ERROR(sink(first, new_chunk, *piece));
   }
   return Status::OK();
 }
@@ -396,26 +425,46 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
     Hasher* base_hasher =
         snap.checksum ? nullptr : FreshHasher(opt.checksum, &scratch->base_hasher);
     Hasher* new_hasher = FreshHasher(opt.checksum, &scratch->new_hasher);
-    Status s =
-        store_internal::DiffAndHashInChunks(w.bytes, snap.bytes(), diff, kFusedChunkBytes,
-                                            base_hasher, new_hasher, &scratch->piece, &changes);
+    const uint64_t numel = snap.size / diff.elem_size;
+    // Encodings that stream take each chunk's changes as the pass finds them,
+    // so the tensor's whole change list is never held; the undo log of a
+    // refreshed tensor keeps only positions and old values.
+    out.encoded =
+        encoded_buffers.Take(codec.encoding() == Encoding::kDense ? snap.size : snap.size / 64);
+    std::unique_ptr<EncodeStream> stream =
+        codec.NewEncodeStream(numel, diff.elem_size, opt.encode, &out.encoded);
+    uint64_t count = 0;
+    changes.Clear();
+    changes.numel = numel;
+    changes.elem_size = diff.elem_size;
+    changes.wide = numel > uint64_t{UINT32_MAX};
+    auto sink = [&](uint64_t first, std::span<const uint8_t> new_chunk, const ChangeSet& piece) {
+      count += piece.count();
+      // Recorded first: the chunk is already refreshed, whatever the stream says.
+      if (diff.refresh_snapshot || !stream) {
+        AppendShifted(piece, first, /*with_new_values=*/!stream, &changes);
+      }
+      return stream ? stream->Add(first, new_chunk, piece) : Status::OK();
+    };
+    // One pass computes the base digest (of the bytes before the refresh;
+    // skipped when the snapshot's is known), the diff and the new digest.
+    Status s = store_internal::DiffAndHashInChunks(w.bytes, snap.bytes(), diff, kFusedChunkBytes,
+                                                   base_hasher, new_hasher, &scratch->piece, sink);
     out.refreshed = diff.refresh_snapshot;
     if (s.ok()) {
       out.base_checksum = base_hasher ? base_hasher->HexDigest() : *snap.checksum;
       out.checksum = new_hasher->HexDigest();
-      if (changes.count() > 0) {
+      if (count > 0) {
         out.changed = true;
-        out.changed_elements = changes.count();
-        const size_t expected_size = codec.encoding() == Encoding::kDense
-                                         ? w.bytes.size()
-                                         : changes.count() * (diff.elem_size + 4) + 64;
-        out.encoded = encoded_buffers.Take(expected_size);
-        s = codec.Encode(w.bytes, changes, opt.encode, &out.encoded);
+        out.changed_elements = count;
+        s = stream ? stream->Finish() : codec.Encode(w.bytes, changes, opt.encode, &out.encoded);
         if (!s.ok()) s = s.WithContext("encoding tensor '" + snap.name + "'");
       }
     } else {
       s = s.WithContext("tensor '" + snap.name + "'");
     }
+    stream.reset();
+    if (!out.changed) encoded_buffers.Give(&out.encoded);
     error.Note(std::move(s));
     // Kept even on failure: a refreshed snapshot must be restorable.
     if (out.refreshed && changes.count() > 0) {
