@@ -172,14 +172,27 @@ TEST(CliTest, StoreCommandsPublishPullVerifyPrune) {
   auto step = [&](int i) { return dir + "/chain/step_00000" + std::to_string(i); };
   const std::string store = " --store " + dir + "/store";
   ASSERT_EQ(RunCli("publish" + store + " --old " + step(0) + " --new " + step(1)).exit_code, 0);
+  for (const char* bad : {"0", "lots"}) {
+    CliRun r = RunCli("publish" + store + " --old " + step(1) + " --new " + step(2) +
+                      " --max-shard-bytes " + bad);
+    EXPECT_NE(r.exit_code, 0) << bad;
+    EXPECT_EQ(CountLines(r.err), 1) << r.err;
+    EXPECT_NE(r.err.find("--max-shard-bytes"), std::string::npos) << r.err;
+  }
+  // Small shards: the version spreads over several files and still pulls.
   CliRun xor_pub = RunCli("publish --json" + store + " --old " + step(1) + " --new " + step(2) +
-                          " --encoding xor --checksum blake3");
+                          " --encoding xor --checksum blake3 --max-shard-bytes 4KiB");
   ASSERT_EQ(xor_pub.exit_code, 0) << xor_pub.err;
   nlohmann::json pj = nlohmann::json::parse(xor_pub.out);
   EXPECT_EQ(pj["version"], 2);
   EXPECT_EQ(pj["encoding"], "xor");
   EXPECT_EQ(pj["checksum"], "blake3");
   EXPECT_GT(pj["changed_elements"].get<uint64_t>(), 0u);
+  size_t shards = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(pj["dir"].get<std::string>())) {
+    shards += entry.path().extension() == ".safetensors";
+  }
+  EXPECT_GT(shards, 1u);
   ASSERT_EQ(
       RunCli("publish" + store + " --old " + step(2) + " --new " + step(3) + " --full").exit_code,
       0);

@@ -43,6 +43,7 @@ nlohmann::json PullJson(const PullResult& r) {
 void RegisterPublish(CLI::App& app, CommandFn* run) {
   struct Opts {
     std::string store, old_ckpt, new_ckpt, encoding = "sparse", checksum = "xxh3-128", hook;
+    std::string max_shard = "64MiB";
     bool full = false, json = false;
     int64_t full_every = 0;
   };
@@ -66,10 +67,20 @@ void RegisterPublish(CLI::App& app, CommandFn* run) {
   cmd->add_option("--hook", o->hook,
                   "Executable run as `hook <version_dir>` before the version becomes visible; "
                   "non-zero exit fails the publish");
+  cmd->add_option("--max-shard-bytes", o->max_shard,
+                  "Most encoded bytes per delta shard, with a unit (64MiB); the publisher holds "
+                  "one shard in memory before writing it")
+      ->capture_default_str();
   cmd->add_flag("--json", o->json, "Machine-readable output");
   cmd->callback([o, run] {
     *run = [o]() -> int {
       PublisherOptions opts;
+      Result<uint64_t> max_shard = ParseByteSize(o->max_shard);
+      if (!max_shard.ok()) return Fail(max_shard.status().WithContext("--max-shard-bytes"));
+      if (*max_shard == 0) {
+        return Fail(Status::InvalidArgument("--max-shard-bytes: must be above 0"));
+      }
+      opts.max_shard_bytes = *max_shard;
       opts.store = o->store;
       Result<Encoding> enc = ParseEncoding(o->encoding);
       if (!enc.ok()) return Fail(enc.status());

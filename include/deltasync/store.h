@@ -128,7 +128,7 @@ struct PublisherOptions {
   // tensors are held in memory before it is written (the header needs their
   // sizes), so this is also the publisher's memory bound beyond the
   // snapshot and the tensors in flight.
-  uint64_t max_shard_bytes = 1ull << 30;
+  uint64_t max_shard_bytes = 64ull << 20;
   // Full versions: most tensor bytes per shard (HF's default, 5 GB). Full
   // versions stream from the caller's tensors and hold nothing.
   uint64_t full_max_shard_bytes = 5'000'000'000ull;

@@ -103,9 +103,18 @@ Status WriteSections(ZstdFrameWriter* writer, std::span<const std::span<const ui
   return Status::OK();
 }
 
-// A block buffer reused by the writers of one thread: a fresh one per tensor
-// would be a page fault per 4 KiB for every tensor of a publish.
-std::vector<uint8_t>& ThreadBlockBuffer(int slot) {
+// Block buffers reused by the writers and readers of one thread: fresh ones
+// per tensor would cost a page fault per 4 KiB for every tensor. Slots:
+// writer gaps, writer planes, reader gaps, reader planes (a transcode reads
+// while a writer is open).
+enum BufferSlot { kWriterGaps = 0, kWriterPlanes = 1, kReaderGaps = 2, kReaderPlanes = 3 };
+uint8_t* ThreadBlockBuffer(BufferSlot slot, size_t bytes) {
+  thread_local std::vector<uint8_t> buffers[4];
+  std::vector<uint8_t>& buffer = buffers[slot];
+  if (buffer.size() < bytes) buffer.resize(bytes);
+  return buffer.data();
+}
+std::vector<uint8_t>& ThreadBlockVector(BufferSlot slot) {
   thread_local std::vector<uint8_t> buffers[2];
   return buffers[slot];
 }
@@ -120,8 +129,8 @@ class PositionsWriter {
       : es_(elem_size),
         out_(out),
         header_at_(out->size()),
-        gaps_(ThreadBlockBuffer(0)),
-        planes_(ThreadBlockBuffer(1)),
+        gaps_(ThreadBlockVector(kWriterGaps)),
+        planes_(ThreadBlockVector(kWriterPlanes)),
         writer_((WriteHeader(SparseMode::kPositions, elem_size, numel, 0, out), out)) {}
 
   Status Begin(const EncodeOptions& options) {
@@ -177,7 +186,7 @@ class XorPlanesWriter {
         numel_(numel),
         out_(out),
         header_at_(out->size()),
-        planes_(ThreadBlockBuffer(1)),
+        planes_(ThreadBlockVector(kWriterPlanes)),
         writer_((WriteHeader(SparseMode::kXorPlanes, elem_size, numel, 0, out), out)) {}
 
   Status Begin(const EncodeOptions& options) {
@@ -297,8 +306,8 @@ template <typename Target>
 Status DecodePositions(const SparseHeader& header, ZstdFrameReader* reader, Target* target) {
   const size_t es = header.elem_size;
   const size_t block = static_cast<size_t>(std::min(kBlock, header.count));
-  std::unique_ptr<uint8_t[]> gaps(new uint8_t[std::max<size_t>(block * kMaxGapBytes, 1)]);
-  std::unique_ptr<uint8_t[]> planes(new uint8_t[std::max<size_t>(block * es, 1)]);
+  uint8_t* gaps = ThreadBlockBuffer(kReaderGaps, std::max<size_t>(block * kMaxGapBytes, 1));
+  uint8_t* planes = ThreadBlockBuffer(kReaderPlanes, std::max<size_t>(block * es, 1));
   uint64_t next_position = 0;
   for (uint64_t first = 0; first < header.count; first += kBlock) {
     const size_t n = static_cast<size_t>(std::min(kBlock, header.count - first));
@@ -309,25 +318,25 @@ Status DecodePositions(const SparseHeader& header, ZstdFrameReader* reader, Targ
       return Corrupt("gap section of " + std::to_string(gap_bytes) + " bytes for " +
                      std::to_string(n) + " positions");
     }
-    DS_RETURN_IF_ERROR(reader->Read(gaps.get(), gap_bytes).WithContext("sparse decode"));
-    DS_RETURN_IF_ERROR(reader->Read(planes.get(), n * es).WithContext("sparse decode"));
+    DS_RETURN_IF_ERROR(reader->Read(gaps, gap_bytes).WithContext("sparse decode"));
+    DS_RETURN_IF_ERROR(reader->Read(planes, n * es).WithContext("sparse decode"));
     Status status;
     switch (es) {
       case 1:
-        status = ApplyPositionsBlock<1>(gaps.get(), gap_bytes, planes.get(), n, header.numel,
-                                        &next_position, target);
+        status = ApplyPositionsBlock<1>(gaps, gap_bytes, planes, n, header.numel, &next_position,
+                                        target);
         break;
       case 2:
-        status = ApplyPositionsBlock<2>(gaps.get(), gap_bytes, planes.get(), n, header.numel,
-                                        &next_position, target);
+        status = ApplyPositionsBlock<2>(gaps, gap_bytes, planes, n, header.numel, &next_position,
+                                        target);
         break;
       case 4:
-        status = ApplyPositionsBlock<4>(gaps.get(), gap_bytes, planes.get(), n, header.numel,
-                                        &next_position, target);
+        status = ApplyPositionsBlock<4>(gaps, gap_bytes, planes, n, header.numel, &next_position,
+                                        target);
         break;
       default:
-        status = ApplyPositionsBlock<8>(gaps.get(), gap_bytes, planes.get(), n, header.numel,
-                                        &next_position, target);
+        status = ApplyPositionsBlock<8>(gaps, gap_bytes, planes, n, header.numel, &next_position,
+                                        target);
         break;
     }
     DS_RETURN_IF_ERROR(status);
@@ -339,16 +348,16 @@ template <typename Target>
 Status DecodeXorPlanes(const SparseHeader& header, ZstdFrameReader* reader, Target* target) {
   const size_t es = header.elem_size;
   const size_t block = static_cast<size_t>(std::min(kBlock, header.numel));
-  std::unique_ptr<uint8_t[]> planes(new uint8_t[std::max<size_t>(block * es, 1)]);
+  uint8_t* planes = ThreadBlockBuffer(kReaderPlanes, std::max<size_t>(block * es, 1));
   uint64_t changed = 0;
   for (uint64_t first = 0; first < header.numel; first += kBlock) {
     const size_t n = static_cast<size_t>(std::min(kBlock, header.numel - first));
-    DS_RETURN_IF_ERROR(reader->Read(planes.get(), n * es).WithContext("sparse decode"));
+    DS_RETURN_IF_ERROR(reader->Read(planes, n * es).WithContext("sparse decode"));
     switch (es) {
-      case 1: changed += target->template XorBlock<1>(first, planes.get(), n); break;
-      case 2: changed += target->template XorBlock<2>(first, planes.get(), n); break;
-      case 4: changed += target->template XorBlock<4>(first, planes.get(), n); break;
-      default: changed += target->template XorBlock<8>(first, planes.get(), n); break;
+      case 1: changed += target->template XorBlock<1>(first, planes, n); break;
+      case 2: changed += target->template XorBlock<2>(first, planes, n); break;
+      case 4: changed += target->template XorBlock<4>(first, planes, n); break;
+      default: changed += target->template XorBlock<8>(first, planes, n); break;
     }
   }
   DS_RETURN_IF_ERROR(reader->ExpectEnd().WithContext("sparse decode"));
