@@ -488,22 +488,27 @@ TEST(Hooks, PostWriteHookFailureLeavesNothingPublishedAndTheSnapshotIntact) {
   WriteFile(bad_hook, "#!/bin/sh\nexit 3\n");
   ::chmod(ok_hook.c_str(), 0755);
   ::chmod(bad_hook.c_str(), 0755);
-  for (uint64_t budget : {uint64_t{1} << 30, uint64_t{0}}) {  // undo log, or refresh later
-    Fixture g;
-    PublisherOptions po = g.PublisherOpts();
-    po.post_write_hook = bad_hook;
-    po.undo_budget_bytes = budget;
-    auto publisher = g.MakePublisher(po);
-    const Model next = Step(g.base_model, 9);
-    Result<PublishResult> r = publisher->Publish(Views(next));
-    EXPECT_EQ(r.status().code(), StatusCode::kAborted) << r.status().ToString();
-    EXPECT_NE(r.status().message().find("exited with status 3"), std::string::npos);
-    EXPECT_EQ(ListDir(g.store), std::vector<std::string>{});  // no version, no temp dir
-    EXPECT_EQ(publisher->latest_version(), 0);
-    for (const TensorView& t : publisher->snapshot()) {
-      const auto expected = AsMap(g.base_model).at(t.name);
-      EXPECT_TRUE(std::equal(t.bytes.begin(), t.bytes.end(), expected.begin(), expected.end()))
-          << t.name << " budget " << budget;
+  // Undo log or refresh later; streamed encodings (sparse, xor) and one
+  // encoded from the whole change list (overwrite).
+  for (uint64_t budget : {uint64_t{1} << 30, uint64_t{0}}) {
+    for (Encoding encoding : {Encoding::kSparse, Encoding::kXor, Encoding::kOverwrite}) {
+      Fixture g;
+      PublisherOptions po = g.PublisherOpts();
+      po.post_write_hook = bad_hook;
+      po.undo_budget_bytes = budget;
+      po.encoding = encoding;
+      auto publisher = g.MakePublisher(po);
+      const Model next = Step(g.base_model, 9);
+      Result<PublishResult> r = publisher->Publish(Views(next));
+      EXPECT_EQ(r.status().code(), StatusCode::kAborted) << r.status().ToString();
+      EXPECT_NE(r.status().message().find("exited with status 3"), std::string::npos);
+      EXPECT_EQ(ListDir(g.store), std::vector<std::string>{});  // no version, no temp dir
+      EXPECT_EQ(publisher->latest_version(), 0);
+      for (const TensorView& t : publisher->snapshot()) {
+        const auto expected = AsMap(g.base_model).at(t.name);
+        EXPECT_TRUE(std::equal(t.bytes.begin(), t.bytes.end(), expected.begin(), expected.end()))
+            << t.name << " budget " << budget << " " << EncodingName(encoding);
+      }
     }
   }
   // With a hook that succeeds (and sees a complete version), publishes work.
