@@ -191,6 +191,7 @@ TEST(CliTest, StoreCommandsPublishPullVerifyPrune) {
   size_t shards = 0;
   for (const auto& entry : std::filesystem::directory_iterator(pj["dir"].get<std::string>())) {
     shards += entry.path().extension() == ".safetensors";
+    EXPECT_NE(entry.path().filename().string()[0], '.') << "left behind: " << entry.path();
   }
   EXPECT_GT(shards, 1u);
   ASSERT_EQ(

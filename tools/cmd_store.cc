@@ -43,7 +43,7 @@ nlohmann::json PullJson(const PullResult& r) {
 void RegisterPublish(CLI::App& app, CommandFn* run) {
   struct Opts {
     std::string store, old_ckpt, new_ckpt, encoding = "sparse", checksum = "xxh3-128", hook;
-    std::string max_shard = "64MiB";
+    std::string max_shard = "1GiB";
     bool full = false, json = false;
     int64_t full_every = 0;
   };
@@ -68,8 +68,7 @@ void RegisterPublish(CLI::App& app, CommandFn* run) {
                   "Executable run as `hook <version_dir>` before the version becomes visible; "
                   "non-zero exit fails the publish");
   cmd->add_option("--max-shard-bytes", o->max_shard,
-                  "Most encoded bytes per delta shard, with a unit (64MiB); the publisher holds "
-                  "one shard in memory before writing it")
+                  "Most encoded bytes per delta shard file, with a unit (e.g. 64MiB)")
       ->capture_default_str();
   cmd->add_flag("--json", o->json, "Machine-readable output");
   cmd->callback([o, run] {

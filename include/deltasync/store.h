@@ -124,11 +124,12 @@ struct PublisherOptions {
   EncodeOptions encode;  // zstd level, frame checksums, sparse mode
   // Every K-th version (N % K == 0) is published full; 0 = only on request.
   int64_t full_every = 0;
-  // Delta versions: most encoded bytes per shard file. One shard's encoded
-  // tensors are held in memory before it is written (the header needs their
-  // sizes), so this is also the publisher's memory bound beyond the
-  // snapshot and the tensors in flight.
-  uint64_t max_shard_bytes = 64ull << 20;
+  // Delta versions: most encoded bytes per shard file (a single larger
+  // tensor gets a shard of its own). Each worker task appends the encodings
+  // of the tensors it finishes to a file of its own, so a version has a
+  // shard per task that found changes, and the encoded delta is never held
+  // in memory beyond the tensors in flight, whatever this limit.
+  uint64_t max_shard_bytes = 1ull << 30;
   // Full versions: most tensor bytes per shard (HF's default, 5 GB). Full
   // versions stream from the caller's tensors and hold nothing.
   uint64_t full_max_shard_bytes = 5'000'000'000ull;

@@ -12,6 +12,7 @@
 
 #include "deltasync/checksum.h"
 #include "format/file_util.h"
+#include "store/store_internal.h"
 
 namespace deltasync::store_internal {
 namespace {
@@ -44,20 +45,6 @@ T Get(const uint8_t* p) {
   T v;
   std::memcpy(&v, p, sizeof(T));
   return v;
-}
-
-Status WriteAt(int fd, const uint8_t* data, size_t size, uint64_t offset, const std::string& path) {
-  while (size > 0) {
-    const ssize_t n = ::pwrite(fd, data, size, static_cast<off_t>(offset));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return Status::FromErrno(errno, path + ": write");
-    }
-    data += n;
-    size -= static_cast<size_t>(n);
-    offset += static_cast<uint64_t>(n);
-  }
-  return Status::OK();
 }
 
 }  // namespace
@@ -266,7 +253,7 @@ Result<std::unique_ptr<JournalWriter>> JournalWriter::Create(const std::string& 
   Put<int64_t>(header + 8, version);
   Put<int64_t>(header + 16, from_version);
   Put<uint64_t>(header + 24, Hash64(header, 24));
-  DS_RETURN_IF_ERROR(WriteAt(writer->fd_, header, kHeaderBytes, 0, path));
+  DS_RETURN_IF_ERROR(WriteAllAt(writer->fd_, header, kHeaderBytes, 0, path));
   writer->next_offset_ = kHeaderBytes;
   return writer;
 }
@@ -277,7 +264,7 @@ JournalWriter::~JournalWriter() {
 
 Status JournalWriter::Append(std::span<const uint8_t> record) {
   const uint64_t offset = next_offset_.fetch_add(record.size());
-  DS_RETURN_IF_ERROR(WriteAt(fd_, record.data(), record.size(), offset, path_));
+  DS_RETURN_IF_ERROR(WriteAllAt(fd_, record.data(), record.size(), offset, path_));
   records_.fetch_add(1);
   return Status::OK();
 }
@@ -293,7 +280,7 @@ Status JournalWriter::Finish(bool durable) {
   std::memcpy(both, header, 24);
   std::memcpy(both + 24, trailer, 24);
   Put<uint64_t>(trailer + 24, Hash64(both, 48));
-  DS_RETURN_IF_ERROR(WriteAt(fd_, trailer, kTrailerBytes, end, path_));
+  DS_RETURN_IF_ERROR(WriteAllAt(fd_, trailer, kTrailerBytes, end, path_));
   if (durable) {
     if (::fsync(fd_) != 0) return Status::FromErrno(errno, path_ + ": fsync");
     DS_RETURN_IF_ERROR(format_internal::SyncDirectory(format_internal::DirName(path_)));

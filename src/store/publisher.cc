@@ -2,6 +2,7 @@
 // writes the next version atomically, and advances the snapshot only once
 // the version is durable. PruneStore lives here too.
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -48,9 +49,8 @@ struct SnapshotTensor {
 // What one tensor contributes to a delta version.
 struct DeltaTensor {
   bool changed = false;
-  bool refreshed = false;  // the snapshot already holds the new values
-  ChangeSet undo;          // positions + old values while refreshed
-  std::vector<uint8_t> encoded;
+  bool refreshed = false;     // the snapshot already holds the new values
+  ChangeSet undo;             // positions + old values while refreshed
   std::string checksum;       // of the new bytes
   std::string base_checksum;  // of the old bytes
   uint64_t changed_elements = 0;
@@ -84,16 +84,32 @@ double SecondsSince(std::chrono::steady_clock::time_point t0) {
 // the diff and the new digest, so each byte comes from memory once.
 constexpr size_t kFusedChunkBytes = size_t{512} << 10;
 
-// Encoded buffers kept for reuse between shards beyond this are freed: the
-// reuse is for the common sparse case, not to pin a dense version's worth.
-constexpr size_t kMaxIdleEncodedBytes = size_t{64} << 20;
+// Bytes copied at a time from a slot's data file into its shard.
+constexpr size_t kShardCopyBytes = size_t{1} << 20;
+
+// A data file that one task slot of a delta publish appends the encodings
+// of its finished tensors to, assembled into a shard at the end.
+struct SlotPart {
+  std::string data_path;
+  int fd = -1;
+  uint64_t size = 0;
+  std::vector<std::pair<size_t, uint64_t>> tensors;  // (index, encoded bytes), in file order
+  SlotPart() = default;
+  SlotPart(const SlotPart&) = delete;
+  SlotPart& operator=(const SlotPart&) = delete;
+  ~SlotPart() {
+    if (fd >= 0) ::close(fd);
+  }
+};
 
 // What one task reuses from tensor to tensor. Large fresh allocations cost
 // a page fault and a page clear per 4 KiB, as much as the diff itself at
 // typical densities, so these stay mapped for the whole publish.
 struct TensorScratch {
-  ChangeSet changes;  // the tensor's (moved out when kept as an undo log)
-  ChangeSet piece;    // one chunk's
+  ChangeSet changes;             // the tensor's (moved out when kept as an undo log)
+  ChangeSet piece;               // one chunk's
+  std::vector<uint8_t> encoded;  // the tensor's encoding, until written
+  SlotPart* part = nullptr;      // the data file this slot appends to
   std::unique_ptr<Hasher> base_hasher;
   std::unique_ptr<Hasher> new_hasher;
 };
@@ -107,43 +123,6 @@ Hasher* FreshHasher(ChecksumAlgo algo, std::unique_ptr<Hasher>* slot) {
   }
   return slot->get();
 }
-
-// Encoded-tensor buffers returned after their shard is written, handed out
-// again by best fit on an estimate of the next encoding's size.
-class EncodedBuffers {
- public:
-  std::vector<uint8_t> Take(size_t expected_size) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (free_.empty()) return {};
-    size_t best = free_.size();
-    for (size_t k = 0; k < free_.size(); ++k) {
-      const size_t capacity = free_[k].capacity();
-      if (capacity >= expected_size &&
-          (best == free_.size() || capacity < free_[best].capacity())) {
-        best = k;
-      }
-    }
-    if (best == free_.size()) best = free_.size() - 1;  // none fits: grow the newest
-    std::vector<uint8_t> buffer = std::move(free_[best]);
-    free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(best));
-    idle_bytes_ -= buffer.capacity();
-    buffer.clear();
-    return buffer;
-  }
-  void Give(std::vector<uint8_t>* buffer) {
-    std::vector<uint8_t> taken = std::move(*buffer);
-    buffer->clear();
-    std::lock_guard<std::mutex> lock(mu_);
-    if (taken.capacity() == 0 || idle_bytes_ + taken.capacity() > kMaxIdleEncodedBytes) return;
-    idle_bytes_ += taken.capacity();
-    free_.push_back(std::move(taken));
-  }
-
- private:
-  std::mutex mu_;
-  std::vector<std::vector<uint8_t>> free_;
-  size_t idle_bytes_ = 0;
-};
 
 // The whole-tensor checks of DiffTensor, done once before a chunked pass
 // so that no chunk fails after earlier ones were refreshed.
@@ -366,41 +345,20 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
   std::atomic<uint64_t> undo_bytes{0};
   FirstError error;
 
-  // Shards are written as they fill, under temporary names: their final
-  // names carry the shard count, known only at the end.
-  struct WrittenShard {
-    std::string temp_name;
-    std::vector<std::string> tensors;
-  };
-  std::vector<WrittenShard> shards;
-  std::vector<size_t> batch;  // tensor indices of the shard being filled
-  uint64_t batch_bytes = 0;
-  EncodedBuffers encoded_buffers;
-  auto flush_batch = [&]() -> Status {
-    if (batch.empty()) return Status::OK();
-    WrittenShard shard;
-    shard.temp_name = "part-" + std::to_string(shards.size() + 1) + ".safetensors";
-    std::vector<TensorSpec> specs;
-    std::map<std::string, std::string> metadata;
-    for (size_t i : batch) {
-      specs.push_back(
-          {tensors[i].name, DType::kU8, {static_cast<int64_t>(delta[i].encoded.size())}});
-      metadata[tensors[i].name] = delta[i].checksum;
-      shard.tensors.push_back(tensors[i].name);
-    }
-    DS_ASSIGN_OR_RETURN(
-        std::unique_ptr<SafetensorsWriter> writer,
-        SafetensorsWriter::Create(JoinPath(dir, shard.temp_name), std::move(specs), metadata));
-    for (size_t i : batch) {
-      DS_RETURN_IF_ERROR(writer->Append(delta[i].encoded));
-      // Only the undo log and the digests outlive the shard.
-      encoded_buffers.Give(&delta[i].encoded);
-    }
-    DS_RETURN_IF_ERROR(writer->Finish());
-    shards.push_back(std::move(shard));
-    batch.clear();
-    batch_bytes = 0;
-    return Status::OK();
+  // Each task slot appends the encodings of the tensors it finishes to a
+  // data file of its own (a new one past max_shard_bytes); the shards are
+  // assembled from those files at the end, header first. So the encoded
+  // delta is never held in memory beyond the tensors in flight.
+  std::mutex parts_mu;
+  std::vector<std::unique_ptr<SlotPart>> parts;
+  auto new_part = [&]() -> Result<SlotPart*> {
+    auto part = std::make_unique<SlotPart>();
+    std::lock_guard<std::mutex> lock(parts_mu);
+    part->data_path = JoinPath(dir, ".data-" + std::to_string(parts.size() + 1));
+    part->fd = ::open(part->data_path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (part->fd < 0) return Status::FromErrno(errno, part->data_path + ": create");
+    parts.push_back(std::move(part));
+    return parts.back().get();
   };
 
   const PublisherOptions& opt = options;
@@ -429,10 +387,10 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
     // Encodings that stream take each chunk's changes as the pass finds them,
     // so the tensor's whole change list is never held; the undo log of a
     // refreshed tensor keeps only positions and old values.
-    out.encoded =
-        encoded_buffers.Take(codec.encoding() == Encoding::kDense ? snap.size : snap.size / 64);
+    std::vector<uint8_t>& encoded = scratch->encoded;
+    encoded.clear();
     std::unique_ptr<EncodeStream> stream =
-        codec.NewEncodeStream(numel, diff.elem_size, opt.encode, &out.encoded);
+        codec.NewEncodeStream(numel, diff.elem_size, opt.encode, &encoded);
     uint64_t count = 0;
     changes.Clear();
     changes.numel = numel;
@@ -457,14 +415,34 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
       if (count > 0) {
         out.changed = true;
         out.changed_elements = count;
-        s = stream ? stream->Finish() : codec.Encode(w.bytes, changes, opt.encode, &out.encoded);
+        s = stream ? stream->Finish() : codec.Encode(w.bytes, changes, opt.encode, &encoded);
         if (!s.ok()) s = s.WithContext("encoding tensor '" + snap.name + "'");
       }
     } else {
       s = s.WithContext("tensor '" + snap.name + "'");
     }
     stream.reset();
-    if (!out.changed) encoded_buffers.Give(&out.encoded);
+    if (s.ok() && out.changed) {
+      SlotPart* part = scratch->part;
+      if (part == nullptr ||
+          (!part->tensors.empty() && part->size + encoded.size() > opt.max_shard_bytes)) {
+        if (part != nullptr) {  // full: reopened to be read at the end
+          ::close(part->fd);
+          part->fd = -1;
+        }
+        Result<SlotPart*> made = new_part();
+        s = made.status();
+        if (made.ok()) part = scratch->part = *made;
+      }
+      if (s.ok()) {
+        s = store_internal::WriteAllAt(part->fd, encoded.data(), encoded.size(), part->size,
+                                       part->data_path);
+      }
+      if (s.ok()) {
+        part->tensors.emplace_back(i, encoded.size());
+        part->size += encoded.size();
+      }
+    }
     error.Note(std::move(s));
     // Kept even on failure: a refreshed snapshot must be restorable.
     if (out.refreshed && changes.count() > 0) {
@@ -477,43 +455,61 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
     scratches.Give(std::move(scratch));
   };
 
-  // Tensors are processed in windows so that the encoded bytes held at once
-  // stay near one shard plus one window. One thread works through a
-  // tensor, so a window also takes enough other bytes to keep the other
-  // threads busy meanwhile (an embedding can be a quarter of a small
-  // model), and starts its largest tensors first. A window still holds at
-  // most 2 * threads times its largest tensor's bytes.
-  const size_t threads = pool->size() + 1;
-  const size_t min_window = std::max<size_t>(4, 2 * threads);
-  std::vector<size_t> order;
-  for (size_t begin = 0, end = 0; begin < n && !error.failed(); begin = end) {
-    uint64_t window_bytes = 0;
-    uint64_t largest = 0;
-    for (end = begin; end < n; ++end) {
-      if (end - begin >= min_window && window_bytes >= threads * largest) break;
-      window_bytes += tensors[end].size;
-      largest = std::max<uint64_t>(largest, tensors[end].size);
-    }
-    order.resize(end - begin);
-    for (size_t k = 0; k < order.size(); ++k) order[k] = begin + k;
-    std::stable_sort(order.begin(), order.end(),
-                     [&](size_t a, size_t b) { return tensors[a].size > tensors[b].size; });
-    pool->ParallelFor(order.size(), [&](size_t k) { process(order[k]); });
+  // Largest tensors first, so that a big one does not start last and leave
+  // the other threads idle.
+  std::vector<size_t> order(n);
+  for (size_t k = 0; k < n; ++k) order[k] = k;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return tensors[a].size > tensors[b].size; });
+  pool->ParallelFor(n, [&](size_t k) { process(order[k]); });
+
+  // Shards, under temporary names (their final names carry the shard count),
+  // in the order of their first tensors; each data file is copied after its
+  // header and removed.
+  std::sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) {
+    return a->tensors.front().first < b->tensors.front().first;
+  });
+  struct WrittenShard {
+    std::string temp_name;
+    std::vector<std::string> tensors;
+  };
+  std::vector<WrittenShard> shards;
+  std::vector<uint8_t> copy_buffer;
+  for (const auto& part : parts) {
     if (error.failed()) break;
-    for (size_t i = begin; i < end; ++i) {
-      if (!delta[i].changed) continue;
-      const uint64_t size = delta[i].encoded.size();
-      if (!batch.empty() && batch_bytes + size > opt.max_shard_bytes) {
-        error.Note(flush_batch());
-        if (error.failed()) break;
-      }
-      batch.push_back(i);
-      batch_bytes += size;
-      result->tensors_changed++;
-      result->changed_elements += delta[i].changed_elements;
+    WrittenShard shard;
+    shard.temp_name = "part-" + std::to_string(shards.size() + 1) + ".safetensors";
+    std::vector<TensorSpec> specs;
+    std::map<std::string, std::string> metadata;
+    for (const auto& [i, bytes] : part->tensors) {
+      specs.push_back({tensors[i].name, DType::kU8, {static_cast<int64_t>(bytes)}});
+      metadata[tensors[i].name] = delta[i].checksum;
+      shard.tensors.push_back(tensors[i].name);
     }
+    Result<std::unique_ptr<SafetensorsWriter>> writer =
+        SafetensorsWriter::Create(JoinPath(dir, shard.temp_name), std::move(specs), metadata);
+    Status s = writer.status();
+    if (s.ok() && part->fd < 0) {
+      part->fd = ::open(part->data_path.c_str(), O_RDONLY | O_CLOEXEC);
+      if (part->fd < 0) s = Status::FromErrno(errno, part->data_path + ": open");
+    }
+    copy_buffer.resize(std::min<uint64_t>(part->size, kShardCopyBytes));
+    for (uint64_t at = 0; s.ok() && at < part->size; at += copy_buffer.size()) {
+      const auto n_bytes =
+          static_cast<size_t>(std::min<uint64_t>(copy_buffer.size(), part->size - at));
+      s = store_internal::ReadAllAt(part->fd, copy_buffer.data(), n_bytes, at, part->data_path);
+      if (s.ok()) s = (*writer)->Append({copy_buffer.data(), n_bytes});
+    }
+    if (s.ok()) s = (*writer)->Finish();
+    if (s.ok()) s = format_internal::RemoveFileIfExists(part->data_path);
+    error.Note(std::move(s));
+    shards.push_back(std::move(shard));
   }
-  if (!error.failed()) error.Note(flush_batch());
+  for (size_t i = 0; i < n; ++i) {
+    if (!delta[i].changed) continue;
+    result->tensors_changed++;
+    result->changed_elements += delta[i].changed_elements;
+  }
   if (error.failed()) {
     RestoreSnapshot(&delta);
     return error.status();

@@ -107,6 +107,12 @@ class FileLock {
   int fd_ = -1;
 };
 
+// pwrite/pread of exactly `size` bytes at `offset` (retrying short counts
+// and EINTR); errors name `what`. A read past the end is IOError.
+Status WriteAllAt(int fd, const uint8_t* data, size_t size, uint64_t offset,
+                  const std::string& what);
+Status ReadAllAt(int fd, uint8_t* data, size_t size, uint64_t offset, const std::string& what);
+
 // A mutex-guarded free list of per-task scratch objects, reused across the
 // tasks of a parallel loop: vectors sized for large tensors are an mmap, a
 // page-fault storm and an munmap each when made fresh. As many exist as

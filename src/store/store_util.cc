@@ -37,21 +37,6 @@ std::optional<std::string> g_boot_override;
 // Ranges a single large file is cut into for parallel copy_file_range.
 constexpr uint64_t kCopyRangeBytes = uint64_t{256} << 20;
 
-Status WriteAllAt(int fd, const uint8_t* data, size_t size, uint64_t offset,
-                  const std::string& what) {
-  while (size > 0) {
-    const ssize_t n = ::pwrite(fd, data, size, static_cast<off_t>(offset));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return Status::FromErrno(errno, what + ": write");
-    }
-    data += n;
-    size -= static_cast<size_t>(n);
-    offset += static_cast<uint64_t>(n);
-  }
-  return Status::OK();
-}
-
 // Copies [offset, offset + length) of `in` to the same offsets of `out`.
 Status CopyRange(int in, int out, uint64_t offset, uint64_t length, const std::string& what) {
   loff_t in_off = static_cast<loff_t>(offset);
@@ -89,6 +74,36 @@ Status CopyRange(int in, int out, uint64_t offset, uint64_t length, const std::s
 }
 
 }  // namespace
+
+Status WriteAllAt(int fd, const uint8_t* data, size_t size, uint64_t offset,
+                  const std::string& what) {
+  while (size > 0) {
+    const ssize_t n = ::pwrite(fd, data, size, static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return Status::FromErrno(errno, what + ": write");
+    }
+    data += n;
+    size -= static_cast<size_t>(n);
+    offset += static_cast<uint64_t>(n);
+  }
+  return Status::OK();
+}
+
+Status ReadAllAt(int fd, uint8_t* data, size_t size, uint64_t offset, const std::string& what) {
+  while (size > 0) {
+    const ssize_t n = ::pread(fd, data, size, static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return Status::FromErrno(errno, what + ": read");
+    }
+    if (n == 0) return Status::IOError(what + ": ends early, at byte " + std::to_string(offset));
+    data += n;
+    size -= static_cast<size_t>(n);
+    offset += static_cast<uint64_t>(n);
+  }
+  return Status::OK();
+}
 
 void SetCrashHookForTesting(CrashHook hook) { g_crash_hook.store(hook); }
 
