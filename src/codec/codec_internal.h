@@ -7,6 +7,7 @@
 #include <span>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "deltasync/codec.h"
 #include "deltasync/diff.h"
@@ -68,6 +69,15 @@ class StreamRanges {
   std::string_view name_;
   uint64_t covered_ = 0;
 };
+
+// Codec::Encode through an EncodeStream type: the whole tensor as one range.
+template <typename Stream>
+Status EncodeAsOneRange(std::span<const uint8_t> new_bytes, const ChangeSet& changes,
+                        const EncodeOptions& options, std::vector<uint8_t>* out) {
+  Stream stream(changes.numel, changes.elem_size, options, out);
+  DS_RETURN_IF_ERROR(stream.Add(0, new_bytes, changes));
+  return stream.Finish();
+}
 
 // Checks the decoder's caller-supplied arguments: a valid element size and a
 // target made of whole elements. InvalidArgument otherwise.

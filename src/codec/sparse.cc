@@ -478,10 +478,7 @@ class SparseCodecImpl final : public Codec {
 
   Status Encode(std::span<const uint8_t> new_bytes, const ChangeSet& changes,
                 const EncodeOptions& options, std::vector<uint8_t>* out) const override {
-    // The whole tensor as one range.
-    SparseEncodeStream stream(changes.numel, changes.elem_size, options, out);
-    DS_RETURN_IF_ERROR(stream.Add(0, new_bytes, changes));
-    return stream.Finish();
+    return EncodeAsOneRange<SparseEncodeStream>(new_bytes, changes, options, out);
   }
 
   std::unique_ptr<EncodeStream> NewEncodeStream(uint64_t numel, uint32_t elem_size,

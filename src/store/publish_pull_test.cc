@@ -191,6 +191,38 @@ TEST(Publish, UnchangedTensorsAreAbsentAndAnEmptyDeltaIsAVersion) {
   EXPECT_TRUE(HoldsModel(f.local, next));
 }
 
+// Small shards: a shard holds tensors up to max_shard_bytes of encoded
+// bytes (one larger tensor alone), every changed tensor lands in exactly one,
+// the temp data files are gone, and the version pulls bit-exactly.
+TEST(Publish, ShardsStayWithinMaxShardBytes) {
+  for (Encoding encoding : {Encoding::kSparse, Encoding::kOverwrite}) {
+    Fixture f;
+    PublisherOptions po = f.PublisherOpts();
+    po.encoding = encoding;
+    po.max_shard_bytes = 600;
+    auto publisher = f.MakePublisher(po);
+    const Model next = Step(f.base_model, 3);
+    Result<PublishResult> r = publisher->Publish(Views(next));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ASSERT_GT(r->tensors_changed, 2u);
+    Result<std::unique_ptr<Checkpoint>> v1 = Checkpoint::Open(f.VersionPath(1));
+    DS_ASSERT_OK(v1);
+    EXPECT_EQ((*v1)->tensors().size(), r->tensors_changed);
+    ASSERT_GT((*v1)->files().size(), 1u);
+    for (const auto& file : (*v1)->files()) {
+      uint64_t bytes = 0;
+      for (const TensorView& t : file->tensors()) bytes += t.bytes.size();
+      if (file->tensors().size() > 1) {
+        EXPECT_LE(bytes, po.max_shard_bytes) << file->path();
+      }
+    }
+    for (const std::string& name : ListDir(f.VersionPath(1))) EXPECT_NE(name[0], '.') << name;
+    auto local = f.OpenLocal();
+    DS_ASSERT_OK(local->Pull(std::nullopt));
+    EXPECT_TRUE(HoldsModel(f.local, next));
+  }
+}
+
 TEST(Publish, RefusesWeightsThatDoNotMatchTheSnapshot) {
   Fixture f;
   auto publisher = f.MakePublisher(f.PublisherOpts());

@@ -378,8 +378,6 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
     // Old values serve the encoding and, once refreshed, the undo log.
     diff.keep_old_values = diff.refresh_snapshot || codec.needs_old_values();
     diff.pool = nullptr;
-    // One pass computes the base digest (of the bytes before the refresh;
-    // skipped when the snapshot's is known), the diff and the new digest.
     Hasher* base_hasher =
         snap.checksum ? nullptr : FreshHasher(opt.checksum, &scratch->base_hasher);
     Hasher* new_hasher = FreshHasher(opt.checksum, &scratch->new_hasher);
@@ -466,9 +464,11 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
   // Shards, under temporary names (their final names carry the shard count),
   // in the order of their first tensors; each data file is copied after its
   // header and removed.
-  std::sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) {
-    return a->tensors.front().first < b->tensors.front().first;
-  });
+  if (!error.failed()) {  // on failure a part may hold no tensor
+    std::sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) {
+      return a->tensors.front().first < b->tensors.front().first;
+    });
+  }
   struct WrittenShard {
     std::string temp_name;
     std::vector<std::string> tensors;
