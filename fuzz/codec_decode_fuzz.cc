@@ -8,12 +8,15 @@
 //    target. Any Status is fine; a crash or an access outside the target
 //    (exact-size heap buffer, so ASan sees it) is a bug.
 //  - round trip: the input describes a tensor pair; encode, decode onto the
-//    old bytes, and abort unless the result is exactly the new bytes.
+//    old bytes, and abort unless the result is exactly the new bytes. The
+//    encodings that stream (xor, sparse) must also give the same bytes when
+//    fed the changes in ranges.
 //  - mutated: as round trip, then flip a few bytes of the valid encoding
 //    (positions and values from the input) before decoding. This reaches
 //    the decoders' deep paths, which random bytes rarely pass a zstd frame
 //    check to get to. Memory safety is checked, and that any failure is
 //    Corruption; with zero flips it must round-trip exactly.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -146,6 +149,34 @@ void CheckChangesMatchApply(Encoding encoding, std::span<const uint8_t> encoded,
           "chunks list the same values");
 }
 
+// Encodings that stream (xor, sparse) must give Encode's bytes from the
+// tensor's changes handed over `range` elements at a time.
+void CheckStreamedEncoding(Encoding encoding, uint32_t elem_size, const EncodeOptions& options,
+                           const std::vector<uint8_t>& old_bytes,
+                           const std::vector<uint8_t>& new_bytes, size_t range,
+                           const std::vector<uint8_t>& expected) {
+  const deltasync::Codec& codec = deltasync::GetCodec(encoding);
+  const size_t numel = old_bytes.size() / elem_size;
+  std::vector<uint8_t> streamed;
+  std::unique_ptr<deltasync::EncodeStream> stream =
+      codec.NewEncodeStream(numel, elem_size, options, &streamed);
+  if (stream == nullptr) return;
+  ChangeSet piece;
+  deltasync::DiffOptions diff;
+  diff.elem_size = elem_size;
+  diff.refresh_snapshot = false;
+  for (size_t first = 0; first < numel; first += range) {
+    const size_t n = std::min(range, numel - first);
+    std::span<const uint8_t> new_range(new_bytes.data() + first * elem_size, n * elem_size);
+    std::vector<uint8_t> old_range(old_bytes.begin() + first * elem_size,
+                                   old_bytes.begin() + (first + n) * elem_size);
+    Require(deltasync::DiffTensor(new_range, old_range, diff, &piece).ok(), "range diff");
+    Require(stream->Add(first, new_range, piece).ok(), "a stream takes consistent ranges");
+  }
+  Require(stream->Finish().ok(), "a stream finishes once the tensor is covered");
+  Require(streamed == expected, "the streamed encoding equals Encode's");
+}
+
 void FuzzRaw(Encoding encoding, uint32_t elem_size, const DecodeOptions& options,
              std::span<const uint8_t> encoded) {
   const size_t bytes = kRawTargetElems * elem_size;
@@ -189,6 +220,8 @@ void FuzzEncoded(Encoding encoding, uint32_t elem_size, SparseMode sparse_mode, 
   std::vector<uint8_t> encoded;
   Require(deltasync::Encode(encoding, new_bytes, changes, encode_options, &encoded).ok(),
           "encoding a consistent ChangeSet succeeds");
+  CheckStreamedEncoding(encoding, elem_size, encode_options, old_bytes, new_bytes,
+                        1 + SplitMix(seed) % numel, encoded);
   for (int m = 0; m < mutations && !encoded.empty(); ++m) {
     encoded[flips[m][0] % encoded.size()] ^= static_cast<uint8_t>(flips[m][1]);
   }
