@@ -95,8 +95,9 @@ struct DecodeOptions {
 
 // Encodes one tensor from its diff handed over a range at a time, so that the
 // encoder never holds the tensor's whole ChangeSet: memory is its block
-// buffers plus the output. Made by Codec::NewEncodeStream; one thread uses a
-// stream at a time.
+// buffers plus the output. Made by Codec::NewEncodeStream. Streams are
+// independent: any number may be open at once, but each is used by one
+// thread at a time.
 class EncodeStream {
  public:
   virtual ~EncodeStream() = default;

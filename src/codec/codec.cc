@@ -153,6 +153,30 @@ Status ValidateChangeSet(std::span<const uint8_t> new_bytes, const ChangeSet& ch
   return Status::OK();
 }
 
+namespace {
+
+// Spare encoder buffers of this thread, by kind; a few per kind are kept.
+constexpr size_t kMaxSpareBuffers = 4;
+std::vector<std::vector<uint8_t>>& SpareBuffers(PooledBuffer::Kind kind) {
+  thread_local std::vector<std::vector<uint8_t>> spares[PooledBuffer::kKinds];
+  return spares[kind];
+}
+
+}  // namespace
+
+PooledBuffer::PooledBuffer(Kind kind) : kind_(kind) {
+  std::vector<std::vector<uint8_t>>& spares = SpareBuffers(kind);
+  if (!spares.empty()) {
+    bytes_ = std::move(spares.back());
+    spares.pop_back();
+  }
+}
+
+PooledBuffer::~PooledBuffer() {
+  std::vector<std::vector<uint8_t>>& spares = SpareBuffers(kind_);
+  if (spares.size() < kMaxSpareBuffers) spares.push_back(std::move(bytes_));
+}
+
 Status StreamRanges::Add(uint64_t first, std::span<const uint8_t> new_chunk,
                          const ChangeSet& piece) {
   auto fail = [&](const std::string& what) {

@@ -70,6 +70,25 @@ class StreamRanges {
   uint64_t covered_ = 0;
 };
 
+// A byte buffer an encoder owns for its lifetime, taken from a per-thread
+// pool of spares of its kind and given back to the pool of the thread that
+// destroys it: a fresh buffer per tensor would cost a page fault per 4 KiB
+// for every tensor of a publish. kZeroed buffers are all zeros whenever they
+// are in the pool (their users clear what they wrote before giving back).
+class PooledBuffer {
+ public:
+  enum Kind { kGaps = 0, kPlanes = 1, kZeroed = 2, kKinds = 3 };
+  explicit PooledBuffer(Kind kind);
+  ~PooledBuffer();
+  PooledBuffer(const PooledBuffer&) = delete;
+  PooledBuffer& operator=(const PooledBuffer&) = delete;
+  std::vector<uint8_t>& bytes() { return bytes_; }
+
+ private:
+  Kind kind_;
+  std::vector<uint8_t> bytes_;
+};
+
 // Codec::Encode through an EncodeStream type: the whole tensor as one range.
 template <typename Stream>
 Status EncodeAsOneRange(std::span<const uint8_t> new_bytes, const ChangeSet& changes,

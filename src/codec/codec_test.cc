@@ -253,6 +253,41 @@ TEST(EncodeStream, RejectsBadRanges) {
   }
 }
 
+// Streams are independent objects: two of them fed in turn on one thread
+// give what each gives alone.
+TEST(EncodeStream, InterleavedStreamsOnOneThreadStayApart) {
+  for (Encoding e : {Encoding::kXor, Encoding::kSparse}) {
+    SCOPED_TRACE(std::string(EncodingName(e)));
+    const size_t numel = 70001;
+    TensorPair a = MakeCase(numel, 2, Density::kOnePercent, 1);
+    TensorPair b = MakeCase(numel, 2, Density::kOnePercent, 2);
+    const std::vector<uint8_t> expected_a = EncodeOrDie(e, a, DiffPair(a));
+    const std::vector<uint8_t> expected_b = EncodeOrDie(e, b, DiffPair(b));
+    std::vector<uint8_t> out_a, out_b;
+    auto stream_a = GetCodec(e).NewEncodeStream(numel, 2, {}, &out_a);
+    auto stream_b = GetCodec(e).NewEncodeStream(numel, 2, {}, &out_b);
+    DiffOptions diff;
+    diff.elem_size = 2;
+    diff.refresh_snapshot = false;
+    const size_t range = 4099;
+    for (size_t first = 0; first < numel; first += range) {
+      const size_t n = std::min(range, numel - first);
+      for (auto [pair, stream] : {std::pair{&a, stream_a.get()}, std::pair{&b, stream_b.get()}}) {
+        std::span<const uint8_t> new_range(pair->new_bytes.data() + first * 2, n * 2);
+        std::vector<uint8_t> old_range(pair->old_bytes.begin() + first * 2,
+                                       pair->old_bytes.begin() + (first + n) * 2);
+        ChangeSet piece;
+        ASSERT_TRUE(DiffTensor(new_range, old_range, diff, &piece).ok());
+        ASSERT_TRUE(stream->Add(first, new_range, piece).ok());
+      }
+    }
+    ASSERT_TRUE(stream_a->Finish().ok());
+    ASSERT_TRUE(stream_b->Finish().ok());
+    EXPECT_EQ(out_a, expected_a);
+    EXPECT_EQ(out_b, expected_b);
+  }
+}
+
 TEST(RoundTrip, EmptyTensor) {
   TensorPair pair;
   pair.elem_size = 4;

@@ -103,20 +103,15 @@ Status WriteSections(ZstdFrameWriter* writer, std::span<const std::span<const ui
   return Status::OK();
 }
 
-// Block buffers reused by the writers and readers of one thread: fresh ones
-// per tensor would cost a page fault per 4 KiB for every tensor. Slots:
-// writer gaps, writer planes, reader gaps, reader planes (a transcode reads
-// while a writer is open).
-enum BufferSlot { kWriterGaps = 0, kWriterPlanes = 1, kReaderGaps = 2, kReaderPlanes = 3 };
-uint8_t* ThreadBlockBuffer(BufferSlot slot, size_t bytes) {
-  thread_local std::vector<uint8_t> buffers[4];
+// Block buffers of the decoders, reused by each thread from tensor to tensor
+// (a decode runs start to end on one thread): fresh ones per tensor would
+// cost a page fault per 4 KiB for every tensor.
+enum ReaderSlot { kReaderGaps = 0, kReaderPlanes = 1 };
+uint8_t* ThreadBlockBuffer(ReaderSlot slot, size_t bytes) {
+  thread_local std::vector<uint8_t> buffers[2];
   std::vector<uint8_t>& buffer = buffers[slot];
   if (buffer.size() < bytes) buffer.resize(bytes);
   return buffer.data();
-}
-std::vector<uint8_t>& ThreadBlockVector(BufferSlot slot) {
-  thread_local std::vector<uint8_t> buffers[2];
-  return buffers[slot];
 }
 
 // Writes the positions layout one change at a time, in ascending position
@@ -129,8 +124,10 @@ class PositionsWriter {
       : es_(elem_size),
         out_(out),
         header_at_(out->size()),
-        gaps_(ThreadBlockVector(kWriterGaps)),
-        planes_(ThreadBlockVector(kWriterPlanes)),
+        gaps_buffer_(PooledBuffer::kGaps),
+        planes_buffer_(PooledBuffer::kPlanes),
+        gaps_(gaps_buffer_.bytes()),
+        planes_(planes_buffer_.bytes()),
         writer_((WriteHeader(SparseMode::kPositions, elem_size, numel, 0, out), out)) {}
 
   Status Begin(const EncodeOptions& options) {
@@ -169,6 +166,8 @@ class PositionsWriter {
   size_t es_;
   std::vector<uint8_t>* out_;
   size_t header_at_;
+  PooledBuffer gaps_buffer_;
+  PooledBuffer planes_buffer_;
   std::vector<uint8_t>& gaps_;
   std::vector<uint8_t>& planes_;
   ZstdFrameWriter writer_;  // made after the header went out
@@ -186,7 +185,8 @@ class XorPlanesWriter {
         numel_(numel),
         out_(out),
         header_at_(out->size()),
-        planes_(ThreadBlockVector(kWriterPlanes)),
+        planes_buffer_(PooledBuffer::kPlanes),
+        planes_(planes_buffer_.bytes()),
         writer_((WriteHeader(SparseMode::kXorPlanes, elem_size, numel, 0, out), out)) {}
 
   Status Begin(const EncodeOptions& options) {
@@ -223,6 +223,7 @@ class XorPlanesWriter {
   uint64_t numel_;
   std::vector<uint8_t>* out_;
   size_t header_at_;
+  PooledBuffer planes_buffer_;
   std::vector<uint8_t>& planes_;
   ZstdFrameWriter writer_;
   uint64_t first_ = 0;  // first element of the current block

@@ -14,12 +14,12 @@
 namespace deltasync::codec_internal {
 namespace {
 
-// Per-thread buffers reused from tensor to tensor (a fresh megabyte per
-// tensor costs a page fault per 4 KiB): slot 0 stages an encoder's XOR
-// image and is all zeros between uses, slot 1 holds a decoded chunk.
-std::vector<uint8_t>& ThreadBuffer(int slot) {
-  thread_local std::vector<uint8_t> buffers[2];
-  return buffers[slot];
+// A decoded chunk, reused by each thread from tensor to tensor (a decode
+// runs start to end on one thread): a fresh megabyte per tensor costs a page
+// fault per 4 KiB.
+std::vector<uint8_t>& ThreadDecodeChunk() {
+  thread_local std::vector<uint8_t> chunk;
+  return chunk;
 }
 
 // The xor encoding from ranges: the XOR image is staged options.chunk_bytes
@@ -28,7 +28,10 @@ class XorEncodeStream final : public EncodeStream {
  public:
   XorEncodeStream(uint64_t numel, uint32_t elem_size, const EncodeOptions& options,
                   std::vector<uint8_t>* out)
-      : ranges_(numel, elem_size, true, "xor"), stage_(ThreadBuffer(0)), writer_(out) {
+      : ranges_(numel, elem_size, true, "xor"),
+        stage_buffer_(PooledBuffer::kZeroed),
+        stage_(stage_buffer_.bytes()),
+        writer_(out) {
     if (!IsValidElemSize(elem_size)) {
       begun_ = Status::InvalidArgument("xor encode stream: element size " +
                                        std::to_string(elem_size) + " (expected 1, 2, 4 or 8)");
@@ -82,6 +85,7 @@ class XorEncodeStream final : public EncodeStream {
   }
 
   StreamRanges ranges_;
+  PooledBuffer stage_buffer_;  // all zeros but for dirty_, given back zeroed
   std::vector<uint8_t>& stage_;
   ZstdFrameWriter writer_;
   Status begun_;
@@ -165,7 +169,7 @@ class XorCodecImpl final : public Codec {
     const size_t chunk_bytes =
         ElementsPerChunk(std::min<size_t>(options.chunk_bytes, target.size()), elem_size) *
         elem_size;
-    std::vector<uint8_t>& chunk = ThreadBuffer(1);
+    std::vector<uint8_t>& chunk = ThreadDecodeChunk();
     if (chunk.size() < chunk_bytes) chunk.resize(chunk_bytes);
     for (size_t offset = 0; offset < target.size(); offset += chunk_bytes) {
       const size_t n = std::min(chunk_bytes, target.size() - offset);

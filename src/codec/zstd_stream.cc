@@ -8,11 +8,16 @@
 namespace deltasync::codec_internal {
 namespace {
 
+// Compression contexts are owned by a writer from Begin to its destruction
+// (several writers may be open on one thread), then kept as spares;
+// decompression contexts are used within one call.
+constexpr size_t kMaxSpareCCtx = 4;
+
 struct ThreadContexts {
-  ZSTD_CCtx* cctx = nullptr;
+  std::vector<ZSTD_CCtx*> spare_cctx;
   ZSTD_DCtx* dctx[2] = {nullptr, nullptr};
   ~ThreadContexts() {
-    ZSTD_freeCCtx(cctx);
+    for (ZSTD_CCtx* cctx : spare_cctx) ZSTD_freeCCtx(cctx);
     ZSTD_freeDCtx(dctx[0]);
     ZSTD_freeDCtx(dctx[1]);
   }
@@ -40,14 +45,28 @@ Result<uint64_t> ZstdFrameContentSize(std::span<const uint8_t> frame) {
 
 ZstdFrameWriter::ZstdFrameWriter(std::vector<uint8_t>* out) : out_(out), used_(out->size()) {}
 
-ZstdFrameWriter::~ZstdFrameWriter() { out_->resize(used_); }
+ZstdFrameWriter::~ZstdFrameWriter() {
+  out_->resize(used_);
+  if (cctx_ == nullptr) return;
+  std::vector<ZSTD_CCtx*>& spares = Contexts().spare_cctx;
+  if (spares.size() < kMaxSpareCCtx) {
+    spares.push_back(cctx_);
+  } else {
+    ZSTD_freeCCtx(cctx_);
+  }
+}
 
 Status ZstdFrameWriter::Begin(int level, bool checksum, uint64_t pledged_size) {
-  ThreadContexts& contexts = Contexts();
-  if (contexts.cctx == nullptr) contexts.cctx = ZSTD_createCCtx();
-  if (contexts.cctx == nullptr)
-    return Status::Internal("cannot allocate a zstd compression context");
-  cctx_ = contexts.cctx;
+  if (cctx_ == nullptr) {
+    std::vector<ZSTD_CCtx*>& spares = Contexts().spare_cctx;
+    if (!spares.empty()) {
+      cctx_ = spares.back();
+      spares.pop_back();
+    } else {
+      cctx_ = ZSTD_createCCtx();
+    }
+  }
+  if (cctx_ == nullptr) return Status::Internal("cannot allocate a zstd compression context");
   size_t rc = ZSTD_CCtx_reset(cctx_, ZSTD_reset_session_and_parameters);
   if (!ZSTD_isError(rc)) rc = ZSTD_CCtx_setParameter(cctx_, ZSTD_c_compressionLevel, level);
   if (!ZSTD_isError(rc)) rc = ZSTD_CCtx_setParameter(cctx_, ZSTD_c_checksumFlag, checksum ? 1 : 0);

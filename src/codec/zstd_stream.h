@@ -1,6 +1,6 @@
-// Streaming zstd frame writer and reader with bounded memory, on per-thread
-// cached contexts (creating a zstd context costs more than encoding a small
-// tensor).
+// Streaming zstd frame writer and reader with bounded memory, on contexts
+// reused per thread (creating a zstd context costs more than encoding a
+// small tensor).
 #pragma once
 
 #include <zstd.h>
@@ -21,7 +21,8 @@ inline constexpr uint64_t kZstdUnknownSize = ZSTD_CONTENTSIZE_UNKNOWN;
 // bytes do not start with a complete zstd frame header.
 Result<uint64_t> ZstdFrameContentSize(std::span<const uint8_t> frame);
 
-// Appends one zstd frame to a vector, fed in pieces.
+// Appends one zstd frame to a vector, fed in pieces. Each writer holds a
+// compression context of its own from Begin on, so writers may interleave.
 class ZstdFrameWriter {
  public:
   explicit ZstdFrameWriter(std::vector<uint8_t>* out);
