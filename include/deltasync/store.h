@@ -210,7 +210,7 @@ class Publisher {
 // hold: the store's newest version, or the engine's base when the store is
 // empty), in one shot: no snapshot is kept, so `base` is read in place
 // instead of being copied (the publish costs no memory in proportion to the
-// model beyond one shard). Same files, checks and errors as
+// model beyond the tensors in flight). Same files, checks and errors as
 // Publisher::Publish; full_every applies to the version number. For tools
 // that publish one version per run (the CLI's `publish --old --new`).
 Result<PublishResult> PublishOnce(const PublisherOptions& options,
