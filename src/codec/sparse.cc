@@ -369,7 +369,8 @@ Status DecodeXorPlanes(const SparseHeader& header, ZstdFrameReader* reader, Targ
   return Status::OK();
 }
 
-// Hands decoded changes to a writer (re-encoding positions as xor-planes).
+// Hands the changes of a decoded positions layout to a writer (re-encoding
+// them as xor-planes); DecodePositions only calls XorOne.
 template <typename Writer>
 struct ForwardTarget {
   Writer* writer;
@@ -379,10 +380,6 @@ struct ForwardTarget {
     uint8_t x[ES];
     for (size_t j = 0; j < ES; ++j) x[j] = planes[j * n + i];
     if (status.ok()) status = writer->Add(pos, x);
-  }
-  template <size_t ES>
-  uint64_t XorBlock(uint64_t, const uint8_t*, size_t) {
-    return 0;  // only positions are forwarded
   }
 };
 

@@ -59,16 +59,11 @@ Status CopyRange(int in, int out, uint64_t offset, uint64_t length, const std::s
   std::vector<uint8_t> buffer(std::min<uint64_t>(left, 1u << 20));
   uint64_t pos = static_cast<uint64_t>(in_off);
   while (left > 0) {
-    const size_t want = static_cast<size_t>(std::min<uint64_t>(left, buffer.size()));
-    const ssize_t n = ::pread(in, buffer.data(), want, static_cast<off_t>(pos));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return Status::FromErrno(errno, what + ": read");
-    }
-    if (n == 0) return Status::IOError(what + ": source shrank while being copied");
-    DS_RETURN_IF_ERROR(WriteAllAt(out, buffer.data(), static_cast<size_t>(n), pos, what));
-    pos += static_cast<uint64_t>(n);
-    left -= static_cast<uint64_t>(n);
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(left, buffer.size()));
+    DS_RETURN_IF_ERROR(ReadAllAt(in, buffer.data(), n, pos, what));
+    DS_RETURN_IF_ERROR(WriteAllAt(out, buffer.data(), n, pos, what));
+    pos += n;
+    left -= n;
   }
   return Status::OK();
 }
