@@ -1,5 +1,7 @@
 #include "bench_runner.h"
 
+#include <zstd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -293,6 +295,22 @@ class BenchRun {
     return Status::OK();
   }
 
+  // Bytes of tensor t's XOR image compressed as the Python peers compress
+  // it: one-shot zstd, level 1.
+  Result<size_t> Zstd1XorBytes(size_t t) const {
+    const std::span<const uint8_t> old_bytes = OldBytes(t);
+    const std::span<const uint8_t> new_bytes = NewBytes(t);
+    std::vector<uint8_t> image(new_bytes.size());
+    for (size_t i = 0; i < image.size(); ++i) image[i] = old_bytes[i] ^ new_bytes[i];
+    std::vector<uint8_t> frame(ZSTD_compressBound(image.size()));
+    const size_t n = ZSTD_compress(frame.data(), frame.size(), image.data(), image.size(), 1);
+    if (ZSTD_isError(n)) {
+      return Status::Internal("zstd -1 of the XOR image of " + tensors_[t].name + ": " +
+                              ZSTD_getErrorName(n));
+    }
+    return n;
+  }
+
   Status MeasureEncoding(Encoding encoding) {
     const std::string name(EncodingName(encoding));
     Progress("encoding " + name);
@@ -310,6 +328,10 @@ class BenchRun {
       DS_RETURN_IF_ERROR(Encode(encoding, NewBytes(t), changes_[t], encode_options, &reference[t])
                              .WithContext(name + " encoding of " + tensors_[t].name));
       out.encoded_bytes += reference[t].size();
+      if (encoding == Encoding::kXor) {
+        DS_ASSIGN_OR_RETURN(const size_t peer, Zstd1XorBytes(t));
+        out.zstd1_bytes += peer;
+      }
       // Sized (and so paged in) now, so timed encodes never grow a buffer.
       scratch[t].resize(reference[t].size());
     }

@@ -41,6 +41,10 @@ struct BenchEncodingResult {
   BenchTiming encode;
   BenchTiming decode_apply;
   uint64_t encoded_bytes = 0;  // all tensors' encodings together
+  // xor only: the same XOR images compressed by one-shot zstd at level 1,
+  // as the Python peers write the xor format (our encoder makes smaller
+  // frames of the same format); 0 for other encodings.
+  uint64_t zstd1_bytes = 0;
   // Tensors encoded: all of them for dense, only those with a changed
   // element for the delta encodings (a publisher omits the others).
   size_t tensors = 0;

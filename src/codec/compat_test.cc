@@ -56,20 +56,37 @@ std::vector<uint8_t> CompressUnsized(std::span<const uint8_t> content) {
 
 class Compat : public ::testing::TestWithParam<uint32_t> {};
 
+// The xor encoder hands zstd its own sequences and stitches the blocks into
+// one frame; plain one-shot zstd (which verifies the content checksum) is the
+// judge, across block and chunk boundaries, densities from none to most, and
+// with and without the checksum.
 TEST_P(Compat, XorFrameIsOneZstdFrameOfNewXorOld) {
   const uint32_t es = GetParam();
-  TensorPair pair = MakePair(50001, es, 0.02, es);
-  ChangeSet changes = DiffPair(pair);
-  for (bool checksum : {true, false}) {
-    EncodeOptions options;
-    options.zstd_checksum = checksum;
-    options.chunk_bytes = 4096;  // many streamed chunks
-    std::vector<uint8_t> frame;
-    ASSERT_TRUE(Encode(Encoding::kXor, pair.new_bytes, changes, options, &frame).ok());
-    // One frame, nothing after it, its content size in the header.
-    EXPECT_EQ(ZSTD_findFrameCompressedSize(frame.data(), frame.size()), frame.size());
-    EXPECT_EQ(ZSTD_getFrameContentSize(frame.data(), frame.size()), pair.new_bytes.size());
-    EXPECT_EQ(Decompress(frame, pair.new_bytes.size() + 1), XorImage(pair));
+  for (double density : {0.0, 0.02, 0.6}) {
+    // More than two 128 KiB zstd blocks for every element size.
+    TensorPair pair = MakePair(50001 + 300000 / es, es, density, es);
+    ChangeSet changes = DiffPair(pair);
+    for (size_t chunk_bytes : {size_t{4096}, size_t{1} << 20}) {
+      for (bool checksum : {true, false}) {
+        SCOPED_TRACE("density " + std::to_string(density) + ", chunk " +
+                     std::to_string(chunk_bytes) + ", checksum " + std::to_string(checksum));
+        EncodeOptions options;
+        options.zstd_checksum = checksum;
+        options.chunk_bytes = chunk_bytes;
+        std::vector<uint8_t> frame;
+        ASSERT_TRUE(Encode(Encoding::kXor, pair.new_bytes, changes, options, &frame).ok());
+        // One frame, nothing after it, its content size in the header.
+        EXPECT_EQ(ZSTD_findFrameCompressedSize(frame.data(), frame.size()), frame.size());
+        EXPECT_EQ(ZSTD_getFrameContentSize(frame.data(), frame.size()), pair.new_bytes.size());
+        ASSERT_GT(frame.size(), 4u);
+        EXPECT_EQ((frame[4] & 0x04) != 0, checksum);  // Content_Checksum_flag
+        EXPECT_EQ(Decompress(frame, pair.new_bytes.size() + 1), XorImage(pair));
+        if (density > 0 && density < 0.5) {
+          // Far smaller than the image: the zero runs became matches.
+          EXPECT_LT(frame.size() * 10, pair.new_bytes.size());
+        }
+      }
+    }
   }
 }
 

@@ -22,8 +22,28 @@ std::vector<uint8_t>& ThreadDecodeChunk() {
   return chunk;
 }
 
+// A zero run shorter than this stays in the literals. The run is one zero
+// literal then a match, and zstd takes external matches of at least 4 bytes
+// (3 only at levels whose own minimum match is 3): it sizes its sequence
+// store by that. Measured on a BF16 training step, short runs as matches
+// also give the smallest frames: 5, 8, 16 and 32 gave 19.0, 19.1, 19.9
+// and 22.9 MiB for 1 GiB at 2% changed.
+constexpr size_t kMinZeroRun = 5;
+
+// Sequences of the block being written, reused by each thread.
+std::vector<ZSTD_Sequence>& ThreadSequences() {
+  thread_local std::vector<ZSTD_Sequence> sequences;
+  return sequences;
+}
+
 // The xor encoding from ranges: the XOR image is staged options.chunk_bytes
-// at a time, exactly as Encode stages it, so the frames are identical.
+// at a time, exactly as Encode stages it, so the frames are identical. The
+// stage is all zeros but for the changed elements, whose offsets the stream
+// keeps, so it is handed to zstd as sequences: the changed elements as
+// literals, each zero run as a match of offset 1 behind its first zero. zstd
+// then does no match search over the tensor's bytes, which is most of the
+// time of compressing an XOR image and, for a sparse one, finds nothing
+// better.
 class XorEncodeStream final : public EncodeStream {
  public:
   XorEncodeStream(uint64_t numel, uint32_t elem_size, const EncodeOptions& options,
@@ -72,7 +92,30 @@ class XorEncodeStream final : public EncodeStream {
  private:
   Status WriteStage() {
     const auto n = static_cast<size_t>(std::min<uint64_t>(chunk_, total_ - stage_at_));
-    DS_RETURN_IF_ERROR(writer_.Write({stage_.data(), n}).WithContext("xor encode"));
+    constexpr size_t kBlock = ZstdSequenceFrameWriter::kMaxBlockBytes;
+    std::vector<ZSTD_Sequence>& sequences = ThreadSequences();
+    size_t d = 0;  // next entry of dirty_
+    for (size_t block = 0; block < n; block += kBlock) {
+      const size_t end = std::min(n, block + kBlock);
+      sequences.clear();
+      size_t literals_from = block;  // first byte no sequence covers yet
+      size_t zeros_from = block;     // first byte past the last changed element
+      // Bytes [zeros_from, to) are zeros.
+      auto zero_run = [&](size_t to) {
+        if (to - zeros_from < kMinZeroRun) return;
+        sequences.push_back({/*offset=*/1, static_cast<unsigned>(zeros_from + 1 - literals_from),
+                             static_cast<unsigned>(to - zeros_from - 1), /*rep=*/0});
+        literals_from = to;
+      };
+      // dirty_ ascends without repeats: the ranges' positions were checked.
+      for (; d < dirty_.size() && dirty_[d] < end; ++d) {
+        zero_run(dirty_[d]);
+        zeros_from = dirty_[d] + es_;
+      }
+      zero_run(end);
+      DS_RETURN_IF_ERROR(writer_.WriteBlock({stage_.data() + block, end - block}, sequences)
+                             .WithContext("xor encode"));
+    }
     ClearStage();
     stage_at_ += n;
     return Status::OK();
@@ -87,7 +130,7 @@ class XorEncodeStream final : public EncodeStream {
   StreamRanges ranges_;
   PooledBuffer stage_buffer_;  // all zeros but for dirty_, given back zeroed
   std::vector<uint8_t>& stage_;
-  ZstdFrameWriter writer_;
+  ZstdSequenceFrameWriter writer_;
   Status begun_;
   size_t es_ = 1;
   uint64_t total_ = 0;

@@ -3,6 +3,9 @@
 // small tensor).
 #pragma once
 
+// ZSTD_compressSequences and ZSTD_Sequence (exported by libzstd 1.5, in the
+// header's experimental section).
+#define ZSTD_STATIC_LINKING_ONLY
 #include <zstd.h>
 
 #include <cstddef>
@@ -11,6 +14,8 @@
 #include <vector>
 
 #include "deltasync/status.h"
+
+struct XXH64_state_s;  // <xxhash.h>
 
 namespace deltasync::codec_internal {
 
@@ -48,6 +53,51 @@ class ZstdFrameWriter {
   ZSTD_CCtx* cctx_ = nullptr;
   std::vector<uint8_t>* out_;
   size_t used_;  // bytes of *out_ that hold output; the rest is slack
+};
+
+// Appends one zstd frame whose blocks the caller describes as sequences
+// (literals, then a match) instead of having zstd search for matches: for
+// content that is mostly zeros, such as an XOR image, the caller knows where
+// the zero runs are and the encoding costs time per sequence, not per byte.
+// Each WriteBlock is compressed by ZSTD_compressSequences as a frame of its
+// own whose blocks are moved into this frame. That is sound because every
+// match the caller gives has offset 1 after at least one literal (see
+// WriteBlock): zstd's repeat-offset history then starts every block as a
+// fresh frame's does, and a frame's first block never refers to the entropy
+// tables of an earlier one. The result is an ordinary frame that any zstd
+// decoder reads.
+class ZstdSequenceFrameWriter {
+ public:
+  // The largest content one WriteBlock takes.
+  static constexpr size_t kMaxBlockBytes = size_t{128} << 10;
+
+  explicit ZstdSequenceFrameWriter(std::vector<uint8_t>* out);
+  ZstdSequenceFrameWriter(const ZstdSequenceFrameWriter&) = delete;
+  ZstdSequenceFrameWriter& operator=(const ZstdSequenceFrameWriter&) = delete;
+  ~ZstdSequenceFrameWriter();
+
+  // Writes the frame header: `content_size` is the exact total the blocks
+  // will hold; `level` picks zstd's entropy coding effort.
+  Status Begin(int level, bool checksum, uint64_t content_size);
+  // Appends `content` (at most kMaxBlockBytes) as the sequences describe it:
+  // each has offset 1, a literal length of at least 1 whose last literal is
+  // a zero byte, and a match length of at least 4 (zeros); literals left
+  // after the last one are implied. Sequences that break this rule make a
+  // wrong frame, so callers must keep to it (debug builds check).
+  Status WriteBlock(std::span<const uint8_t> content, std::span<const ZSTD_Sequence> sequences);
+  // Ends the frame (an empty last block, then the content checksum).
+  Status Finish();
+
+ private:
+  void Append(const uint8_t* bytes, size_t n);
+
+  ZSTD_CCtx* cctx_ = nullptr;
+  std::vector<uint8_t>* out_;
+  size_t used_;  // bytes of *out_ that hold output; the rest is slack
+  uint64_t content_size_ = 0;
+  uint64_t written_ = 0;
+  bool checksum_ = false;
+  ::XXH64_state_s* hash_ = nullptr;
 };
 
 // Reads exactly the content of the single zstd frame that `frame` must hold.
