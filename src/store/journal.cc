@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -29,11 +30,15 @@ constexpr size_t kRecordFixedBytes = 40;
 
 size_t Pad8(size_t n) { return (n + 7) & ~size_t{7}; }
 
-uint64_t Hash64(const uint8_t* data, size_t size) {
-  const std::vector<uint8_t> digest = ChecksumBytes(ChecksumAlgo::kXxh3_64, {data, size});
+// An xxh3-64 digest (printed byte order) as the integer the journal stores.
+uint64_t DigestValue(const std::vector<uint8_t>& digest) {
   uint64_t v = 0;
   for (uint8_t b : digest) v = (v << 8) | b;
   return v;
+}
+
+uint64_t Hash64(const uint8_t* data, size_t size) {
+  return DigestValue(ChecksumBytes(ChecksumAlgo::kXxh3_64, {data, size}));
 }
 
 template <typename T>
@@ -197,50 +202,6 @@ Status ApplyRecordsAndVisit(std::span<const JournalRecord* const> records,
   return Status::OK();
 }
 
-void BuildJournalRecord(std::string_view name, uint64_t numel, uint32_t elem_size,
-                        std::string_view checksum, std::string_view base_checksum,
-                        const ChangeSet& changes, std::vector<uint8_t>* out) {
-  const uint64_t count = changes.count();
-  const uint32_t width = changes.wide ? 8 : 4;
-  const size_t strings =
-      Pad8(kRecordFixedBytes + name.size() + checksum.size() + base_checksum.size());
-  const size_t body = Pad8(count * width + 2 * count * elem_size);
-  // assign() keeps the vector's capacity: records are built in reused buffers.
-  out->assign(strings + body + 8, 0);
-  uint8_t* p = out->data();
-  Put<uint32_t>(p, kRecordMagic);
-  Put<uint32_t>(p + 4, static_cast<uint32_t>(name.size()));
-  Put<uint64_t>(p + 8, numel);
-  Put<uint64_t>(p + 16, count);
-  Put<uint32_t>(p + 24, elem_size);
-  Put<uint16_t>(p + 28, static_cast<uint16_t>(checksum.size()));
-  Put<uint16_t>(p + 30, static_cast<uint16_t>(base_checksum.size()));
-  Put<uint32_t>(p + 32, width);
-  size_t at = kRecordFixedBytes;
-  for (std::string_view text : {name, checksum, base_checksum}) {
-    if (!text.empty()) std::memcpy(p + at, text.data(), text.size());
-    at += text.size();
-  }
-  uint8_t* positions = p + strings;
-  if (count > 0) {
-    if (changes.wide) {
-      std::memcpy(positions, changes.pos64.data(), count * 8);
-    } else {
-      std::memcpy(positions, changes.pos32.data(), count * 4);
-    }
-  }
-  uint8_t* old_values = positions + count * width;
-  if (!changes.old_values.empty()) {
-    std::memcpy(old_values, changes.old_values.data(), changes.old_values.size());
-  }
-  if (!changes.new_values.empty()) {
-    std::memcpy(old_values + count * elem_size, changes.new_values.data(),
-                changes.new_values.size());
-  }
-  const size_t sealed = out->size() - 8;
-  Put<uint64_t>(out->data() + sealed, Hash64(out->data(), sealed));
-}
-
 Result<std::unique_ptr<JournalWriter>> JournalWriter::Create(const std::string& path,
                                                              int64_t version,
                                                              int64_t from_version) {
@@ -262,9 +223,57 @@ JournalWriter::~JournalWriter() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-Status JournalWriter::Append(std::span<const uint8_t> record) {
-  const uint64_t offset = next_offset_.fetch_add(record.size());
-  DS_RETURN_IF_ERROR(WriteAllAt(fd_, record.data(), record.size(), offset, path_));
+Status JournalWriter::AppendRecord(std::string_view name, uint64_t numel, uint32_t elem_size,
+                                   std::string_view checksum, std::string_view base_checksum,
+                                   const ChangeSet& changes, std::vector<uint8_t>* head) {
+  const uint64_t count = changes.count();
+  const uint32_t width = changes.wide ? 8 : 4;
+  const size_t value_bytes = count * elem_size;
+  if (changes.old_values.size() != value_bytes || changes.new_values.size() != value_bytes) {
+    return Status::Internal("journal record for tensor '" + std::string(name) + "': " +
+                            std::to_string(count) + " changes without their old and new values");
+  }
+  // The fixed fields and the strings, padded; the arrays are written
+  // straight from `changes`.
+  const size_t strings =
+      Pad8(kRecordFixedBytes + name.size() + checksum.size() + base_checksum.size());
+  head->assign(strings, 0);  // keeps the capacity: callers reuse `head`
+  uint8_t* p = head->data();
+  Put<uint32_t>(p, kRecordMagic);
+  Put<uint32_t>(p + 4, static_cast<uint32_t>(name.size()));
+  Put<uint64_t>(p + 8, numel);
+  Put<uint64_t>(p + 16, count);
+  Put<uint32_t>(p + 24, elem_size);
+  Put<uint16_t>(p + 28, static_cast<uint16_t>(checksum.size()));
+  Put<uint16_t>(p + 30, static_cast<uint16_t>(base_checksum.size()));
+  Put<uint32_t>(p + 32, width);
+  size_t at = kRecordFixedBytes;
+  for (std::string_view text : {name, checksum, base_checksum}) {
+    if (!text.empty()) std::memcpy(p + at, text.data(), text.size());
+    at += text.size();
+  }
+  const std::span<const uint8_t> positions =
+      changes.wide ? std::span(reinterpret_cast<const uint8_t*>(changes.pos64.data()), count * 8)
+                   : std::span(reinterpret_cast<const uint8_t*>(changes.pos32.data()), count * 4);
+  const std::span<const uint8_t> parts[] = {*head, positions, changes.old_values,
+                                            changes.new_values};
+  const size_t arrays = positions.size() + 2 * value_bytes;
+  const size_t pad = Pad8(arrays) - arrays;
+  uint8_t tail[16] = {};  // zero padding, then the record's checksum
+  std::unique_ptr<Hasher> hasher = NewHasher(ChecksumAlgo::kXxh3_64);
+  for (std::span<const uint8_t> part : parts) hasher->Update(part);
+  hasher->Update({tail, pad});
+  Put<uint64_t>(tail + pad, DigestValue(hasher->Digest()));
+  struct iovec iov[5];
+  size_t total = 0;
+  for (size_t i = 0; i < 4; ++i) {
+    iov[i] = {const_cast<uint8_t*>(parts[i].data()), parts[i].size()};
+    total += parts[i].size();
+  }
+  iov[4] = {tail, pad + 8};
+  total += pad + 8;
+  const uint64_t offset = next_offset_.fetch_add(total);
+  DS_RETURN_IF_ERROR(WriteAllAtV(fd_, iov, offset, path_));
   records_.fetch_add(1);
   return Status::OK();
 }

@@ -66,12 +66,6 @@ Status ApplyRecordsAndVisit(std::span<const JournalRecord* const> records,
                             std::span<uint8_t> target, bool undo, size_t piece_bytes,
                             const std::function<void(std::span<const uint8_t>)>& visit);
 
-// Builds one sealed record of `changes` (positions, old and new values) in
-// *out, replacing its contents but keeping its capacity.
-void BuildJournalRecord(std::string_view name, uint64_t numel, uint32_t elem_size,
-                        std::string_view checksum, std::string_view base_checksum,
-                        const ChangeSet& changes, std::vector<uint8_t>* out);
-
 // Writes a journal; records may be appended from many threads at once.
 class JournalWriter {
  public:
@@ -81,7 +75,13 @@ class JournalWriter {
   JournalWriter(const JournalWriter&) = delete;
   JournalWriter& operator=(const JournalWriter&) = delete;
 
-  Status Append(std::span<const uint8_t> record);
+  // Appends one sealed record of `changes` (positions, old and new values,
+  // which it must hold) for tensor `name`. The arrays go to the file
+  // straight from `changes`; only the record's head is built, in *head
+  // (contents replaced, capacity kept for reuse).
+  Status AppendRecord(std::string_view name, uint64_t numel, uint32_t elem_size,
+                      std::string_view checksum, std::string_view base_checksum,
+                      const ChangeSet& changes, std::vector<uint8_t>* head);
   // Writes the trailer; with `durable`, fsyncs the file and its directory.
   Status Finish(bool durable);
 

@@ -3,8 +3,12 @@
 // next piece's are), and bad records change nothing.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cstring>
+#include <filesystem>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "store/journal.h"
@@ -194,6 +198,81 @@ TEST(JournalApplyRecordsAndVisit, AnOutOfRangeRecordChangesNothing) {
   EXPECT_TRUE(s.IsCorruption()) << s.ToString();
   EXPECT_EQ(pieces, 0u);
   EXPECT_EQ(target, Tensor(numel));
+}
+
+}  // namespace
+}  // namespace deltasync::store_internal
+
+namespace deltasync::store_internal {
+namespace {
+
+// Records go to the file straight from the ChangeSet's arrays (no record
+// buffer): what Journal::Open reads back must be exactly what was appended,
+// for narrow and wide positions and for lengths that need padding.
+TEST(JournalWriterTest, RecordsReadBackExactlyAsAppended) {
+  const std::string dir = ::testing::TempDir() + "/journal_writer_" + std::to_string(::getpid());
+  std::filesystem::create_directories(dir);
+  const std::string path = dir + "/journal";
+  Result<std::unique_ptr<JournalWriter>> writer = JournalWriter::Create(path, 7, 6);
+  ASSERT_TRUE(writer.ok()) << writer.status().ToString();
+  std::vector<ChangeSet> sets;
+  for (bool wide : {false, true}) {
+    for (uint32_t es : {1u, 2u, 8u}) {
+      ChangeSet c;
+      c.numel = 1000;
+      c.elem_size = es;
+      c.wide = wide;
+      for (uint64_t k = 0; k < 3 + es; ++k) {  // odd sizes: padded to 8
+        const uint64_t pos = 17 * k + es;
+        if (wide)
+          c.pos64.push_back(pos);
+        else
+          c.pos32.push_back(static_cast<uint32_t>(pos));
+        for (uint32_t b = 0; b < es; ++b) {
+          c.old_values.push_back(static_cast<uint8_t>(k + b));
+          c.new_values.push_back(static_cast<uint8_t>(~(k + b)));
+        }
+      }
+      sets.push_back(std::move(c));
+    }
+  }
+  std::vector<uint8_t> head;
+  for (size_t i = 0; i < sets.size(); ++i) {
+    Status s =
+        (*writer)->AppendRecord("tensor." + std::to_string(i), sets[i].numel, sets[i].elem_size,
+                                "xxh3-128:00ff", i % 2 ? "" : "xxh3-128:ab", sets[i], &head);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+  }
+  // A change list without old values is refused and adds nothing.
+  ChangeSet bad = sets[0];
+  bad.old_values.clear();
+  const Status refused =
+      (*writer)->AppendRecord("bad", bad.numel, bad.elem_size, "xxh3-128:00", "", bad, &head);
+  EXPECT_EQ(refused.code(), StatusCode::kInternal) << refused.ToString();
+  ASSERT_TRUE((*writer)->Finish(false).ok());
+  writer->reset();
+
+  Result<std::unique_ptr<Journal>> journal = Journal::Open(path);
+  ASSERT_TRUE(journal.ok()) << journal.status().ToString();
+  const std::vector<JournalRecord>& records = (*journal)->records();
+  ASSERT_EQ(records.size(), sets.size());
+  for (size_t i = 0; i < sets.size(); ++i) {
+    SCOPED_TRACE(i);
+    const JournalRecord& r = records[i];
+    const ChangeSet& c = sets[i];
+    EXPECT_EQ(r.name, "tensor." + std::to_string(i));
+    EXPECT_EQ(r.checksum, "xxh3-128:00ff");
+    EXPECT_EQ(r.base_checksum, i % 2 ? "" : "xxh3-128:ab");
+    EXPECT_EQ(r.numel, c.numel);
+    EXPECT_EQ(r.elem_size, c.elem_size);
+    EXPECT_EQ(r.position_width, c.wide ? 8u : 4u);
+    ASSERT_EQ(r.count, c.count());
+    for (uint64_t k = 0; k < r.count; ++k) EXPECT_EQ(r.position(k), c.position(k));
+    EXPECT_EQ(0, std::memcmp(r.old_values, c.old_values.data(), c.old_values.size()));
+    EXPECT_EQ(0, std::memcmp(r.new_values, c.new_values.data(), c.new_values.size()));
+  }
+  journal->reset();
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -668,10 +668,9 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
     Status appended;
     auto append = [&](const ChangeSet& part) {
       if (!appended.ok()) return;
-      store_internal::BuildJournalRecord(job.name, old.size() / es, es, job.checksum,
-                                         job.base_checksum, part, &record);
       changed.fetch_add(part.count(), std::memory_order_relaxed);
-      appended = writer->Append(record);
+      appended = writer->AppendRecord(job.name, old.size() / es, es, job.checksum,
+                                      job.base_checksum, part, &record);
     };
     DecodeOptions decode;
     decode.on_changes = append;

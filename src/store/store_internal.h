@@ -3,6 +3,8 @@
 // hooks, and test-only fault injection.
 #pragma once
 
+#include <sys/uio.h>
+
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -112,6 +114,9 @@ class FileLock {
 Status WriteAllAt(int fd, const uint8_t* data, size_t size, uint64_t offset,
                   const std::string& what);
 Status ReadAllAt(int fd, uint8_t* data, size_t size, uint64_t offset, const std::string& what);
+// pwritev of every byte `iov` lists, at `offset` on (retrying short counts
+// and EINTR; `iov` entries are advanced past what was written).
+Status WriteAllAtV(int fd, std::span<struct iovec> iov, uint64_t offset, const std::string& what);
 
 // A mutex-guarded free list of per-task scratch objects, reused across the
 // tasks of a parallel loop: vectors sized for large tensors are an mmap, a

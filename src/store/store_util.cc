@@ -6,6 +6,7 @@
 #include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -83,6 +84,28 @@ Status WriteAllAt(int fd, const uint8_t* data, size_t size, uint64_t offset,
     offset += static_cast<uint64_t>(n);
   }
   return Status::OK();
+}
+
+Status WriteAllAtV(int fd, std::span<struct iovec> iov, uint64_t offset, const std::string& what) {
+  size_t first = 0;
+  for (;;) {
+    while (first < iov.size() && iov[first].iov_len == 0) ++first;
+    if (first == iov.size()) return Status::OK();
+    const int batch = static_cast<int>(std::min<size_t>(iov.size() - first, IOV_MAX));
+    const ssize_t n = ::pwritev(fd, iov.data() + first, batch, static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return Status::FromErrno(errno, what + ": write");
+    }
+    offset += static_cast<uint64_t>(n);
+    for (auto left = static_cast<size_t>(n); left > 0;) {
+      const size_t step = std::min(left, iov[first].iov_len);
+      iov[first].iov_base = static_cast<uint8_t*>(iov[first].iov_base) + step;
+      iov[first].iov_len -= step;
+      left -= step;
+      if (iov[first].iov_len == 0) ++first;
+    }
+  }
 }
 
 Status ReadAllAt(int fd, uint8_t* data, size_t size, uint64_t offset, const std::string& what) {
