@@ -21,6 +21,7 @@
 
 #include "deltasync/diff.h"
 #include "deltasync/status.h"
+#include "deltasync/thread_pool.h"
 
 namespace deltasync::store_internal {
 
@@ -98,8 +99,9 @@ class JournalWriter {
 class Journal {
  public:
   // Corruption (saying why) when the file is not a complete journal;
-  // NotFound when there is none.
-  static Result<std::unique_ptr<Journal>> Open(const std::string& path);
+  // NotFound when there is none. With `pool`, the records' checksums are
+  // verified in parallel on it.
+  static Result<std::unique_ptr<Journal>> Open(const std::string& path, ThreadPool* pool = nullptr);
   ~Journal();
   Journal(const Journal&) = delete;
   Journal& operator=(const Journal&) = delete;

@@ -5,8 +5,11 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -272,6 +275,61 @@ TEST(JournalWriterTest, RecordsReadBackExactlyAsAppended) {
     EXPECT_EQ(0, std::memcmp(r.new_values, c.new_values.data(), c.new_values.size()));
   }
   journal->reset();
+  std::filesystem::remove_all(dir);
+}
+
+// A damaged record makes the whole journal incomplete, whether its
+// records are verified on one thread or on a pool.
+TEST(JournalWriterTest, ADamagedRecordMakesTheJournalIncomplete) {
+  const std::string dir = ::testing::TempDir() + "/journal_damage_" + std::to_string(::getpid());
+  std::filesystem::create_directories(dir);
+  const std::string path = dir + "/journal";
+  {
+    Result<std::unique_ptr<JournalWriter>> writer = JournalWriter::Create(path, 2, 1);
+    ASSERT_TRUE(writer.ok()) << writer.status().ToString();
+    std::vector<uint8_t> head;
+    for (int i = 0; i < 40; ++i) {
+      ChangeSet c;
+      c.numel = 100;
+      c.elem_size = 2;
+      for (uint32_t k = 0; k < 10; ++k) {
+        c.pos32.push_back(k * 7);
+        c.old_values.insert(c.old_values.end(), {static_cast<uint8_t>(k), 0});
+        c.new_values.insert(c.new_values.end(), {static_cast<uint8_t>(k + i), 1});
+      }
+      const std::string name = "tensor." + std::to_string(i);
+      ASSERT_TRUE((*writer)->AppendRecord(name, 100, 2, "xxh3-64:00", "", c, &head).ok());
+    }
+    ASSERT_TRUE((*writer)->Finish(false).ok());
+  }
+  ThreadPool pool(2);
+  for (ThreadPool* p : {static_cast<ThreadPool*>(nullptr), &pool}) {
+    Result<std::unique_ptr<Journal>> intact = Journal::Open(path, p);
+    ASSERT_TRUE(intact.ok()) << intact.status().ToString();
+    EXPECT_EQ((*intact)->records().size(), 40u);
+  }
+  // A byte of record 20's new values ({20, 1}, {21, 1}, ...).
+  std::vector<uint8_t> bytes;
+  {
+    std::ifstream in(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  const uint8_t needle[] = {20, 1, 21, 1, 22, 1};
+  auto found = std::search(bytes.begin(), bytes.end(), std::begin(needle), std::end(needle));
+  ASSERT_NE(found, bytes.end());
+  found[2] ^= 0x10;
+  {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out.write(reinterpret_cast<const char*>(bytes.data()),
+              static_cast<std::streamsize>(bytes.size()));
+  }
+  for (ThreadPool* p : {static_cast<ThreadPool*>(nullptr), &pool}) {
+    Result<std::unique_ptr<Journal>> damaged = Journal::Open(path, p);
+    ASSERT_FALSE(damaged.ok());
+    EXPECT_TRUE(damaged.status().IsCorruption()) << damaged.status().ToString();
+    EXPECT_NE(damaged.status().message().find("record checksum mismatch"), std::string::npos)
+        << damaged.status().ToString();
+  }
   std::filesystem::remove_all(dir);
 }
 

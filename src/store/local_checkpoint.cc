@@ -337,7 +337,7 @@ Status LocalCheckpoint::State::Reseed(LocalState* st, PullResult* result) {
 Status LocalCheckpoint::State::Recover(LocalState* st, PullResult* result) {
   const std::string boot = store_internal::CurrentBootId();
   const bool rebooted = !st->boot_id.empty() && !boot.empty() && st->boot_id != boot;
-  Result<std::unique_ptr<Journal>> journal = Journal::Open(journal_path);
+  Result<std::unique_ptr<Journal>> journal = Journal::Open(journal_path, pool);
   if (st->applying) {
     if (rebooted && !st->durable) return Reseed(st, result);
     if (!journal.ok() || (*journal)->version() != *st->applying ||
@@ -703,7 +703,7 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
   st->durable = options.durable;
   DS_RETURN_IF_ERROR(SaveState(*st));
   CrashPoint("state:applying");
-  DS_ASSIGN_OR_RETURN(std::unique_ptr<Journal> journal, Journal::Open(journal_path));
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<Journal> journal, Journal::Open(journal_path, pool));
   local.reset();
   DS_RETURN_IF_ERROR(ReplayJournal(*journal, st));
   result->tensors_changed += jobs.size();
