@@ -1,6 +1,4 @@
 // deltasync: ship only the weight bytes that changed, bit-exactly.
-#include <malloc.h>
-
 #include <CLI/CLI.hpp>
 #include <exception>
 #include <iostream>
@@ -9,14 +7,6 @@
 
 int main(int argc, char** argv) {
   using namespace deltasync::cli;
-  // Keep memory the process frees for its next allocations instead of
-  // handing it back to the kernel at once: a publish or pull frees and
-  // reallocates per-tensor buffers, and on the virtual machines we measure
-  // on each page handed back costs a fault and a kernel page clear when
-  // touched again (a publish of 1 GiB took 4% less time). Peak memory is
-  // unchanged: only what was already in use is kept.
-  (void)mallopt(M_TRIM_THRESHOLD, 1 << 30);
-  (void)mallopt(M_MMAP_THRESHOLD, 32 << 20);
   CLI::App app{
       "deltasync keeps LLM rollout engines' weights in sync with an RL trainer by shipping only "
       "the bytes that changed, bit-exactly.",
