@@ -209,13 +209,24 @@ TEST(JournalApplyRecordsAndVisit, AnOutOfRangeRecordChangesNothing) {
 namespace deltasync::store_internal {
 namespace {
 
+// A journal path in a directory of its own, removed with it.
+struct TempJournal {
+  std::string dir;
+  std::string path;
+  explicit TempJournal(const std::string& tag)
+      : dir(::testing::TempDir() + "/journal_" + tag + "_" + std::to_string(::getpid())),
+        path(dir + "/journal") {
+    std::filesystem::create_directories(dir);
+  }
+  ~TempJournal() { std::filesystem::remove_all(dir); }
+};
+
 // Records go to the file straight from the ChangeSet's arrays (no record
 // buffer): what Journal::Open reads back must be exactly what was appended,
 // for narrow and wide positions and for lengths that need padding.
 TEST(JournalWriterTest, RecordsReadBackExactlyAsAppended) {
-  const std::string dir = ::testing::TempDir() + "/journal_writer_" + std::to_string(::getpid());
-  std::filesystem::create_directories(dir);
-  const std::string path = dir + "/journal";
+  const TempJournal temp("writer");
+  const std::string& path = temp.path;
   Result<std::unique_ptr<JournalWriter>> writer = JournalWriter::Create(path, 7, 6);
   ASSERT_TRUE(writer.ok()) << writer.status().ToString();
   std::vector<ChangeSet> sets;
@@ -275,15 +286,13 @@ TEST(JournalWriterTest, RecordsReadBackExactlyAsAppended) {
     EXPECT_EQ(0, std::memcmp(r.new_values, c.new_values.data(), c.new_values.size()));
   }
   journal->reset();
-  std::filesystem::remove_all(dir);
 }
 
 // A damaged record makes the whole journal incomplete, whether its
 // records are verified on one thread or on a pool.
 TEST(JournalWriterTest, ADamagedRecordMakesTheJournalIncomplete) {
-  const std::string dir = ::testing::TempDir() + "/journal_damage_" + std::to_string(::getpid());
-  std::filesystem::create_directories(dir);
-  const std::string path = dir + "/journal";
+  const TempJournal temp("damage");
+  const std::string& path = temp.path;
   {
     Result<std::unique_ptr<JournalWriter>> writer = JournalWriter::Create(path, 2, 1);
     ASSERT_TRUE(writer.ok()) << writer.status().ToString();
@@ -330,7 +339,6 @@ TEST(JournalWriterTest, ADamagedRecordMakesTheJournalIncomplete) {
     EXPECT_NE(damaged.status().message().find("record checksum mismatch"), std::string::npos)
         << damaged.status().ToString();
   }
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
