@@ -3,6 +3,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <zstd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -135,6 +136,16 @@ inline std::vector<uint8_t> EncodeByRanges(Encoding encoding, const TensorPair& 
   }
   Status status = stream->Finish();
   EXPECT_TRUE(status.ok()) << status.ToString();
+  return out;
+}
+
+// One-shot zstd of `content` at `level`, as python-zstandard's compress()
+// makes it (the Python peers write xor this way, at level 1).
+inline std::vector<uint8_t> ZstdCompress(std::span<const uint8_t> content, int level = 1) {
+  std::vector<uint8_t> out(ZSTD_compressBound(content.size()));
+  const size_t n = ZSTD_compress(out.data(), out.size(), content.data(), content.size(), level);
+  EXPECT_FALSE(ZSTD_isError(n)) << ZSTD_getErrorName(n);
+  out.resize(ZSTD_isError(n) ? 0 : n);
   return out;
 }
 

@@ -18,6 +18,7 @@ using codec_test::DiffPair;
 using codec_test::MakePair;
 using codec_test::TensorPair;
 using codec_test::XorImage;
+using codec_test::ZstdCompress;
 
 uint32_t Le32(const uint8_t* p) { return p[0] | p[1] << 8 | p[2] << 16 | uint32_t{p[3]} << 24; }
 uint64_t Le64(const uint8_t* p) { return Le32(p) | uint64_t{Le32(p + 4)} << 32; }
@@ -28,14 +29,6 @@ std::vector<uint8_t> Decompress(std::span<const uint8_t> frame, size_t capacity)
   size_t n = ZSTD_decompress(out.data(), out.size(), frame.data(), frame.size());
   EXPECT_FALSE(ZSTD_isError(n)) << ZSTD_getErrorName(n);
   out.resize(ZSTD_isError(n) ? 0 : n);
-  return out;
-}
-
-std::vector<uint8_t> Compress(std::span<const uint8_t> content, int level = 1) {
-  std::vector<uint8_t> out(ZSTD_compressBound(content.size()));
-  size_t n = ZSTD_compress(out.data(), out.size(), content.data(), content.size(), level);
-  EXPECT_FALSE(ZSTD_isError(n));
-  out.resize(n);
   return out;
 }
 
@@ -94,7 +87,8 @@ TEST_P(Compat, XorAppliesFramesFromOneShotAndStreamingProducers) {
   const uint32_t es = GetParam();
   TensorPair pair = MakePair(30011, es, 0.03, 100 + es);
   for (const std::vector<uint8_t>& frame :
-       {Compress(XorImage(pair)), Compress(XorImage(pair), 19), CompressUnsized(XorImage(pair))}) {
+       {ZstdCompress(XorImage(pair)), ZstdCompress(XorImage(pair), 19),
+        CompressUnsized(XorImage(pair))}) {
     std::vector<uint8_t> target = pair.old_bytes;
     DecodeOptions options;
     options.chunk_bytes = 1000;
@@ -154,7 +148,7 @@ TEST_P(Compat, OverwriteAppliesHandBuiltFramesInAnyOrder) {
     std::memcpy(content.data() + 4 + 4 * i, &positions[i], 4);
     content[4 + 4 * k + i] = pair.new_bytes[positions[i]];
   }
-  for (const std::vector<uint8_t>& frame : {Compress(content), CompressUnsized(content)}) {
+  for (const std::vector<uint8_t>& frame : {ZstdCompress(content), CompressUnsized(content)}) {
     for (size_t chunk : {size_t{1} << 20, size_t{777}}) {
       std::vector<uint8_t> target = pair.old_bytes;
       DecodeOptions options;

@@ -254,7 +254,7 @@ void PrefaultForWrite(std::span<uint8_t> bytes, uint64_t changes) {
 // Per-task decode state, reused across tensors (see FreeList).
 struct DecodeScratch {
   ChangeSet changes;
-  std::vector<uint8_t> record;
+  std::vector<uint8_t> record_head;  // JournalWriter::AppendRecord's head buffer
 };
 
 }  // namespace
@@ -662,7 +662,7 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
     const uint32_t es = static_cast<uint32_t>(DTypeSize(job.target->dtype));
     std::unique_ptr<DecodeScratch> buf = pool_of_buffers.Take();
     ChangeSet& changes = buf->changes;
-    std::vector<uint8_t>& record = buf->record;
+    std::vector<uint8_t>& record_head = buf->record_head;
     // A tensor's changes go to the journal in records of at most
     // journal_record_changes, so memory does not grow with the tensor.
     Status appended;
@@ -670,7 +670,7 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
       if (!appended.ok()) return;
       changed.fetch_add(part.count(), std::memory_order_relaxed);
       appended = writer->AppendRecord(job.name, old.size() / es, es, job.checksum,
-                                      job.base_checksum, part, &record);
+                                      job.base_checksum, part, &record_head);
     };
     DecodeOptions decode;
     decode.on_changes = append;

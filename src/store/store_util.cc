@@ -73,17 +73,8 @@ Status CopyRange(int in, int out, uint64_t offset, uint64_t length, const std::s
 
 Status WriteAllAt(int fd, const uint8_t* data, size_t size, uint64_t offset,
                   const std::string& what) {
-  while (size > 0) {
-    const ssize_t n = ::pwrite(fd, data, size, static_cast<off_t>(offset));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return Status::FromErrno(errno, what + ": write");
-    }
-    data += n;
-    size -= static_cast<size_t>(n);
-    offset += static_cast<uint64_t>(n);
-  }
-  return Status::OK();
+  struct iovec one = {const_cast<uint8_t*>(data), size};
+  return WriteAllAtV(fd, {&one, 1}, offset, what);
 }
 
 Status WriteAllAtV(int fd, std::span<struct iovec> iov, uint64_t offset, const std::string& what) {
