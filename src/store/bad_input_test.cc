@@ -27,14 +27,25 @@ std::map<std::string, std::string> LocalFiles(const std::string& dir) {
   return files;
 }
 
-// A store with versions 1 and 2 and a local checkpoint at version 1.
-class BadInput : public ::testing::TestWithParam<Encoding> {
+// A store with versions 1 and 2 and a local checkpoint at version 1, pulled
+// durably (the whole version journaled before the checkpoint is touched) or
+// not (each record applied as it is journaled, rolled back on failure).
+struct BadInputCase {
+  Encoding encoding;
+  bool durable;
+};
+
+class BadInput : public ::testing::TestWithParam<BadInputCase> {
  protected:
   void SetUp() override {
-    publisher_ = f_.MakePublisher(f_.PublisherOpts(GetParam()));
+    publisher_ = f_.MakePublisher(f_.PublisherOpts(GetParam().encoding));
     ASSERT_NE(publisher_, nullptr);
     models_ = PublishSteps(publisher_.get(), f_.base_model, 2);
-    local_ = f_.OpenLocal();
+    LocalCheckpointOptions lo = f_.LocalOpts();
+    lo.durable = GetParam().durable;
+    Result<std::unique_ptr<LocalCheckpoint>> opened = LocalCheckpoint::Open(lo);
+    DS_ASSERT_OK(opened);
+    local_ = std::move(*opened);
     DS_ASSERT_OK(local_->Pull(1));
     before_ = LocalFiles(f_.local);
   }
@@ -148,9 +159,10 @@ TEST_P(BadInput, WrongBaseFromAnotherHistoryIsRefusedBeforeTouching) {
   // Another publisher, same base, different version 1: its version 2 does
   // not continue this checkpoint.
   Fixture other;
-  auto publisher = other.MakePublisher(other.PublisherOpts(GetParam()));
+  auto publisher = other.MakePublisher(other.PublisherOpts(GetParam().encoding));
   PublishSteps(publisher.get(), other.base_model, 2, /*seed=*/900);
   LocalCheckpointOptions lo = f_.LocalOpts();
+  lo.durable = GetParam().durable;
   lo.store = other.store;
   auto switched = LocalCheckpoint::Open(lo);
   DS_ASSERT_OK(switched);
@@ -188,7 +200,7 @@ TEST_P(BadInput, OutOfOrderAndMissingVersions) {
 TEST_P(BadInput, UnknownEncodingCompressionOrChecksum) {
   SetMetadata("delta_encoding", "lz4-xor");
   ExpectRefused(StatusCode::kUnsupported, "lz4-xor");
-  SetMetadata("delta_encoding", std::string(EncodingName(GetParam())));
+  SetMetadata("delta_encoding", std::string(EncodingName(GetParam().encoding)));
   SetMetadata("compression_format", "lz4");
   ExpectRefused(StatusCode::kUnsupported, "compression_format");
   SetMetadata("compression_format", "zstd");
@@ -218,7 +230,7 @@ TEST_P(BadInput, TensorMissingFromTheLocalCheckpoint) {
   Model with_extra = g.base_model;
   with_extra.push_back({"extra.weight", DType::kBF16, {16}, std::vector<uint8_t>(32, 1)});
   WriteModel(g.base, g.base_model);
-  auto publisher = Publisher::Create(g.PublisherOpts(GetParam()), Views(with_extra));
+  auto publisher = Publisher::Create(g.PublisherOpts(GetParam().encoding), Views(with_extra));
   DS_ASSERT_OK(publisher);
   PublishSteps(publisher->get(), with_extra, 1);
   auto local = g.OpenLocal();
@@ -230,10 +242,20 @@ TEST_P(BadInput, TensorMissingFromTheLocalCheckpoint) {
   EXPECT_TRUE(HoldsModel(g.local, g.base_model));
 }
 
-INSTANTIATE_TEST_SUITE_P(Encodings, BadInput,
-                         ::testing::Values(Encoding::kSparse, Encoding::kXor, Encoding::kOverwrite),
-                         [](const ::testing::TestParamInfo<Encoding>& info) {
-                           return std::string(EncodingName(info.param));
+std::vector<BadInputCase> BadInputCases() {
+  std::vector<BadInputCase> cases;
+  for (bool durable : {false, true}) {
+    for (Encoding e : {Encoding::kSparse, Encoding::kXor, Encoding::kOverwrite}) {
+      cases.push_back({e, durable});
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Encodings, BadInput, ::testing::ValuesIn(BadInputCases()),
+                         [](const ::testing::TestParamInfo<BadInputCase>& info) {
+                           return std::string(EncodingName(info.param.encoding)) +
+                                  (info.param.durable ? "_durable" : "");
                          });
 
 // Hand-made version 2 holding one tensor's encoded bytes.
@@ -311,8 +333,12 @@ TEST_P(HandMade, FramesThatDoNotFitTheTensor) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Xor, HandMade, ::testing::Values(Encoding::kXor),
-                         [](const ::testing::TestParamInfo<Encoding>&) { return "xor"; });
+INSTANTIATE_TEST_SUITE_P(Xor, HandMade,
+                         ::testing::Values(BadInputCase{Encoding::kXor, false},
+                                           BadInputCase{Encoding::kXor, true}),
+                         [](const ::testing::TestParamInfo<BadInputCase>& info) {
+                           return info.param.durable ? "xor_durable" : "xor";
+                         });
 
 }  // namespace
 }  // namespace deltasync::store_test

@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -104,6 +105,7 @@ TEST_P(ApplyCrash, RecoversBitExactly) {
   // Mid-apply the checkpoint is at no version, for us and for the peer.
   const nlohmann::json state = ReadState(f.local);
   EXPECT_EQ(state.contains("version"), !c.after_applying_marked) << state.dump();
+  EXPECT_EQ(state.value("streamed", false), c.after_applying_marked && !c.durable) << state.dump();
   {
     LocalCheckpointOptions peek = lo;
     peek.recover_on_open = false;
@@ -140,19 +142,31 @@ TEST_P(ApplyCrash, RecoversBitExactly) {
 std::vector<CrashCase> ApplyCrashCases() {
   std::vector<CrashCase> cases;
   for (Encoding e : {Encoding::kXor, Encoding::kSparse, Encoding::kOverwrite}) {
+    // Durable: the whole journal is written and synced before the state says
+    // applying; from then on recovery replays it.
+    cases.push_back({e, "journal:created", 1, true, false, 1});
+    cases.push_back({e, "journal:record", 2, true, false, 1});
+    cases.push_back({e, "journal:complete", 1, true, false, 1});
+    cases.push_back({e, "state:applying", 1, true, true, 2});
+    cases.push_back({e, "apply:record", 1, true, true, 2});
+    cases.push_back({e, "apply:record", 4, true, true, 2});
+    cases.push_back({e, "apply:done", 1, true, true, 2});
+    cases.push_back({e, "apply:synced", 1, true, true, 2});
+    cases.push_back({e, "state:committed", 1, true, false, 2});
+    cases.push_back({e, "journal:removed", 1, true, false, 2});
+    // Streamed: the state says applying before the first record, each record
+    // is applied once written, and recovery rolls back a journal without its
+    // trailer or replays a complete one.
     cases.push_back({e, "journal:created", 1, false, false, 1});
-    cases.push_back({e, "journal:record", 2, false, false, 1});
-    cases.push_back({e, "journal:complete", 1, false, false, 1});
-    cases.push_back({e, "state:applying", 1, false, true, 2});
-    cases.push_back({e, "apply:record", 1, false, true, 2});
-    cases.push_back({e, "apply:record", 4, false, true, 2});
+    cases.push_back({e, "state:applying", 1, false, true, 1});
+    cases.push_back({e, "apply:record", 1, false, true, 1});
+    cases.push_back({e, "apply:record", 4, false, true, 1});
+    cases.push_back({e, "apply:record", 9, false, true, 1});
+    cases.push_back({e, "journal:complete", 1, false, true, 2});
     cases.push_back({e, "apply:done", 1, false, true, 2});
     cases.push_back({e, "state:committed", 1, false, false, 2});
     cases.push_back({e, "journal:removed", 1, false, false, 2});
   }
-  cases.push_back({Encoding::kXor, "apply:record", 3, true, true, 2});
-  cases.push_back({Encoding::kXor, "apply:synced", 1, true, true, 2});
-  cases.push_back({Encoding::kSparse, "journal:complete", 1, true, false, 1});
   return cases;
 }
 
@@ -280,6 +294,68 @@ TEST(CrashDuringRollback, EndsAtTheOldVersion) {
     EXPECT_TRUE(HoldsModel(f.local, models[1])) << point;
     EXPECT_EQ(**local->CurrentVersion(), 1);
   }
+}
+
+// A streamed apply killed while appending a record leaves it torn at the
+// journal's end; it was never applied. Recovery rolls back the intact
+// records before it and ignores the torn bytes.
+TEST(StreamedApply, RecoveryIgnoresATornLastRecord) {
+  for (Encoding e : {Encoding::kXor, Encoding::kSparse}) {
+    Fixture f;
+    auto publisher = f.MakePublisher(f.PublisherOpts(e));
+    const std::vector<Model> models = PublishSteps(publisher.get(), f.base_model, 2, 100, 0.05);
+    LocalCheckpointOptions lo = f.LocalOpts();
+    lo.journal_record_changes = 5;
+    {
+      auto local = LocalCheckpoint::Open(lo);
+      DS_ASSERT_OK(local);
+      DS_ASSERT_OK((*local)->Pull(1));
+    }
+    ASSERT_EQ(PullInChild(lo, 2, "apply:record", 3), kCrashExit);
+    const std::string journal = f.local + "/.weight_sync/journal";
+    // The start of the first record again, cut short: a torn append.
+    const std::string bytes = ReadFile(journal);
+    ASSERT_GT(bytes.size(), 32u + 60u);
+    {
+      std::ofstream out(journal, std::ios::binary | std::ios::app);
+      out.write(bytes.data() + 32, 60);
+    }
+    auto local = LocalCheckpoint::Open(lo);
+    DS_ASSERT_OK(local);
+    EXPECT_EQ(**(*local)->CurrentVersion(), 1) << EncodingName(e);
+    EXPECT_TRUE(HoldsModel(f.local, models[1])) << EncodingName(e);
+    EXPECT_FALSE(store_internal::PathExists(journal));
+    DS_ASSERT_OK((*local)->Pull(2));
+    EXPECT_TRUE(HoldsModel(f.local, models[2])) << EncodingName(e);
+  }
+}
+
+// A state that says streamed but whose journal lost its header cannot be
+// rolled back: the checkpoint is reseeded, never trusted.
+TEST(StreamedApply, AJournalWithoutItsHeaderIsReseeded) {
+  Fixture f;
+  auto publisher = f.MakePublisher(f.PublisherOpts(Encoding::kSparse));
+  const std::vector<Model> models = PublishSteps(publisher.get(), f.base_model, 2, 100, 0.05);
+  LocalCheckpointOptions lo = f.LocalOpts();
+  lo.journal_record_changes = 5;
+  {
+    auto local = LocalCheckpoint::Open(lo);
+    DS_ASSERT_OK(local);
+    DS_ASSERT_OK((*local)->Pull(1));
+  }
+  ASSERT_EQ(PullInChild(lo, 2, "apply:record", 2), kCrashExit);
+  const std::string journal = f.local + "/.weight_sync/journal";
+  std::string bytes = ReadFile(journal);
+  bytes[3] ^= 0x20;
+  WriteFile(journal, bytes);
+  lo.recover_on_open = false;
+  auto local = LocalCheckpoint::Open(lo);
+  DS_ASSERT_OK(local);
+  Result<PullResult> r = (*local)->Pull(2);
+  DS_ASSERT_OK(r);
+  EXPECT_TRUE(r->reseeded);
+  EXPECT_EQ(r->reset_to, 0);
+  EXPECT_TRUE(HoldsModel(f.local, models[2]));
 }
 
 class BootId : public ::testing::Test {

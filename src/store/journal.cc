@@ -217,6 +217,27 @@ Status ApplyRecordsAndVisit(std::span<const JournalRecord* const> records,
   return Status::OK();
 }
 
+Status ScatterNewValues(const ChangeSet& changes, std::span<uint8_t> target) {
+  const uint64_t count = changes.count();
+  if (target.size() != changes.numel * changes.elem_size ||
+      changes.new_values.size() != count * changes.elem_size ||
+      (count > 0 && changes.position(count - 1) >= changes.numel)) {
+    return Status::Internal("changes do not fit their tensor of " + std::to_string(target.size()) +
+                            " bytes");
+  }
+  JournalRecord r;
+  r.numel = changes.numel;
+  r.elem_size = changes.elem_size;
+  r.position_width = changes.wide ? 8 : 4;
+  r.count = count;
+  r.positions = changes.wide ? reinterpret_cast<const uint8_t*>(changes.pos64.data())
+                             : reinterpret_cast<const uint8_t*>(changes.pos32.data());
+  r.new_values = changes.new_values.data();
+  uint64_t next = 0;
+  ScatterRecordBelow(r, /*undo=*/false, target.data(), UINT64_MAX, &next);
+  return Status::OK();
+}
+
 Result<std::unique_ptr<JournalWriter>> JournalWriter::Create(const std::string& path,
                                                              int64_t version,
                                                              int64_t from_version) {
@@ -287,18 +308,26 @@ Status JournalWriter::AppendRecord(std::string_view name, uint64_t numel, uint32
   }
   iov[4] = {tail, pad + 8};
   total += pad + 8;
-  const uint64_t offset = next_offset_.fetch_add(total);
-  DS_RETURN_IF_ERROR(WriteAllAtV(fd_, iov, offset, path_));
-  records_.fetch_add(1);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (failed_) return Status::IOError(path_ + ": an earlier journal append failed");
+  Status written = WriteAllAtV(fd_, iov, next_offset_, path_);
+  if (!written.ok()) {
+    failed_ = true;  // the record may be torn: nothing may follow it
+    return written;
+  }
+  next_offset_ += total;
+  ++records_;
   return Status::OK();
 }
 
 Status JournalWriter::Finish(bool durable) {
   const uint8_t* header = header_;
-  const uint64_t end = next_offset_.load();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (failed_) return Status::IOError(path_ + ": an earlier journal append failed");
+  const uint64_t end = next_offset_;
   uint8_t trailer[kTrailerBytes] = {};
   std::memcpy(trailer, kTrailerMagic, 8);
-  Put<uint64_t>(trailer + 8, records_.load());
+  Put<uint64_t>(trailer + 8, records_);
   Put<uint64_t>(trailer + 16, end);
   uint8_t both[48];
   std::memcpy(both, header, 24);
@@ -313,6 +342,16 @@ Status JournalWriter::Finish(bool durable) {
 }
 
 Result<std::unique_ptr<Journal>> Journal::Open(const std::string& path, ThreadPool* pool) {
+  return OpenImpl(path, pool, /*allow_incomplete=*/false);
+}
+
+Result<std::unique_ptr<Journal>> Journal::OpenIntactPrefix(const std::string& path,
+                                                           ThreadPool* pool) {
+  return OpenImpl(path, pool, /*allow_incomplete=*/true);
+}
+
+Result<std::unique_ptr<Journal>> Journal::OpenImpl(const std::string& path, ThreadPool* pool,
+                                                   bool allow_incomplete) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     if (errno == ENOENT) return Status::NotFound(path + ": no journal");
@@ -329,38 +368,52 @@ Result<std::unique_ptr<Journal>> Journal::Open(const std::string& path, ThreadPo
   auto incomplete = [&path](const std::string& why) {
     return Status::Corruption(path + ": incomplete journal: " + why);
   };
-  if (journal->size_ < kHeaderBytes + kTrailerBytes) {
+  const size_t size = journal->size_;
+  if (size < kHeaderBytes + (allow_incomplete ? 0 : kTrailerBytes)) {
     ::close(fd);
-    return incomplete("only " + std::to_string(journal->size_) + " bytes");
+    return incomplete("only " + std::to_string(size) + " bytes");
   }
-  void* map = ::mmap(nullptr, journal->size_, PROT_READ, MAP_SHARED, fd, 0);
+  void* map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
   ::close(fd);
   if (map == MAP_FAILED) return Status::FromErrno(errno, path + ": mmap");
   journal->map_ = map;
   const uint8_t* base = static_cast<const uint8_t*>(map);
-  const size_t size = journal->size_;
   if (std::memcmp(base, kHeaderMagic, 8) != 0 || Get<uint64_t>(base + 24) != Hash64(base, 24)) {
     return incomplete("bad header");
   }
-  const uint8_t* trailer = base + size - kTrailerBytes;
-  uint8_t both[48];
-  std::memcpy(both, base, 24);
-  std::memcpy(both + 24, trailer, 24);
-  if (std::memcmp(trailer, kTrailerMagic, 8) != 0 ||
-      Get<uint64_t>(trailer + 24) != Hash64(both, 48) ||
-      Get<uint64_t>(trailer + 16) != size - kTrailerBytes) {
-    return incomplete("no valid trailer");
-  }
   journal->version_ = Get<int64_t>(base + 8);
   journal->from_version_ = Get<int64_t>(base + 16);
-  const uint64_t expected_records = Get<uint64_t>(trailer + 8);
+  // The trailer, when the file ends with a valid one, bounds the records.
+  uint64_t expected_records = 0;
+  size_t end = size;
+  if (size >= kHeaderBytes + kTrailerBytes) {
+    const uint8_t* trailer = base + size - kTrailerBytes;
+    uint8_t both[48];
+    std::memcpy(both, base, 24);
+    std::memcpy(both + 24, trailer, 24);
+    if (std::memcmp(trailer, kTrailerMagic, 8) == 0 &&
+        Get<uint64_t>(trailer + 24) == Hash64(both, 48) &&
+        Get<uint64_t>(trailer + 16) == size - kTrailerBytes) {
+      journal->complete_ = true;
+      expected_records = Get<uint64_t>(trailer + 8);
+      end = size - kTrailerBytes;
+    }
+  }
+  if (!journal->complete_ && !allow_incomplete) return incomplete("no valid trailer");
+  // A journal cut short ends at its first record that does not parse.
+  Status stopped;
   std::vector<std::span<const uint8_t>> sealed;  // each record, its checksum last
   size_t at = kHeaderBytes;
-  const size_t end = size - kTrailerBytes;
   while (at < end) {
-    if (end - at < kRecordFixedBytes + 8) return incomplete("truncated record");
+    if (end - at < kRecordFixedBytes + 8) {
+      stopped = incomplete("truncated record");
+      break;
+    }
     const uint8_t* p = base + at;
-    if (Get<uint32_t>(p) != kRecordMagic) return incomplete("bad record magic");
+    if (Get<uint32_t>(p) != kRecordMagic) {
+      stopped = incomplete("bad record magic");
+      break;
+    }
     JournalRecord r;
     const uint64_t name_len = Get<uint32_t>(p + 4);
     r.numel = Get<uint64_t>(p + 8);
@@ -372,12 +425,14 @@ Result<std::unique_ptr<Journal>> Journal::Open(const std::string& path, ThreadPo
     if ((r.elem_size != 1 && r.elem_size != 2 && r.elem_size != 4 && r.elem_size != 8) ||
         (r.position_width != 4 && r.position_width != 8) || r.count > r.numel ||
         name_len > end - at || r.count > (end - at) / (r.position_width + 2 * r.elem_size)) {
-      return incomplete("bad record header");
+      stopped = incomplete("bad record header");
+      break;
     }
     const size_t strings = Pad8(kRecordFixedBytes + name_len + sum_len + base_len);
     const size_t body = Pad8(r.count * (r.position_width + 2 * r.elem_size));
     if (strings > end - at || body > end - at - strings || end - at - strings - body < 8) {
-      return incomplete("record runs past the end");
+      stopped = incomplete("record runs past the end");
+      break;
     }
     const size_t record_size = strings + body + 8;
     sealed.push_back({p, record_size});
@@ -391,7 +446,9 @@ Result<std::unique_ptr<Journal>> Journal::Open(const std::string& path, ThreadPo
     journal->records_.push_back(r);
     at += record_size;
   }
-  if (journal->records_.size() != expected_records) return incomplete("record count mismatch");
+  if (journal->complete_ && stopped.ok() && journal->records_.size() != expected_records) {
+    stopped = incomplete("record count mismatch");
+  }
   // Every record's checksum (most of the time of opening a large journal).
   std::vector<char> intact(sealed.size(), 0);  // not vector<bool>: set concurrently
   auto check = [&](size_t i) {
@@ -403,8 +460,15 @@ Result<std::unique_ptr<Journal>> Journal::Open(const std::string& path, ThreadPo
   } else {
     for (size_t i = 0; i < sealed.size(); ++i) check(i);
   }
-  for (char ok : intact) {
-    if (!ok) return incomplete("record checksum mismatch");
+  const size_t first_bad =
+      static_cast<size_t>(std::find(intact.begin(), intact.end(), 0) - intact.begin());
+  if (first_bad < intact.size()) {
+    stopped = incomplete("record checksum mismatch");
+    journal->records_.resize(first_bad);
+  }
+  if (!stopped.ok()) {
+    if (!allow_incomplete) return stopped;
+    journal->complete_ = false;
   }
   return journal;
 }

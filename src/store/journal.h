@@ -6,14 +6,16 @@
 //
 // Layout (docs/format.md, "Delta store", "Apply journal"): a 32-byte header,
 // records back to back, a 32-byte trailer. The trailer is written only once
-// every record is, so a journal without a valid trailer was never complete
-// and the checkpoint was not touched for it.
+// every record is. Records are appended one at a time, so a journal cut
+// short (a killed process) is a run of intact records, at most one torn
+// record after them, and no trailer.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -67,7 +69,16 @@ Status ApplyRecordsAndVisit(std::span<const JournalRecord* const> records,
                             std::span<uint8_t> target, bool undo, size_t piece_bytes,
                             const std::function<void(std::span<const uint8_t>)>& visit);
 
-// Writes a journal; records may be appended from many threads at once.
+// Writes each change's new value into `target`, the tensor's
+// changes.numel * changes.elem_size bytes. Internal when a position is out
+// of range (checked before anything is written: positions must ascend, as
+// the decoders list them).
+Status ScatterNewValues(const ChangeSet& changes, std::span<uint8_t> target);
+
+// Writes a journal; records may be appended from many threads at once. They
+// are written one after another, each once its bytes are ready, so that the
+// file is always a prefix of whole records plus at most one being written.
+// After a failed append every later one fails too.
 class JournalWriter {
  public:
   static Result<std::unique_ptr<JournalWriter>> Create(const std::string& path, int64_t version,
@@ -91,8 +102,10 @@ class JournalWriter {
   std::string path_;
   int fd_ = -1;
   uint8_t header_[32] = {};
-  std::atomic<uint64_t> next_offset_{0};
-  std::atomic<uint64_t> records_{0};
+  std::mutex mu_;  // guards the three below
+  uint64_t next_offset_ = 0;
+  uint64_t records_ = 0;
+  bool failed_ = false;
 };
 
 // A complete journal, mapped read-only and validated.
@@ -102,6 +115,11 @@ class Journal {
   // NotFound when there is none. With `pool`, the records' checksums are
   // verified in parallel on it.
   static Result<std::unique_ptr<Journal>> Open(const std::string& path, ThreadPool* pool = nullptr);
+  // Like Open, but a journal cut short is not an error: its records are
+  // those before the first that is torn or damaged, and complete() is
+  // false. Corruption only when the header itself is bad.
+  static Result<std::unique_ptr<Journal>> OpenIntactPrefix(const std::string& path,
+                                                           ThreadPool* pool = nullptr);
   ~Journal();
   Journal(const Journal&) = delete;
   Journal& operator=(const Journal&) = delete;
@@ -109,9 +127,14 @@ class Journal {
   int64_t version() const { return version_; }
   int64_t from_version() const { return from_version_; }
   const std::vector<JournalRecord>& records() const { return records_; }
+  // Whether the trailer was found: every record of the journal is here.
+  bool complete() const { return complete_; }
 
  private:
   Journal() = default;
+  static Result<std::unique_ptr<Journal>> OpenImpl(const std::string& path, ThreadPool* pool,
+                                                   bool allow_incomplete);
+  bool complete_ = false;
   void* map_ = nullptr;
   size_t size_ = 0;
   int64_t version_ = 0;

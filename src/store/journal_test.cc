@@ -2,10 +2,12 @@
 // once its changes are written (and, for ascending positions, before the
 // next piece's are), and bad records change nothing.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
 #include <unistd.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -317,7 +319,8 @@ TEST(JournalWriterTest, ADamagedRecordMakesTheJournalIncomplete) {
     ASSERT_TRUE(intact.ok()) << intact.status().ToString();
     EXPECT_EQ((*intact)->records().size(), 40u);
   }
-  // A byte of record 20's new values ({20, 1}, {21, 1}, ...).
+  // A byte of record 13's new values ({k + 13, 1} for k = 7, 8, 9: the
+  // first record holding this run).
   std::vector<uint8_t> bytes;
   {
     std::ifstream in(path, std::ios::binary);
@@ -338,7 +341,134 @@ TEST(JournalWriterTest, ADamagedRecordMakesTheJournalIncomplete) {
     EXPECT_TRUE(damaged.status().IsCorruption()) << damaged.status().ToString();
     EXPECT_NE(damaged.status().message().find("record checksum mismatch"), std::string::npos)
         << damaged.status().ToString();
+    // Read as a journal cut short, it is the records before the damage.
+    Result<std::unique_ptr<Journal>> prefix = Journal::OpenIntactPrefix(path, p);
+    ASSERT_TRUE(prefix.ok()) << prefix.status().ToString();
+    EXPECT_FALSE((*prefix)->complete());
+    EXPECT_EQ((*prefix)->records().size(), 13u);
   }
+}
+
+// A journal cut at any byte (a killed append) reads back as exactly the
+// records wholly before the cut; only the whole file is complete.
+TEST(JournalWriterTest, ACutShortJournalIsItsWholeRecords) {
+  const TempJournal temp("cut");
+  const std::string& path = temp.path;
+  std::vector<size_t> ends;  // file size after each record
+  {
+    Result<std::unique_ptr<JournalWriter>> writer = JournalWriter::Create(path, 7, 6);
+    ASSERT_TRUE(writer.ok()) << writer.status().ToString();
+    std::vector<uint8_t> head;
+    for (uint32_t i = 0; i < 5; ++i) {
+      ChangeSet c;
+      c.numel = 1000;
+      c.elem_size = 4;
+      for (uint32_t k = 0; k < 3 * i; ++k) {
+        c.pos32.push_back(k * 11 + i);
+        for (int b = 0; b < 4; ++b) {
+          c.old_values.push_back(static_cast<uint8_t>(k + b));
+          c.new_values.push_back(static_cast<uint8_t>(k * b + i));
+        }
+      }
+      ASSERT_TRUE((*writer)
+                      ->AppendRecord("t" + std::to_string(i), 1000, 4, "xxh3-64:0a", "", c, &head)
+                      .ok());
+      ends.push_back(std::filesystem::file_size(path));
+    }
+    ASSERT_TRUE((*writer)->Finish(false).ok());
+  }
+  std::string whole;
+  {
+    std::ifstream in(path, std::ios::binary);
+    whole.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  ASSERT_EQ(whole.size(), ends.back() + 32);
+  for (size_t cut = 0; cut <= whole.size(); ++cut) {
+    {
+      std::ofstream out(path, std::ios::binary | std::ios::trunc);
+      out.write(whole.data(), static_cast<std::streamsize>(cut));
+    }
+    Result<std::unique_ptr<Journal>> prefix = Journal::OpenIntactPrefix(path);
+    if (cut < 32) {
+      EXPECT_TRUE(prefix.status().IsCorruption()) << cut;
+      continue;
+    }
+    ASSERT_TRUE(prefix.ok()) << cut << ": " << prefix.status().ToString();
+    const size_t whole_records =
+        static_cast<size_t>(std::upper_bound(ends.begin(), ends.end(), cut) - ends.begin());
+    ASSERT_EQ((*prefix)->records().size(), whole_records) << cut;
+    EXPECT_EQ((*prefix)->version(), 7);
+    EXPECT_EQ((*prefix)->from_version(), 6);
+    EXPECT_EQ((*prefix)->complete(), cut == whole.size()) << cut;
+    EXPECT_EQ(Journal::Open(path).ok(), cut == whole.size()) << cut;
+    for (size_t i = 0; i < whole_records; ++i) {
+      const JournalRecord& r = (*prefix)->records()[i];
+      EXPECT_EQ(r.name, "t" + std::to_string(i));
+      ASSERT_EQ(r.count, 3 * i);
+      if (r.count > 0) {
+        EXPECT_EQ(r.position(r.count - 1), (r.count - 1) * 11 + i);
+      }
+    }
+  }
+}
+
+// After an append fails, the record may be torn: no later record may land
+// after it, or recovery could not find it.
+TEST(JournalWriterTest, NothingIsAppendedAfterAFailedAppend) {
+  const TempJournal temp("fail");
+  Result<std::unique_ptr<JournalWriter>> writer = JournalWriter::Create(temp.path, 2, 1);
+  ASSERT_TRUE(writer.ok()) << writer.status().ToString();
+  auto changes = [](uint32_t n) {
+    ChangeSet c;
+    c.numel = 1u << 20;
+    c.elem_size = 1;
+    for (uint32_t k = 0; k < n; ++k) c.pos32.push_back(k);
+    c.old_values.assign(n, 1);
+    c.new_values.assign(n, 2);
+    return c;
+  };
+  std::vector<uint8_t> head;
+  ASSERT_TRUE((*writer)->AppendRecord("small", 1u << 20, 1, "", "", changes(4), &head).ok());
+  // The file may not grow past 64 KiB: a 600 KB record fails part way.
+  struct rlimit old_limit;
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old_limit), 0);
+  void (*old_handler)(int) = std::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit limit = old_limit;
+  limit.rlim_cur = 64 << 10;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &limit), 0);
+  const Status big = (*writer)->AppendRecord("big", 1u << 20, 1, "", "", changes(100000), &head);
+  const Status after = (*writer)->AppendRecord("small", 1u << 20, 1, "", "", changes(4), &head);
+  const Status finish = (*writer)->Finish(false);
+  ::setrlimit(RLIMIT_FSIZE, &old_limit);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_FALSE(big.ok());
+  EXPECT_FALSE(after.ok());
+  EXPECT_NE(after.message().find("an earlier journal append failed"), std::string::npos)
+      << after.ToString();
+  EXPECT_FALSE(finish.ok());
+  Result<std::unique_ptr<Journal>> prefix = Journal::OpenIntactPrefix(temp.path);
+  ASSERT_TRUE(prefix.ok()) << prefix.status().ToString();
+  EXPECT_FALSE((*prefix)->complete());
+  ASSERT_EQ((*prefix)->records().size(), 1u);
+  EXPECT_EQ((*prefix)->records()[0].name, "small");
+}
+
+TEST(ScatterNewValues, WritesEveryChangeOrNothing) {
+  ChangeSet c;
+  c.numel = 6;
+  c.elem_size = 2;
+  c.pos32 = {1, 4};
+  c.new_values = {0xa1, 0xa2, 0xb1, 0xb2};
+  std::vector<uint8_t> target(12, 0);
+  ASSERT_TRUE(ScatterNewValues(c, target).ok());
+  EXPECT_EQ(target, (std::vector<uint8_t>{0, 0, 0xa1, 0xa2, 0, 0, 0, 0, 0xb1, 0xb2, 0, 0}));
+  c.pos32 = {1, 6};
+  std::vector<uint8_t> untouched(12, 0);
+  EXPECT_EQ(ScatterNewValues(c, untouched).code(), StatusCode::kInternal);
+  EXPECT_EQ(untouched, std::vector<uint8_t>(12, 0));
+  c.pos32 = {1, 4};
+  std::vector<uint8_t> wrong_size(10, 0);
+  EXPECT_EQ(ScatterNewValues(c, wrong_size).code(), StatusCode::kInternal);
 }
 
 }  // namespace

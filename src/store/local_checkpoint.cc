@@ -1,9 +1,11 @@
 // LocalCheckpoint: brings a host-local full checkpoint to a version of a
-// store. Every version is decoded completely into a journal of idempotent
-// (position, old, new) triples before the checkpoint is touched; the
-// journal is then applied in place through read-write shared mappings,
-// verified, and committed. An interrupted apply is replayed (or rolled back)
-// from the journal by the next Pull or Open.
+// store. Every change of a version is journaled as an idempotent (position,
+// old, new) triple before it is applied in place through read-write shared
+// mappings; each tensor is verified and the version committed. A durable
+// pull journals (and syncs) the whole version before touching the
+// checkpoint; otherwise each record is applied as soon as it is written.
+// An interrupted apply is replayed or rolled back from the journal by the
+// next Pull or Open.
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -81,6 +83,9 @@ struct LocalState {
   std::optional<int64_t> applying;
   std::optional<int64_t> from_version;
   std::optional<int64_t> resetting;
+  // While applying: records were applied as they were journaled, so a
+  // journal without its trailer is rolled back (see StreamVersion).
+  bool streamed = false;
   std::string boot_id;  // empty: not recorded (e.g. written by the Python receiver)
   bool durable = false;
   // Tagged digests of the local tensors, valid for `version` (or, while
@@ -90,9 +95,9 @@ struct LocalState {
   std::optional<int64_t> origin_version;
 };
 
-constexpr const char* kOurKeys[] = {"version",   "applying", "from_version",
-                                    "resetting", "boot_id",  "durable",
-                                    "checksums", "origin",   "checksums_version"};
+constexpr const char* kOurKeys[] = {"version",  "applying",         "from_version", "resetting",
+                                    "streamed", "boot_id",          "durable",      "checksums",
+                                    "origin",   "checksums_version"};
 
 std::optional<int64_t> VersionKey(const json& doc, const char* key) {
   auto it = doc.find(key);
@@ -123,6 +128,9 @@ LocalState ParseState(std::string_view text) {
     st.resetting.reset();
   }
   if (st.applying && !st.from_version) st.applying.reset();
+  if (auto it = st.doc.find("streamed"); st.applying && it != st.doc.end() && it->is_boolean()) {
+    st.streamed = it->get<bool>();
+  }
   if (auto it = st.doc.find("boot_id"); it != st.doc.end() && it->is_string()) {
     st.boot_id = it->get<std::string>();
   }
@@ -156,6 +164,7 @@ std::string SerializeState(const LocalState& st) {
   if (st.applying) {
     doc["applying"] = FormatVersion(*st.applying);
     doc["from_version"] = FormatVersion(*st.from_version);
+    if (st.streamed) doc["streamed"] = true;
   }
   if (st.resetting) doc["resetting"] = FormatVersion(*st.resetting);
   doc["boot_id"] = st.boot_id;
@@ -257,6 +266,58 @@ struct DecodeScratch {
   std::vector<uint8_t> record_head;  // JournalWriter::AppendRecord's head buffer
 };
 
+// Changes per journal record of a streamed apply: few enough that the
+// lines a record's decode reads are still in cache when its new values are
+// written and hashed right after.
+constexpr uint64_t kStreamRecordChanges = uint64_t{16} << 10;
+
+// One tensor of a version being applied, checked before decoding.
+struct ApplyJob {
+  std::string name;
+  TensorView delta;
+  const LocalTensor* target = nullptr;
+  std::string checksum;       // tagged
+  std::string base_checksum;  // tagged, or empty
+};
+
+// A tensor's journal records, in journal order (one unless it is large).
+struct RecordGroup {
+  const LocalTensor* target = nullptr;
+  std::vector<const JournalRecord*> records;
+};
+
+// A tensor whose bytes did not match its checksum after apply.
+struct Mismatch {
+  std::string_view name;
+  std::string_view base_checksum;  // tagged, or empty
+  std::span<const uint8_t> bytes;  // rolled back
+};
+
+// The error for tensors that failed verification after apply (and were
+// rolled back to `version`): a wrong base when a tensor's bytes do not match
+// its base checksum either, else a corrupt delta.
+Status MismatchError(const std::string& where, const std::vector<Mismatch>& failed,
+                     int64_t version) {
+  std::string wrong_base, corrupt;
+  for (const Mismatch& m : failed) {
+    std::string* list = &corrupt;
+    if (!m.base_checksum.empty()) {
+      Result<ParsedDigest> base = ParseTaggedDigest(m.base_checksum);
+      if (base.ok() && ChecksumHex(base->algo, m.bytes) != base->hex) list = &wrong_base;
+    }
+    if (list->size() < 300) *list += (list->empty() ? "'" : ", '") + std::string(m.name) + "'";
+  }
+  if (!wrong_base.empty()) {
+    return Status::FailedPrecondition(
+        where + ": the local checkpoint is not this version's base (tensor " + wrong_base +
+        " differs from the base checksum); rolled back to version " + FormatVersion(version));
+  }
+  return Status::Corruption(where + ": checksum mismatch after apply for tensor " + corrupt +
+                            " (corrupt delta, or the local checkpoint was not at version " +
+                            FormatVersion(version) + "); rolled back to version " +
+                            FormatVersion(version));
+}
+
 }  // namespace
 
 struct LocalCheckpoint::State {
@@ -278,7 +339,21 @@ struct LocalCheckpoint::State {
   Status Materialize(const std::string& source, int64_t version, LocalState* st,
                      PullResult* result);
   Status ApplyVersion(const VersionInfo& info, LocalState* st, PullResult* result);
+  Status StreamVersion(const VersionInfo& info, const std::vector<ApplyJob>& jobs,
+                       LocalFiles* local, JournalWriter* writer, LocalState* st,
+                       PullResult* result);
   Status ReplayJournal(const Journal& journal, LocalState* st);
+  Result<std::vector<RecordGroup>> GroupRecords(const Journal& journal, const LocalFiles& local,
+                                                const std::string& where);
+  // Commits `version`, whose tensors now hold `checksums` (name, tagged).
+  Status Commit(int64_t version,
+                const std::vector<std::pair<std::string_view, std::string_view>>& checksums,
+                LocalFiles* local, LocalState* st);
+  // Writes every record's old values back (idempotent) and returns the
+  // state to from_version.
+  Status RollBack(const std::vector<RecordGroup>& groups, LocalFiles* local, LocalState* st,
+                  const std::string& where);
+  Status RollBackJournal(const Journal& journal, LocalState* st);
   Status VerifyAll(const LocalState& st);
   // The base checkpoint the last successful pull was given, as an absolute
   // path, so that a Verify given none can still check the tensors no
@@ -337,14 +412,21 @@ Status LocalCheckpoint::State::Reseed(LocalState* st, PullResult* result) {
 Status LocalCheckpoint::State::Recover(LocalState* st, PullResult* result) {
   const std::string boot = store_internal::CurrentBootId();
   const bool rebooted = !st->boot_id.empty() && !boot.empty() && st->boot_id != boot;
-  Result<std::unique_ptr<Journal>> journal = Journal::Open(journal_path, pool);
+  Result<std::unique_ptr<Journal>> journal = Journal::OpenIntactPrefix(journal_path, pool);
   if (st->applying) {
     if (rebooted && !st->durable) return Reseed(st, result);
     if (!journal.ok() || (*journal)->version() != *st->applying ||
         (*journal)->from_version() != *st->from_version) {
-      // The state is only marked applying once the journal is complete, so
+      // The journal is written before the state says applying: without it
       // the checkpoint may have been touched and nothing can restore it.
       return Reseed(st, result);
+    }
+    if (!(*journal)->complete()) {
+      // A durable apply says applying only once its journal is complete. A
+      // streamed one applied at most the intact records: undo them.
+      if (!st->streamed || !RollBackJournal(**journal, st).ok()) return Reseed(st, result);
+      if (result) result->recovered = true;
+      return Status::OK();
     }
     if (result) result->recovered = true;
     Status s = ReplayJournal(**journal, st);
@@ -568,14 +650,7 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
   DS_ASSIGN_OR_RETURN(std::unique_ptr<LocalFiles> local, LocalFiles::Open(options.local));
 
   // Everything that can be checked without decoding.
-  struct Job {
-    std::string name;
-    TensorView delta;
-    const LocalTensor* target = nullptr;
-    std::string checksum;       // tagged
-    std::string base_checksum;  // tagged, or empty
-  };
-  std::vector<Job> jobs;
+  std::vector<ApplyJob> jobs;
   for (const auto& file : version.files()) {
     for (const TensorView& t : file->tensors()) {
       const std::string name = QuoteForMessage(t.name);
@@ -597,7 +672,7 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
                                           ", which the local checkpoint " + options.local +
                                           " does not have");
       }
-      Job job{t.name, t, target, TaggedDigest(info.checksum, md->second), ""};
+      ApplyJob job{t.name, t, target, TaggedDigest(info.checksum, md->second), ""};
       if (manifest) {
         auto m = manifest->tensors.find(t.name);
         if (m == manifest->tensors.end()) {
@@ -640,24 +715,29 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
   }
   // Largest first: tasks are handed out in order, so big tensors must not
   // start last and leave the other threads idle.
-  std::stable_sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) {
+  std::stable_sort(jobs.begin(), jobs.end(), [](const ApplyJob& a, const ApplyJob& b) {
     return a.target->bytes.size() > b.target->bytes.size();
   });
 
-  // Decode every tensor into the journal; the checkpoint is only read. The
-  // decoder lists (position, old, new) straight from the delta, so memory is
-  // the changed elements of the tensors in flight, never a tensor's size.
-  const Codec& codec = GetCodec(info.encoding);
   DS_ASSIGN_OR_RETURN(std::unique_ptr<JournalWriter> writer,
                       JournalWriter::Create(journal_path, info.version, info.base_version));
   CrashPoint("journal:created");
   if (!scratch) scratch = std::make_unique<store_internal::FreeList<DecodeScratch>>();
+  if (!options.durable) {
+    return StreamVersion(info, jobs, local.get(), writer.get(), st, result);
+  }
+
+  // Durable: decode every tensor into the journal and sync it before the
+  // checkpoint is touched (it is only read). The decoder lists (position,
+  // old, new) straight from the delta, so memory is the changed elements of
+  // the tensors in flight, never a tensor's size.
+  const Codec& codec = GetCodec(info.encoding);
   store_internal::FreeList<DecodeScratch>& pool_of_buffers = *scratch;
   FirstError error;
   std::atomic<uint64_t> changed{0};
   pool->ParallelFor(jobs.size(), [&](size_t j) {
     if (error.failed()) return;
-    const Job& job = jobs[j];
+    const ApplyJob& job = jobs[j];
     const std::span<const uint8_t> old = job.target->bytes;
     const uint32_t es = static_cast<uint32_t>(DTypeSize(job.target->dtype));
     std::unique_ptr<DecodeScratch> buf = pool_of_buffers.Take();
@@ -698,6 +778,7 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
   // Past this point the checkpoint may change: the state says so.
   st->applying = info.version;
   st->from_version = info.base_version;
+  st->streamed = false;
   st->version.reset();
   st->boot_id = store_internal::CurrentBootId();
   st->durable = options.durable;
@@ -711,21 +792,114 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
   return Status::OK();
 }
 
-Status LocalCheckpoint::State::ReplayJournal(const Journal& journal, LocalState* st) {
-  const std::string where = "applying version " + FormatVersion(journal.version());
-  DS_ASSIGN_OR_RETURN(std::unique_ptr<LocalFiles> local, LocalFiles::Open(options.local));
-  const auto& records = journal.records();
-  // A tensor's records, in journal order (one per tensor unless it is large).
-  struct Group {
-    const LocalTensor* target = nullptr;
-    std::vector<const JournalRecord*> records;
-  };
-  std::vector<Group> groups;
+// Without --durable nothing has to reach the disk before the checkpoint is
+// written, so each record is applied as soon as it is journaled, and the
+// tensor is hashed right behind its changes: the checkpoint's lines are read
+// once, while they are in cache, instead of once to decode and again to
+// apply. The state says "streamed" before the first record: the journal's
+// records are appended one at a time and each is applied only once written,
+// so recovery rolls back the intact records of a journal without a trailer
+// (at most the last can be torn, and it was not applied), and replays a
+// complete one.
+Status LocalCheckpoint::State::StreamVersion(const VersionInfo& info,
+                                             const std::vector<ApplyJob>& jobs, LocalFiles* local,
+                                             JournalWriter* writer, LocalState* st,
+                                             PullResult* result) {
+  const std::string where = "applying version " + FormatVersion(info.version);
+  st->applying = info.version;
+  st->from_version = info.base_version;
+  st->version.reset();
+  st->streamed = true;
+  st->boot_id = store_internal::CurrentBootId();
+  st->durable = false;
+  DS_RETURN_IF_ERROR(SaveState(*st));
+  CrashPoint("state:applying");
+
+  const Codec& codec = GetCodec(info.encoding);
+  store_internal::FreeList<DecodeScratch>& buffers = *scratch;
+  FirstError error;
+  std::vector<char> mismatch(jobs.size(), 0);
+  std::atomic<uint64_t> changed{0};
+  pool->ParallelFor(jobs.size(), [&](size_t j) {
+    if (error.failed()) return;
+    const ApplyJob& job = jobs[j];
+    const LocalTensor& t = *job.target;
+    const uint32_t es = static_cast<uint32_t>(DTypeSize(t.dtype));
+    Result<ParsedDigest> expected = ParseTaggedDigest(job.checksum);
+    if (!expected.ok()) {
+      error.Note(expected.status().WithContext(where));
+      return;
+    }
+    local->Touch(t);
+    // No encoding spends less than a byte on four changes.
+    PrefaultForWrite(t.bytes, job.delta.bytes.size() / 4);
+    std::unique_ptr<Hasher> hasher = NewHasher(expected->algo);
+    std::unique_ptr<DecodeScratch> buf = buffers.Take();
+    size_t hashed = 0;  // bytes of the tensor that are final and hashed
+    Status applied;
+    auto apply = [&](const ChangeSet& part) {
+      if (!applied.ok()) return;
+      applied = writer->AppendRecord(job.name, t.bytes.size() / es, es, job.checksum,
+                                     job.base_checksum, part, &buf->record_head);
+      if (applied.ok()) applied = store_internal::ScatterNewValues(part, t.bytes);
+      if (!applied.ok() || part.count() == 0) return;
+      changed.fetch_add(part.count(), std::memory_order_relaxed);
+      // Later records change only later elements: up to this record's last
+      // change the tensor is final.
+      const size_t end = static_cast<size_t>(part.position(part.count() - 1) + 1) * es;
+      hasher->Update(t.bytes.subspan(hashed, end - hashed));
+      hashed = end;
+      CrashPoint("apply:record");
+    };
+    DecodeOptions decode;
+    decode.on_changes = apply;
+    decode.max_chunk_changes = std::min(options.journal_record_changes, kStreamRecordChanges);
+    Status s = codec.DecodeChanges(job.delta.bytes, t.bytes, es, decode, &buf->changes);
+    if (s.ok()) {
+      apply(buf->changes);  // the last record of the tensor (maybe empty): every tensor has one
+      s = applied;
+    }
+    buffers.Give(std::move(buf));
+    if (!s.ok()) {
+      error.Note(s.WithContext(where + ": tensor " + QuoteForMessage(job.name)));
+      return;
+    }
+    hasher->Update(t.bytes.subspan(hashed));
+    if (hasher->HexDigest() != expected->hex) mismatch[j] = 1;
+  });
+  const bool any_mismatch = std::find(mismatch.begin(), mismatch.end(), 1) != mismatch.end();
+  if (!error.failed() && !any_mismatch) error.Note(writer->Finish(/*durable=*/false));
+  if (!error.failed() && !any_mismatch) {
+    CrashPoint("journal:complete");
+    result->tensors_changed += jobs.size();
+    result->changed_elements += changed.load();
+    std::vector<std::pair<std::string_view, std::string_view>> checksums;
+    for (const ApplyJob& job : jobs) checksums.emplace_back(job.name, job.checksum);
+    return Commit(info.version, checksums, local, st);
+  }
+
+  // Roll back what was applied, from the records as written.
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<Journal> journal,
+                      Journal::OpenIntactPrefix(journal_path, pool));
+  DS_ASSIGN_OR_RETURN(std::vector<RecordGroup> groups, GroupRecords(*journal, *local, where));
+  DS_RETURN_IF_ERROR(RollBack(groups, local, st, where));
+  if (error.failed()) return error.status().WithContext(where + " (rolled back)");
+  std::vector<Mismatch> failed;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    if (mismatch[j]) failed.push_back({jobs[j].name, jobs[j].base_checksum, jobs[j].target->bytes});
+  }
+  return MismatchError(where, failed, *st->version);
+}
+
+Result<std::vector<RecordGroup>> LocalCheckpoint::State::GroupRecords(const Journal& journal,
+                                                                      const LocalFiles& local,
+                                                                      const std::string& where) {
+  std::vector<RecordGroup> groups;
   std::unordered_map<std::string_view, size_t> group_of;
-  for (const JournalRecord& r : records) {
+  for (const JournalRecord& r : journal.records()) {
     auto [it, added] = group_of.emplace(r.name, groups.size());
     if (added) {
-      const LocalTensor* t = local->Find(r.name);
+      const LocalTensor* t = local.Find(r.name);
       if (t == nullptr || t->bytes.size() != r.numel * r.elem_size ||
           DTypeSize(t->dtype) != r.elem_size) {
         return Status::FailedPrecondition(where + ": tensor '" + std::string(r.name) +
@@ -733,7 +907,7 @@ Status LocalCheckpoint::State::ReplayJournal(const Journal& journal, LocalState*
       }
       groups.push_back({t, {}});
     }
-    Group& g = groups[it->second];
+    RecordGroup& g = groups[it->second];
     if (!g.records.empty() &&
         (r.numel != g.records[0]->numel || r.elem_size != g.records[0]->elem_size ||
          r.checksum != g.records[0]->checksum)) {
@@ -742,6 +916,13 @@ Status LocalCheckpoint::State::ReplayJournal(const Journal& journal, LocalState*
     }
     g.records.push_back(&r);
   }
+  return groups;
+}
+
+Status LocalCheckpoint::State::ReplayJournal(const Journal& journal, LocalState* st) {
+  const std::string where = "applying version " + FormatVersion(journal.version());
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<LocalFiles> local, LocalFiles::Open(options.local));
+  DS_ASSIGN_OR_RETURN(std::vector<RecordGroup> groups, GroupRecords(journal, *local, where));
   std::vector<size_t> order(groups.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
@@ -751,7 +932,7 @@ Status LocalCheckpoint::State::ReplayJournal(const Journal& journal, LocalState*
   std::vector<char> mismatch(groups.size(), 0);
   pool->ParallelFor(groups.size(), [&](size_t k) {
     const size_t i = order[k];
-    const Group& g = groups[i];
+    const RecordGroup& g = groups[i];
     const LocalTensor& t = *g.target;
     local->Touch(t);
     Result<ParsedDigest> expected = ParseTaggedDigest(g.records[0]->checksum);
@@ -776,27 +957,51 @@ Status LocalCheckpoint::State::ReplayJournal(const Journal& journal, LocalState*
   });
   const bool any_mismatch = std::find(mismatch.begin(), mismatch.end(), 1) != mismatch.end();
   if (!error.failed() && !any_mismatch) {
-    CrashPoint("apply:done");
-    if (options.durable) DS_RETURN_IF_ERROR(local->SyncTouched());
-    CrashPoint("apply:synced");
-    st->applying.reset();
-    st->from_version.reset();
-    st->version = journal.version();
-    for (const Group& g : groups) {
-      st->checksums[std::string(g.records[0]->name)] = std::string(g.records[0]->checksum);
+    std::vector<std::pair<std::string_view, std::string_view>> checksums;
+    for (const RecordGroup& g : groups) {
+      checksums.emplace_back(g.records[0]->name, g.records[0]->checksum);
     }
-    st->boot_id = store_internal::CurrentBootId();
-    st->durable = options.durable;
-    DS_RETURN_IF_ERROR(SaveState(*st));
-    CrashPoint("state:committed");
-    DS_RETURN_IF_ERROR(format_internal::RemoveFileIfExists(journal_path));
-    CrashPoint("journal:removed");
-    return Status::OK();
+    return Commit(journal.version(), checksums, local.get(), st);
   }
+  DS_RETURN_IF_ERROR(RollBack(groups, local.get(), st, where));
+  if (error.failed()) return error.status().WithContext(where + " (rolled back)");
+  std::vector<Mismatch> failed;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    if (mismatch[i]) {
+      const JournalRecord& r = *groups[i].records[0];
+      failed.push_back({r.name, r.base_checksum, groups[i].target->bytes});
+    }
+  }
+  return MismatchError(where, failed, *st->version);
+}
 
-  // Roll back to the base: every record's old values, idempotently.
+Status LocalCheckpoint::State::Commit(
+    int64_t version, const std::vector<std::pair<std::string_view, std::string_view>>& checksums,
+    LocalFiles* local, LocalState* st) {
+  CrashPoint("apply:done");
+  if (options.durable) DS_RETURN_IF_ERROR(local->SyncTouched());
+  CrashPoint("apply:synced");
+  st->applying.reset();
+  st->from_version.reset();
+  st->streamed = false;
+  st->version = version;
+  for (const auto& [name, checksum] : checksums) {
+    st->checksums[std::string(name)] = std::string(checksum);
+  }
+  st->boot_id = store_internal::CurrentBootId();
+  st->durable = options.durable;
+  DS_RETURN_IF_ERROR(SaveState(*st));
+  CrashPoint("state:committed");
+  DS_RETURN_IF_ERROR(format_internal::RemoveFileIfExists(journal_path));
+  CrashPoint("journal:removed");
+  return Status::OK();
+}
+
+Status LocalCheckpoint::State::RollBack(const std::vector<RecordGroup>& groups, LocalFiles* local,
+                                        LocalState* st, const std::string& where) {
   FirstError undo_error;
   pool->ParallelFor(groups.size(), [&](size_t i) {
+    local->Touch(*groups[i].target);
     undo_error.Note(store_internal::ApplyRecordsAndVisit(groups[i].records, groups[i].target->bytes,
                                                          /*undo=*/true, SIZE_MAX,
                                                          [](std::span<const uint8_t>) {}));
@@ -805,35 +1010,18 @@ Status LocalCheckpoint::State::ReplayJournal(const Journal& journal, LocalState*
   CrashPoint("undo:done");
   if (options.durable) DS_RETURN_IF_ERROR(local->SyncTouched());
   st->applying.reset();
+  st->streamed = false;
   st->version = st->from_version;
   st->from_version.reset();
   DS_RETURN_IF_ERROR(SaveState(*st));
-  DS_RETURN_IF_ERROR(format_internal::RemoveFileIfExists(journal_path));
-  if (error.failed()) return error.status().WithContext(where + " (rolled back)");
+  return format_internal::RemoveFileIfExists(journal_path);
+}
 
-  // Say which tensors failed, and whether their base was wrong.
-  std::string wrong_base, corrupt;
-  for (size_t i = 0; i < groups.size(); ++i) {
-    if (!mismatch[i]) continue;
-    const JournalRecord& r = *groups[i].records[0];
-    std::string* list = &corrupt;
-    if (!r.base_checksum.empty()) {
-      Result<ParsedDigest> base = ParseTaggedDigest(r.base_checksum);
-      if (base.ok() && ChecksumHex(base->algo, groups[i].target->bytes) != base->hex) {
-        list = &wrong_base;
-      }
-    }
-    if (list->size() < 300) *list += (list->empty() ? "'" : ", '") + std::string(r.name) + "'";
-  }
-  if (!wrong_base.empty()) {
-    return Status::FailedPrecondition(
-        where + ": the local checkpoint is not this version's base (tensor " + wrong_base +
-        " differs from the base checksum); rolled back to version " + FormatVersion(*st->version));
-  }
-  return Status::Corruption(where + ": checksum mismatch after apply for tensor " + corrupt +
-                            " (corrupt delta, or the local checkpoint was not at version " +
-                            FormatVersion(*st->version) + "); rolled back to version " +
-                            FormatVersion(*st->version));
+Status LocalCheckpoint::State::RollBackJournal(const Journal& journal, LocalState* st) {
+  const std::string where = "rolling back version " + FormatVersion(journal.version());
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<LocalFiles> local, LocalFiles::Open(options.local));
+  DS_ASSIGN_OR_RETURN(std::vector<RecordGroup> groups, GroupRecords(journal, *local, where));
+  return RollBack(groups, local.get(), st, where);
 }
 
 LocalCheckpoint::LocalCheckpoint(std::unique_ptr<State> state) : state_(std::move(state)) {}
