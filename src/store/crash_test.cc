@@ -154,16 +154,15 @@ std::vector<CrashCase> ApplyCrashCases() {
     cases.push_back({e, "apply:synced", 1, true, true, 2});
     cases.push_back({e, "state:committed", 1, true, false, 2});
     cases.push_back({e, "journal:removed", 1, true, false, 2});
-    // Streamed: the state says applying before the first record, each record
-    // is applied once written, and recovery rolls back a journal without its
-    // trailer or replays a complete one.
+    // Streamed: the state says applying before the first record, each
+    // record is applied once written, and recovery rolls back every record
+    // written until the state says committed.
     cases.push_back({e, "journal:created", 1, false, false, 1});
     cases.push_back({e, "state:applying", 1, false, true, 1});
     cases.push_back({e, "apply:record", 1, false, true, 1});
     cases.push_back({e, "apply:record", 4, false, true, 1});
     cases.push_back({e, "apply:record", 9, false, true, 1});
-    cases.push_back({e, "journal:complete", 1, false, true, 2});
-    cases.push_back({e, "apply:done", 1, false, true, 2});
+    cases.push_back({e, "apply:done", 1, false, true, 1});
     cases.push_back({e, "state:committed", 1, false, false, 2});
     cases.push_back({e, "journal:removed", 1, false, false, 2});
   }

@@ -27,6 +27,11 @@ constexpr uint32_t kRecordMagic = 0x524A5344;  // "DSJR"
 constexpr size_t kHeaderBytes = 32;
 constexpr size_t kTrailerBytes = 32;
 constexpr size_t kRecordFixedBytes = 40;
+// Record flags.
+constexpr uint32_t kFlagUndoOnly = 1;  // old values only: the record can only be rolled back
+// position_width of a record whose positions are the first (8 bytes) and
+// then 2-byte gaps, each position minus the one before.
+constexpr uint32_t kGapCodedWidth = 2;
 
 constexpr size_t kCacheLineBytes = 64;
 
@@ -125,7 +130,18 @@ void ScatterRecordBelow(const JournalRecord& r, bool undo, uint8_t* target, uint
 
 }  // namespace
 
+namespace {
+
+Status CheckReplayable(const JournalRecord& r, bool undo) {
+  if (undo || !r.undo_only) return Status::OK();
+  return Status::Corruption("journal record for tensor '" + std::string(r.name) +
+                            "' holds only old values: it can be rolled back, not replayed");
+}
+
+}  // namespace
+
 Status JournalRecord::Apply(std::span<uint8_t> target, bool undo) const {
+  DS_RETURN_IF_ERROR(CheckReplayable(*this, undo));
   DS_RETURN_IF_ERROR(CheckFits(target.size()));
   uint64_t next = 0;
   ScatterRecordBelow(*this, undo, target.data(), UINT64_MAX, &next);
@@ -158,6 +174,7 @@ Status ApplyRecordsAndVisit(std::span<const JournalRecord* const> records,
                             std::span<uint8_t> target, bool undo, size_t piece_bytes,
                             const std::function<void(std::span<const uint8_t>)>& visit) {
   if (records.empty()) return Status::InvalidArgument("no journal records to apply");
+  for (const JournalRecord* r : records) DS_RETURN_IF_ERROR(CheckReplayable(*r, undo));
   const size_t es = records[0]->elem_size == 0 ? 1 : records[0]->elem_size;
   const size_t piece = std::max(es, piece_bytes / es * es);
   // Streaming needs every record ascending and in range, each past the one
@@ -261,19 +278,41 @@ JournalWriter::~JournalWriter() {
 
 Status JournalWriter::AppendRecord(std::string_view name, uint64_t numel, uint32_t elem_size,
                                    std::string_view checksum, std::string_view base_checksum,
-                                   const ChangeSet& changes, std::vector<uint8_t>* head) {
+                                   const ChangeSet& changes, std::vector<uint8_t>* head,
+                                   bool undo_only) {
   const uint64_t count = changes.count();
-  const uint32_t width = changes.wide ? 8 : 4;
   const size_t value_bytes = count * elem_size;
-  if (changes.old_values.size() != value_bytes || changes.new_values.size() != value_bytes) {
+  if (changes.old_values.size() != value_bytes ||
+      (!undo_only && changes.new_values.size() != value_bytes)) {
     return Status::Internal("journal record for tensor '" + std::string(name) + "': " +
                             std::to_string(count) + " changes without their old and new values");
   }
-  // The fixed fields and the strings, padded; the arrays are written
-  // straight from `changes`.
+  // The fixed fields and the strings, padded, then (gap-coded positions
+  // only) the positions; the other arrays are written straight from
+  // `changes`.
   const size_t strings =
       Pad8(kRecordFixedBytes + name.size() + checksum.size() + base_checksum.size());
   head->assign(strings, 0);  // keeps the capacity: callers reuse `head`
+  uint32_t width = changes.wide ? 8 : 4;
+  if (undo_only && count > 0) {
+    // Gaps of 2 bytes after the first position, when every gap fits.
+    head->resize(strings + 8 + 2 * (count - 1));
+    uint8_t* gaps = head->data() + strings;
+    uint64_t prev = changes.position(0);
+    Put<uint64_t>(gaps, prev);
+    bool fits = true;
+    for (uint64_t i = 1; i < count && fits; ++i) {
+      const uint64_t pos = changes.position(i);
+      fits = pos > prev && pos - prev <= UINT16_MAX;
+      Put<uint16_t>(gaps + 8 + 2 * (i - 1), static_cast<uint16_t>(pos - prev));
+      prev = pos;
+    }
+    if (fits) {
+      width = kGapCodedWidth;
+    } else {
+      head->resize(strings);
+    }
+  }
   uint8_t* p = head->data();
   Put<uint32_t>(p, kRecordMagic);
   Put<uint32_t>(p + 4, static_cast<uint32_t>(name.size()));
@@ -283,17 +322,20 @@ Status JournalWriter::AppendRecord(std::string_view name, uint64_t numel, uint32
   Put<uint16_t>(p + 28, static_cast<uint16_t>(checksum.size()));
   Put<uint16_t>(p + 30, static_cast<uint16_t>(base_checksum.size()));
   Put<uint32_t>(p + 32, width);
+  Put<uint32_t>(p + 36, undo_only ? kFlagUndoOnly : 0);
   size_t at = kRecordFixedBytes;
   for (std::string_view text : {name, checksum, base_checksum}) {
     if (!text.empty()) std::memcpy(p + at, text.data(), text.size());
     at += text.size();
   }
-  const std::span<const uint8_t> positions =
-      changes.wide ? std::span(reinterpret_cast<const uint8_t*>(changes.pos64.data()), count * 8)
-                   : std::span(reinterpret_cast<const uint8_t*>(changes.pos32.data()), count * 4);
-  const std::span<const uint8_t> parts[] = {*head, positions, changes.old_values,
-                                            changes.new_values};
-  const size_t arrays = positions.size() + 2 * value_bytes;
+  std::span<const uint8_t> positions;  // absolute positions, when not in the head
+  if (width == 4) positions = {reinterpret_cast<const uint8_t*>(changes.pos32.data()), count * 4};
+  if (width == 8) positions = {reinterpret_cast<const uint8_t*>(changes.pos64.data()), count * 8};
+  const std::span<const uint8_t> parts[] = {
+      *head, positions, changes.old_values,
+      undo_only ? std::span<const uint8_t>() : std::span<const uint8_t>(changes.new_values)};
+  size_t arrays = head->size() - strings;
+  for (size_t i = 1; i < 4; ++i) arrays += parts[i].size();
   const size_t pad = Pad8(arrays) - arrays;
   uint8_t tail[16] = {};  // zero padding, then the record's checksum
   std::unique_ptr<Hasher> hasher = NewHasher(ChecksumAlgo::kXxh3_64);
@@ -422,14 +464,20 @@ Result<std::unique_ptr<Journal>> Journal::OpenImpl(const std::string& path, Thre
     const uint64_t sum_len = Get<uint16_t>(p + 28);
     const uint64_t base_len = Get<uint16_t>(p + 30);
     r.position_width = Get<uint32_t>(p + 32);
+    const uint32_t flags = Get<uint32_t>(p + 36);
+    const uint64_t value_arrays = (flags & kFlagUndoOnly) ? 1 : 2;
     if ((r.elem_size != 1 && r.elem_size != 2 && r.elem_size != 4 && r.elem_size != 8) ||
-        (r.position_width != 4 && r.position_width != 8) || r.count > r.numel ||
-        name_len > end - at || r.count > (end - at) / (r.position_width + 2 * r.elem_size)) {
+        (r.position_width != kGapCodedWidth && r.position_width != 4 && r.position_width != 8) ||
+        (flags & ~kFlagUndoOnly) != 0 || r.count > r.numel || name_len > end - at ||
+        r.count > (end - at) / (r.position_width + value_arrays * r.elem_size)) {
       stopped = incomplete("bad record header");
       break;
     }
     const size_t strings = Pad8(kRecordFixedBytes + name_len + sum_len + base_len);
-    const size_t body = Pad8(r.count * (r.position_width + 2 * r.elem_size));
+    const size_t position_bytes = r.position_width != kGapCodedWidth ? r.count * r.position_width
+                                  : r.count > 0                      ? 8 + 2 * (r.count - 1)
+                                                                     : 0;
+    const size_t body = Pad8(position_bytes + value_arrays * r.count * r.elem_size);
     if (strings > end - at || body > end - at - strings || end - at - strings - body < 8) {
       stopped = incomplete("record runs past the end");
       break;
@@ -441,8 +489,20 @@ Result<std::unique_ptr<Journal>> Journal::OpenImpl(const std::string& path, Thre
     r.checksum = std::string_view(text + name_len, sum_len);
     r.base_checksum = std::string_view(text + name_len + sum_len, base_len);
     r.positions = p + strings;
-    r.old_values = r.positions + r.count * r.position_width;
-    r.new_values = r.old_values + r.count * r.elem_size;
+    r.old_values = r.positions + position_bytes;
+    r.undo_only = value_arrays == 1;
+    r.new_values = r.undo_only ? nullptr : r.old_values + r.count * r.elem_size;
+    if (r.position_width == kGapCodedWidth) {
+      // Expanded for random access (only rollbacks read these records).
+      std::vector<uint64_t>& expanded = journal->expanded_.emplace_back(r.count);
+      uint64_t pos = r.count > 0 ? Get<uint64_t>(r.positions) : 0;
+      for (uint64_t i = 0; i < r.count; ++i) {
+        if (i > 0) pos += Get<uint16_t>(r.positions + 8 + 2 * (i - 1));
+        expanded[i] = pos;
+      }
+      r.positions = reinterpret_cast<const uint8_t*>(expanded.data());
+      r.position_width = 8;
+    }
     journal->records_.push_back(r);
     at += record_size;
   }

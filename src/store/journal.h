@@ -40,12 +40,14 @@ struct JournalRecord {
   uint64_t count = 0;
   const uint8_t* positions = nullptr;   // element indices, little-endian
   const uint8_t* old_values = nullptr;  // count * elem_size
-  const uint8_t* new_values = nullptr;
+  const uint8_t* new_values = nullptr;  // null in an undo-only record
+  bool undo_only = false;               // old values only: cannot be replayed
 
   uint64_t position(uint64_t i) const;
   // Writes the new (or, with `undo`, the old) value of every entry into
   // `target`, which must be the tensor's numel * elem_size bytes. Checks
-  // every position before writing anything (Corruption otherwise).
+  // every position before writing anything (Corruption otherwise, also for
+  // a replay of an undo-only record).
   Status Apply(std::span<uint8_t> target, bool undo) const;
   // Corruption unless the record covers target_bytes and every position is
   // in range.
@@ -90,10 +92,13 @@ class JournalWriter {
   // Appends one sealed record of `changes` (positions, old and new values,
   // which it must hold) for tensor `name`. The arrays go to the file
   // straight from `changes`; only the record's head is built, in *head
-  // (contents replaced, capacity kept for reuse).
+  // (contents replaced, capacity kept for reuse). With `undo_only` the
+  // record keeps no new values (it can be rolled back, not replayed) and,
+  // when every gap between its ascending positions fits in 2 bytes, stores
+  // the positions as those gaps: 4 bytes a BF16 change instead of 8.
   Status AppendRecord(std::string_view name, uint64_t numel, uint32_t elem_size,
                       std::string_view checksum, std::string_view base_checksum,
-                      const ChangeSet& changes, std::vector<uint8_t>* head);
+                      const ChangeSet& changes, std::vector<uint8_t>* head, bool undo_only = false);
   // Writes the trailer; with `durable`, fsyncs the file and its directory.
   Status Finish(bool durable);
 
@@ -135,6 +140,8 @@ class Journal {
   static Result<std::unique_ptr<Journal>> OpenImpl(const std::string& path, ThreadPool* pool,
                                                    bool allow_incomplete);
   bool complete_ = false;
+  // Gap-coded positions, expanded (JournalRecord::positions points here).
+  std::vector<std::vector<uint64_t>> expanded_;
   void* map_ = nullptr;
   size_t size_ = 0;
   int64_t version_ = 0;

@@ -83,8 +83,8 @@ struct LocalState {
   std::optional<int64_t> applying;
   std::optional<int64_t> from_version;
   std::optional<int64_t> resetting;
-  // While applying: records were applied as they were journaled, so a
-  // journal without its trailer is rolled back (see StreamVersion).
+  // While applying: records were applied as they were journaled, undo-only;
+  // recovery rolls them back (see StreamVersion).
   bool streamed = false;
   std::string boot_id;  // empty: not recorded (e.g. written by the Python receiver)
   bool durable = false;
@@ -219,6 +219,17 @@ class LocalFiles {
     return files;
   }
 
+  LocalFiles() = default;
+  LocalFiles(const LocalFiles&) = delete;
+  LocalFiles& operator=(const LocalFiles&) = delete;
+  ~LocalFiles() {
+    if (drop_pool_ == nullptr) return;
+    for (const MappedFile& map : maps_) map.DropPages(drop_pool_);
+  }
+  // Once an apply has written through the mappings, their teardown (a page
+  // table entry per page) is done on `pool` when this closes.
+  void DropPagesOnClose(ThreadPool* pool) { drop_pool_ = pool; }
+
   const LocalTensor* Find(std::string_view name) const {
     auto it = tensors_.find(std::string(name));
     return it == tensors_.end() ? nullptr : &it->second;
@@ -233,6 +244,7 @@ class LocalFiles {
   }
 
  private:
+  ThreadPool* drop_pool_ = nullptr;
   std::vector<MappedFile> maps_;
   std::map<std::string, LocalTensor> tensors_;
   std::vector<char> touched_;  // not vector<bool>: tasks set entries concurrently
@@ -421,13 +433,14 @@ Status LocalCheckpoint::State::Recover(LocalState* st, PullResult* result) {
       // the checkpoint may have been touched and nothing can restore it.
       return Reseed(st, result);
     }
-    if (!(*journal)->complete()) {
-      // A durable apply says applying only once its journal is complete. A
-      // streamed one applied at most the intact records: undo them.
-      if (!st->streamed || !RollBackJournal(**journal, st).ok()) return Reseed(st, result);
+    if (st->streamed) {
+      // Applied at most the journal's intact records: undo them.
+      if (!RollBackJournal(**journal, st).ok()) return Reseed(st, result);
       if (result) result->recovered = true;
       return Status::OK();
     }
+    // A durable apply says applying only once its journal is complete.
+    if (!(*journal)->complete()) return Reseed(st, result);
     if (result) result->recovered = true;
     Status s = ReplayJournal(**journal, st);
     // A replay that failed verification rolled back and committed the old
@@ -724,6 +737,7 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
   CrashPoint("journal:created");
   if (!scratch) scratch = std::make_unique<store_internal::FreeList<DecodeScratch>>();
   if (!options.durable) {
+    local->DropPagesOnClose(pool);
     return StreamVersion(info, jobs, local.get(), writer.get(), st, result);
   }
 
@@ -796,11 +810,12 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
 // written, so each record is applied as soon as it is journaled, and the
 // tensor is hashed right behind its changes: the checkpoint's lines are read
 // once, while they are in cache, instead of once to decode and again to
-// apply. The state says "streamed" before the first record: the journal's
-// records are appended one at a time and each is applied only once written,
-// so recovery rolls back the intact records of a journal without a trailer
-// (at most the last can be torn, and it was not applied), and replays a
-// complete one.
+// apply. The records are undo-only (old values, gap-coded positions: half
+// the bytes of a durable journal), and the state says "streamed" before the
+// first one. Records are appended one at a time and each is applied only
+// once written, so recovery rolls back the intact records (at most the last
+// can be torn, and it was not applied); the next pull applies the version
+// again.
 Status LocalCheckpoint::State::StreamVersion(const VersionInfo& info,
                                              const std::vector<ApplyJob>& jobs, LocalFiles* local,
                                              JournalWriter* writer, LocalState* st,
@@ -840,7 +855,8 @@ Status LocalCheckpoint::State::StreamVersion(const VersionInfo& info,
     auto apply = [&](const ChangeSet& part) {
       if (!applied.ok()) return;
       applied = writer->AppendRecord(job.name, t.bytes.size() / es, es, job.checksum,
-                                     job.base_checksum, part, &buf->record_head);
+                                     job.base_checksum, part, &buf->record_head,
+                                     /*undo_only=*/true);
       if (applied.ok()) applied = store_internal::ScatterNewValues(part, t.bytes);
       if (!applied.ok() || part.count() == 0) return;
       changed.fetch_add(part.count(), std::memory_order_relaxed);
@@ -868,9 +884,7 @@ Status LocalCheckpoint::State::StreamVersion(const VersionInfo& info,
     if (hasher->HexDigest() != expected->hex) mismatch[j] = 1;
   });
   const bool any_mismatch = std::find(mismatch.begin(), mismatch.end(), 1) != mismatch.end();
-  if (!error.failed() && !any_mismatch) error.Note(writer->Finish(/*durable=*/false));
   if (!error.failed() && !any_mismatch) {
-    CrashPoint("journal:complete");
     result->tensors_changed += jobs.size();
     result->changed_elements += changed.load();
     std::vector<std::pair<std::string_view, std::string_view>> checksums;
@@ -922,6 +936,7 @@ Result<std::vector<RecordGroup>> LocalCheckpoint::State::GroupRecords(const Jour
 Status LocalCheckpoint::State::ReplayJournal(const Journal& journal, LocalState* st) {
   const std::string where = "applying version " + FormatVersion(journal.version());
   DS_ASSIGN_OR_RETURN(std::unique_ptr<LocalFiles> local, LocalFiles::Open(options.local));
+  local->DropPagesOnClose(pool);
   DS_ASSIGN_OR_RETURN(std::vector<RecordGroup> groups, GroupRecords(journal, *local, where));
   std::vector<size_t> order(groups.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;

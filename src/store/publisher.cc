@@ -840,7 +840,14 @@ Result<PublishResult> PublishCheckpointOnce(const PublisherOptions& options,
   std::vector<TensorView> base_views, new_views;
   for (const auto& [name, view] : base->tensors()) base_views.push_back(view);
   for (const auto& [name, view] : next->tensors()) new_views.push_back(view);
-  return PublishOnce(options, base_views, new_views, full);
+  Result<PublishResult> result = PublishOnce(options, base_views, new_views, full);
+  // The two checkpoints' mappings (read-only, of files) are torn down on
+  // the pool instead of one page at a time as they close.
+  ThreadPool* pool = options.pool ? options.pool : &ThreadPool::Default();
+  for (const Checkpoint* c : {base.get(), next.get()}) {
+    for (const auto& file : c->files()) store_internal::DropMappedPages(file->data(), pool);
+  }
+  return result;
 }
 
 // ---------------------------------------------------------------------------

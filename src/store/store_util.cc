@@ -407,6 +407,24 @@ void MappedFile::Reset() {
   size_ = 0;
 }
 
+void DropMappedPages(std::span<const uint8_t> mapped, ThreadPool* pool) {
+  if (mapped.empty()) return;
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(mapped.data()) & ~(page - 1);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(mapped.data()) + mapped.size();
+  constexpr uintptr_t kPiece = uintptr_t{64} << 20;  // a multiple of any page size
+  const size_t pieces = static_cast<size_t>((end - begin + kPiece - 1) / kPiece);
+  auto drop = [&](size_t i) {
+    const uintptr_t at = begin + i * kPiece;
+    (void)::madvise(reinterpret_cast<void*>(at), std::min(kPiece, end - at), MADV_DONTNEED);
+  };
+  if (pool == nullptr || pieces == 1) {
+    for (size_t i = 0; i < pieces; ++i) drop(i);
+  } else {
+    pool->ParallelFor(pieces, drop);
+  }
+}
+
 Status MappedFile::Sync() {
   if (data_ != nullptr && ::msync(data_, size_, MS_SYNC) != 0) {
     return Status::FromErrno(errno, path_ + ": msync");
