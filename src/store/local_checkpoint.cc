@@ -219,17 +219,6 @@ class LocalFiles {
     return files;
   }
 
-  LocalFiles() = default;
-  LocalFiles(const LocalFiles&) = delete;
-  LocalFiles& operator=(const LocalFiles&) = delete;
-  ~LocalFiles() {
-    if (drop_pool_ == nullptr) return;
-    for (const MappedFile& map : maps_) map.DropPages(drop_pool_);
-  }
-  // Once an apply has written through the mappings, their teardown (a page
-  // table entry per page) is done on `pool` when this closes.
-  void DropPagesOnClose(ThreadPool* pool) { drop_pool_ = pool; }
-
   const LocalTensor* Find(std::string_view name) const {
     auto it = tensors_.find(std::string(name));
     return it == tensors_.end() ? nullptr : &it->second;
@@ -244,7 +233,6 @@ class LocalFiles {
   }
 
  private:
-  ThreadPool* drop_pool_ = nullptr;
   std::vector<MappedFile> maps_;
   std::map<std::string, LocalTensor> tensors_;
   std::vector<char> touched_;  // not vector<bool>: tasks set entries concurrently
@@ -737,7 +725,6 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
   CrashPoint("journal:created");
   if (!scratch) scratch = std::make_unique<store_internal::FreeList<DecodeScratch>>();
   if (!options.durable) {
-    local->DropPagesOnClose(pool);
     return StreamVersion(info, jobs, local.get(), writer.get(), st, result);
   }
 
@@ -936,7 +923,6 @@ Result<std::vector<RecordGroup>> LocalCheckpoint::State::GroupRecords(const Jour
 Status LocalCheckpoint::State::ReplayJournal(const Journal& journal, LocalState* st) {
   const std::string where = "applying version " + FormatVersion(journal.version());
   DS_ASSIGN_OR_RETURN(std::unique_ptr<LocalFiles> local, LocalFiles::Open(options.local));
-  local->DropPagesOnClose(pool);
   DS_ASSIGN_OR_RETURN(std::vector<RecordGroup> groups, GroupRecords(journal, *local, where));
   std::vector<size_t> order(groups.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;

@@ -81,7 +81,9 @@ Result<uint64_t> CopyFiles(const std::vector<CopyJob>& jobs, bool durable, Threa
 // `pool`: the mapping stays valid and the data stays in the page cache
 // (dirty pages of a shared mapping stay dirty), later accesses fault back
 // in. `mapped` must lie in a file mapping that was never written through a
-// private copy: anonymous or copied-on-write pages would be lost.
+// private copy: anonymous or copied-on-write pages would be lost. Worth it
+// for clean pages (the publisher's inputs); for a mapping just written
+// (the pull's), the parallel teardown measured 3% slower than munmap.
 void DropMappedPages(std::span<const uint8_t> mapped, ThreadPool* pool);
 
 class MappedFile {
@@ -96,8 +98,6 @@ class MappedFile {
   const std::string& path() const { return path_; }
   // msync(MS_SYNC) of the mapping, then fdatasync.
   Status Sync();
-  // DropMappedPages of the whole mapping.
-  void DropPages(ThreadPool* pool) const { DropMappedPages(bytes(), pool); }
 
  private:
   void Reset();
