@@ -83,6 +83,32 @@ TEST_P(Compat, XorFrameIsOneZstdFrameOfNewXorOld) {
   }
 }
 
+// Unset, the content checksum is off for xor (the store verifies each
+// tensor's checksum after apply; hashing the whole XOR image would cost a
+// pass over the tensor on each side) and on for the other zstd encodings.
+TEST_P(Compat, ContentChecksumByDefaultOnlyOutsideXor) {
+  const uint32_t es = GetParam();
+  TensorPair pair = MakePair(20000, es, 0.02, 300 + es);
+  ChangeSet changes = DiffPair(pair);
+  for (Encoding e : {Encoding::kXor, Encoding::kSparse, Encoding::kOverwrite}) {
+    SCOPED_TRACE(std::string(EncodingName(e)));
+    EncodeOptions options;
+    EXPECT_EQ(options.ZstdChecksumFor(e), e != Encoding::kXor);
+    std::vector<uint8_t> frame;
+    ASSERT_TRUE(Encode(e, pair.new_bytes, changes, options, &frame).ok());
+    // The zstd frame: at the start, or after sparse's fixed header.
+    const uint8_t magic[4] = {0x28, 0xB5, 0x2F, 0xFD};
+    auto at = std::search(frame.begin(), frame.end(), std::begin(magic), std::end(magic));
+    ASSERT_NE(at, frame.end());
+    ASSERT_GT(frame.end() - at, 5);
+    EXPECT_EQ((at[4] & 0x04) != 0, e != Encoding::kXor);  // Content_Checksum_flag
+    options.zstd_checksum = false;
+    EXPECT_FALSE(options.ZstdChecksumFor(e));
+    options.zstd_checksum = true;
+    EXPECT_TRUE(options.ZstdChecksumFor(e));
+  }
+}
+
 TEST_P(Compat, XorAppliesFramesFromOneShotAndStreamingProducers) {
   const uint32_t es = GetParam();
   TensorPair pair = MakePair(30011, es, 0.03, 100 + es);

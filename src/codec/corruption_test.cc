@@ -83,9 +83,12 @@ void PutLE(std::vector<uint8_t>* out, uint64_t v, int bytes) {
 struct Fixture {
   TensorPair pair = MakePair(3001, 2, 0.05, 77);
   ChangeSet changes = DiffPair(pair);
+  // With zstd's content checksum always on (xor frames have none by
+  // default): these tests are about what the decoders catch by themselves.
   std::vector<uint8_t> EncodeAs(Encoding e, SparseMode mode = SparseMode::kAuto) const {
     EncodeOptions options;
     options.sparse_mode = mode;
+    options.zstd_checksum = true;
     std::vector<uint8_t> out;
     EXPECT_TRUE(Encode(e, pair.new_bytes, changes, options, &out).ok());
     return out;

@@ -75,7 +75,9 @@ class OverwriteCodecImpl final : public Codec {
     }
 
     ZstdFrameWriter writer(out);
-    DS_RETURN_IF_ERROR(writer.Begin(options.zstd_level, options.zstd_checksum, 4 + 5 * differing)
+    DS_RETURN_IF_ERROR(writer
+                           .Begin(options.zstd_level, options.ZstdChecksumFor(Encoding::kOverwrite),
+                                  4 + 5 * differing)
                            .WithContext("overwrite encode"));
     StagedWriter staged(&writer, std::max<size_t>(options.chunk_bytes, 4 * es));
     uint8_t* dst = nullptr;

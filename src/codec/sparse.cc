@@ -134,7 +134,8 @@ class PositionsWriter {
     gaps_.assign(4, 0);
     gaps_.reserve(4 + 2 * kBlock);
     if (planes_.size() < kBlock * es_) planes_.resize(kBlock * es_);
-    return writer_.Begin(options.zstd_level, options.zstd_checksum, kZstdUnknownSize);
+    return writer_.Begin(options.zstd_level, options.ZstdChecksumFor(Encoding::kSparse),
+                         kZstdUnknownSize);
   }
   // Element `pos` (above every earlier one) changes by XOR `x` (es bytes).
   Status Add(uint64_t pos, const uint8_t* x) {
@@ -192,7 +193,8 @@ class XorPlanesWriter {
   Status Begin(const EncodeOptions& options) {
     n_ = static_cast<size_t>(std::min(kBlock, numel_));
     planes_.assign(std::max<size_t>(kBlock * es_, 1), 0);
-    return writer_.Begin(options.zstd_level, options.zstd_checksum, numel_ * es_);
+    return writer_.Begin(options.zstd_level, options.ZstdChecksumFor(Encoding::kSparse),
+                         numel_ * es_);
   }
   Status Add(uint64_t pos, const uint8_t* x) {
     while (pos >= first_ + n_) DS_RETURN_IF_ERROR(WriteBlock());

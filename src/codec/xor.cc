@@ -62,8 +62,8 @@ class XorEncodeStream final : public EncodeStream {
     chunk_ = static_cast<size_t>(
         std::min<uint64_t>(ElementsPerChunk(options.chunk_bytes, es_) * es_, total_));
     if (stage_.size() < chunk_) stage_.resize(chunk_, 0);
-    begun_ =
-        writer_.Begin(options.zstd_level, options.zstd_checksum, total_).WithContext("xor encode");
+    begun_ = writer_.Begin(options.zstd_level, options.ZstdChecksumFor(Encoding::kXor), total_)
+                 .WithContext("xor encode");
   }
   ~XorEncodeStream() override { ClearStage(); }
 
