@@ -245,10 +245,14 @@ struct LocalCheckpointOptions {
   // to refresh an object-store mount's view. A non-zero exit fails the pull.
   std::string pre_read_hook;
   // Sync the journal and the applied data to disk before committing each
-  // version, so that a committed version survives power loss. Without it a
-  // commit survives a crash of the process (kill -9) but not of the machine;
-  // after a reboot the checkpoint is then verified against the recorded
-  // checksums, and reseeded when it does not match.
+  // version, so that a committed version survives power loss: the whole
+  // version is journaled (old and new values) and synced before the
+  // checkpoint is touched, then applied. Without it a commit survives a
+  // crash of the process (kill -9) but not of the machine; after a reboot
+  // the checkpoint is then verified against the recorded checksums, and
+  // reseeded when it does not match. Such a pull reads the checkpoint once:
+  // each journal record (old values only) is applied as soon as it is
+  // written, and an interrupted apply is rolled back, then applied again.
   bool durable = false;
   // Recover a pending apply (replay or roll back its journal) in Open.
   // Otherwise the next Pull does it.
@@ -257,7 +261,7 @@ struct LocalCheckpointOptions {
   // Most changes in one journal record. A larger tensor's changes are
   // journaled as several records, so a pull's memory is a few such records
   // per thread whatever the model's size (128 Ki changes of a BF16 tensor
-  // are 1 MiB).
+  // are 1 MiB). A pull without `durable` uses at most 16 Ki.
   uint64_t journal_record_changes = uint64_t{128} << 10;
 };
 

@@ -295,22 +295,33 @@ TEST(CrashDuringRollback, EndsAtTheOldVersion) {
   }
 }
 
+// Publishes versions 1 and 2 in `encoding`, pulls version 1 with several
+// journal records per tensor (options in *lo), then kills a pull of version
+// 2 just after its `hit`-th record is applied. Returns the models.
+std::vector<Model> KillStreamedPullAtRecord(Fixture* f, Encoding encoding, int hit,
+                                            LocalCheckpointOptions* lo) {
+  auto publisher = f->MakePublisher(f->PublisherOpts(encoding));
+  std::vector<Model> models = PublishSteps(publisher.get(), f->base_model, 2, 100, 0.05);
+  *lo = f->LocalOpts();
+  lo->journal_record_changes = 5;
+  {
+    auto local = LocalCheckpoint::Open(*lo);
+    DS_EXPECT_OK(local);
+    if (local.ok()) DS_EXPECT_OK((*local)->Pull(1));
+  }
+  EXPECT_EQ(PullInChild(*lo, 2, "apply:record", hit), kCrashExit);
+  return models;
+}
+
 // A streamed apply killed while appending a record leaves it torn at the
 // journal's end; it was never applied. Recovery rolls back the intact
 // records before it and ignores the torn bytes.
 TEST(StreamedApply, RecoveryIgnoresATornLastRecord) {
   for (Encoding e : {Encoding::kXor, Encoding::kSparse}) {
     Fixture f;
-    auto publisher = f.MakePublisher(f.PublisherOpts(e));
-    const std::vector<Model> models = PublishSteps(publisher.get(), f.base_model, 2, 100, 0.05);
-    LocalCheckpointOptions lo = f.LocalOpts();
-    lo.journal_record_changes = 5;
-    {
-      auto local = LocalCheckpoint::Open(lo);
-      DS_ASSERT_OK(local);
-      DS_ASSERT_OK((*local)->Pull(1));
-    }
-    ASSERT_EQ(PullInChild(lo, 2, "apply:record", 3), kCrashExit);
+    LocalCheckpointOptions lo;
+    const std::vector<Model> models = KillStreamedPullAtRecord(&f, e, 3, &lo);
+    ASSERT_FALSE(::testing::Test::HasFailure());
     const std::string journal = f.local + "/.weight_sync/journal";
     // The start of the first record again, cut short: a torn append.
     const std::string bytes = ReadFile(journal);
@@ -333,16 +344,9 @@ TEST(StreamedApply, RecoveryIgnoresATornLastRecord) {
 // rolled back: the checkpoint is reseeded, never trusted.
 TEST(StreamedApply, AJournalWithoutItsHeaderIsReseeded) {
   Fixture f;
-  auto publisher = f.MakePublisher(f.PublisherOpts(Encoding::kSparse));
-  const std::vector<Model> models = PublishSteps(publisher.get(), f.base_model, 2, 100, 0.05);
-  LocalCheckpointOptions lo = f.LocalOpts();
-  lo.journal_record_changes = 5;
-  {
-    auto local = LocalCheckpoint::Open(lo);
-    DS_ASSERT_OK(local);
-    DS_ASSERT_OK((*local)->Pull(1));
-  }
-  ASSERT_EQ(PullInChild(lo, 2, "apply:record", 2), kCrashExit);
+  LocalCheckpointOptions lo;
+  const std::vector<Model> models = KillStreamedPullAtRecord(&f, Encoding::kSparse, 2, &lo);
+  ASSERT_FALSE(::testing::Test::HasFailure());
   const std::string journal = f.local + "/.weight_sync/journal";
   std::string bytes = ReadFile(journal);
   bytes[3] ^= 0x20;
