@@ -128,10 +128,7 @@ void ScatterRecordBelow(const JournalRecord& r, bool undo, uint8_t* target, uint
   }
 }
 
-}  // namespace
-
-namespace {
-
+// Corruption for a replay (not a rollback) of an undo-only record.
 Status CheckReplayable(const JournalRecord& r, bool undo) {
   if (undo || !r.undo_only) return Status::OK();
   return Status::Corruption("journal record for tensor '" + std::string(r.name) +

@@ -453,6 +453,72 @@ TEST(JournalWriterTest, NothingIsAppendedAfterAFailedAppend) {
   EXPECT_EQ((*prefix)->records()[0].name, "small");
 }
 
+// Undo-only records (a streamed apply's): old values only, positions
+// gap-coded when every gap fits in 2 bytes. They read back exactly, roll
+// back, and refuse to be replayed.
+TEST(JournalWriterTest, UndoOnlyRecordsRollBackAndRefuseReplay) {
+  const TempJournal temp("undo");
+  const uint64_t numel = 200000;
+  auto changes = [numel](const std::vector<uint32_t>& positions) {
+    ChangeSet c;
+    c.numel = numel;
+    c.elem_size = 2;
+    c.pos32 = positions;
+    for (uint32_t p : positions) {
+      c.old_values.insert(c.old_values.end(), {static_cast<uint8_t>(p), 0x0a});
+      c.new_values.insert(c.new_values.end(), {static_cast<uint8_t>(p), 0x0b});
+    }
+    return c;
+  };
+  const std::vector<uint32_t> far = {3, 10, 10 + 65536};  // a gap too wide: absolute positions
+  std::vector<uint32_t> near;                             // gap-coded, the widest gap fitting
+  for (uint32_t p = 5; p < 15; ++p) near.push_back(p);
+  near.push_back(14 + 65535);
+  const std::vector<std::vector<uint32_t>> sets = {far, near, {}};
+  {
+    Result<std::unique_ptr<JournalWriter>> writer = JournalWriter::Create(temp.path, 3, 2);
+    ASSERT_TRUE(writer.ok()) << writer.status().ToString();
+    std::vector<uint8_t> head;
+    for (size_t i = 0; i < sets.size(); ++i) {
+      ChangeSet c = changes(sets[i]);
+      c.new_values.clear();  // not needed, not written
+      ASSERT_TRUE((*writer)
+                      ->AppendRecord(std::string(1, static_cast<char>('a' + i)), numel, 2, "x:0",
+                                     "", c, &head, /*undo_only=*/true)
+                      .ok());
+    }
+  }
+  // Header 32; each record: 48 bytes of fixed fields and strings, its
+  // arrays padded to 8, an 8-byte checksum. far: 3 * 4 + 3 * 2 -> 24;
+  // near: 8 + 10 * 2 gaps + 11 * 2 -> 56 (absolute positions: 72); empty: 0.
+  EXPECT_EQ(std::filesystem::file_size(temp.path), 32u + (48 + 24 + 8) + (48 + 56 + 8) + (48 + 8));
+  Result<std::unique_ptr<Journal>> journal = Journal::OpenIntactPrefix(temp.path);
+  ASSERT_TRUE(journal.ok()) << journal.status().ToString();
+  EXPECT_FALSE((*journal)->complete());
+  ASSERT_EQ((*journal)->records().size(), 3u);
+  std::vector<uint8_t> target(numel * 2, 0xee);
+  for (size_t i = 0; i < sets.size(); ++i) {
+    const JournalRecord& r = (*journal)->records()[i];
+    EXPECT_TRUE(r.undo_only);
+    EXPECT_EQ(r.new_values, nullptr);
+    ASSERT_EQ(r.count, sets[i].size());
+    for (size_t k = 0; k < sets[i].size(); ++k) {
+      EXPECT_EQ(r.position(k), sets[i][k]) << i << " " << k;
+      EXPECT_EQ(r.old_values[2 * k], static_cast<uint8_t>(sets[i][k]));
+    }
+    const JournalRecord* one = &r;
+    Status replay = ApplyRecordsAndVisit({&one, 1}, target, false, 64, [](auto) {});
+    EXPECT_EQ(replay.code(), StatusCode::kCorruption) << replay.ToString();
+    EXPECT_EQ(r.Apply(target, /*undo=*/false).code(), StatusCode::kCorruption);
+    ASSERT_TRUE(r.Apply(target, /*undo=*/true).ok());
+  }
+  for (size_t e = 0; e < numel; ++e) {
+    const bool changed = std::find(far.begin(), far.end(), e) != far.end() ||
+                         std::find(near.begin(), near.end(), e) != near.end();
+    ASSERT_EQ(target[2 * e + 1], changed ? 0x0a : 0xee) << e;
+  }
+}
+
 TEST(ScatterNewValues, WritesEveryChangeOrNothing) {
   ChangeSet c;
   c.numel = 6;
