@@ -163,6 +163,7 @@ std::vector<CrashCase> ApplyCrashCases() {
     cases.push_back({e, "apply:record", 4, false, true, 1});
     cases.push_back({e, "apply:record", 9, false, true, 1});
     cases.push_back({e, "apply:done", 1, false, true, 1});
+    cases.push_back({e, "apply:synced", 1, false, true, 1});
     cases.push_back({e, "state:committed", 1, false, false, 2});
     cases.push_back({e, "journal:removed", 1, false, false, 2});
   }
