@@ -11,7 +11,6 @@
 // record after them, and no trailer.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>

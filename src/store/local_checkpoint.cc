@@ -353,7 +353,8 @@ struct LocalCheckpoint::State {
   // state to from_version.
   Status RollBack(const std::vector<RecordGroup>& groups, LocalFiles* local, LocalState* st,
                   const std::string& where);
-  Status RollBackJournal(const Journal& journal, LocalState* st);
+  // RollBack of `journal`'s records, through `local` (opened here if null).
+  Status RollBackJournal(const Journal& journal, LocalFiles* local, LocalState* st);
   Status VerifyAll(const LocalState& st);
   // The base checkpoint the last successful pull was given, as an absolute
   // path, so that a Verify given none can still check the tensors no
@@ -423,7 +424,7 @@ Status LocalCheckpoint::State::Recover(LocalState* st, PullResult* result) {
     }
     if (st->streamed) {
       // Applied at most the journal's intact records: undo them.
-      if (!RollBackJournal(**journal, st).ok()) return Reseed(st, result);
+      if (!RollBackJournal(**journal, nullptr, st).ok()) return Reseed(st, result);
       if (result) result->recovered = true;
       return Status::OK();
     }
@@ -882,8 +883,7 @@ Status LocalCheckpoint::State::StreamVersion(const VersionInfo& info,
   // Roll back what was applied, from the records as written.
   DS_ASSIGN_OR_RETURN(std::unique_ptr<Journal> journal,
                       Journal::OpenIntactPrefix(journal_path, pool));
-  DS_ASSIGN_OR_RETURN(std::vector<RecordGroup> groups, GroupRecords(*journal, *local, where));
-  DS_RETURN_IF_ERROR(RollBack(groups, local, st, where));
+  DS_RETURN_IF_ERROR(RollBackJournal(*journal, local, st));
   if (error.failed()) return error.status().WithContext(where + " (rolled back)");
   std::vector<Mismatch> failed;
   for (size_t j = 0; j < jobs.size(); ++j) {
@@ -1018,11 +1018,16 @@ Status LocalCheckpoint::State::RollBack(const std::vector<RecordGroup>& groups, 
   return format_internal::RemoveFileIfExists(journal_path);
 }
 
-Status LocalCheckpoint::State::RollBackJournal(const Journal& journal, LocalState* st) {
+Status LocalCheckpoint::State::RollBackJournal(const Journal& journal, LocalFiles* local,
+                                               LocalState* st) {
   const std::string where = "rolling back version " + FormatVersion(journal.version());
-  DS_ASSIGN_OR_RETURN(std::unique_ptr<LocalFiles> local, LocalFiles::Open(options.local));
+  std::unique_ptr<LocalFiles> opened;
+  if (local == nullptr) {
+    DS_ASSIGN_OR_RETURN(opened, LocalFiles::Open(options.local));
+    local = opened.get();
+  }
   DS_ASSIGN_OR_RETURN(std::vector<RecordGroup> groups, GroupRecords(journal, *local, where));
-  return RollBack(groups, local.get(), st, where);
+  return RollBack(groups, local, st, where);
 }
 
 LocalCheckpoint::LocalCheckpoint(std::unique_ptr<State> state) : state_(std::move(state)) {}
