@@ -55,7 +55,7 @@ std::string BaseName(std::string_view path) {
   return std::string(path.substr(slash + 1));
 }
 
-Result<std::string> ReadFileLimited(const std::string& path, uint64_t max_bytes) {
+Result<int> OpenRegularFile(const std::string& path, uint64_t* size) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     if (errno == ENOENT) return Status::NotFound(path + ": no such file");
@@ -71,12 +71,19 @@ Result<std::string> ReadFileLimited(const std::string& path, uint64_t max_bytes)
     ::close(fd);
     return Status::InvalidArgument(path + ": not a regular file");
   }
-  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
+  *size = static_cast<uint64_t>(st.st_size);
+  return fd;
+}
+
+Result<std::string> ReadFileLimited(const std::string& path, uint64_t max_bytes) {
+  uint64_t size = 0;
+  DS_ASSIGN_OR_RETURN(const int fd, OpenRegularFile(path, &size));
+  if (size > max_bytes) {
     ::close(fd);
-    return Status::Corruption(path + ": " + std::to_string(st.st_size) + " bytes exceeds the " +
+    return Status::Corruption(path + ": " + std::to_string(size) + " bytes exceeds the " +
                               std::to_string(max_bytes) + "-byte limit for this file");
   }
-  std::string contents(static_cast<size_t>(st.st_size), '\0');
+  std::string contents(static_cast<size_t>(size), '\0');
   size_t done = 0;
   while (done < contents.size()) {
     const ssize_t n = ::read(fd, contents.data() + done, contents.size() - done);

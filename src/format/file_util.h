@@ -20,6 +20,12 @@ std::string DirName(std::string_view path);
 // The last component of `path` (trailing separators ignored).
 std::string BaseName(std::string_view path);
 
+// Opens the regular file at `path` read-only (close-on-exec) and sets
+// *size to its size; the caller closes the descriptor. NotFound when it
+// does not exist, InvalidArgument when it is not a regular file. Messages
+// name the path.
+Result<int> OpenRegularFile(const std::string& path, uint64_t* size);
+
 // Reads the whole regular file at `path`. NotFound when it does not exist;
 // Corruption when it is larger than `max_bytes` (so a hostile file cannot
 // make us allocate without bound). Messages name the path.

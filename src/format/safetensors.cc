@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -270,24 +269,11 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const uint8_t> header
 }
 
 Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    if (errno == ENOENT) return Status::NotFound(path + ": no such file");
-    return Status::FromErrno(errno, path + ": open");
-  }
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    return Status::FromErrno(err, path + ": stat");
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    return Status::InvalidArgument(path + ": not a regular file");
-  }
+  uint64_t size = 0;
+  DS_ASSIGN_OR_RETURN(const int fd, format_internal::OpenRegularFile(path, &size));
   std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
   file->path_ = path;
-  file->size_ = static_cast<uint64_t>(st.st_size);
+  file->size_ = size;
   // Too short to hold the length prefix: Parse reports it without reading,
   // and mmap could not map an empty file anyway.
   if (file->size_ >= kLengthPrefixBytes) {
