@@ -18,12 +18,14 @@
 
 namespace deltasync::testing_util {
 
-// A fresh directory under $TMPDIR (or /tmp), removed with its contents.
+// A fresh directory under $TMPDIR (or /tmp), named after `prefix` and
+// removed with its contents.
 class TempDir {
  public:
-  TempDir() {
+  explicit TempDir(std::string_view prefix = "ds_format_test") {
     const char* base = std::getenv("TMPDIR");
-    std::string pattern = std::string(base && *base ? base : "/tmp") + "/ds_format_test.XXXXXX";
+    std::string pattern =
+        std::string(base && *base ? base : "/tmp") + "/" + std::string(prefix) + ".XXXXXX";
     path_ = ::mkdtemp(pattern.data()) ? pattern : std::string();
     EXPECT_FALSE(path_.empty()) << "mkdtemp failed";
   }

@@ -11,8 +11,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <map>
 #include <random>
 #include <string>
@@ -22,6 +20,7 @@
 #include "deltasync/checkpoint.h"
 #include "deltasync/store.h"
 #include "deltasync/thread_pool.h"
+#include "format/format_test_util.h"
 
 namespace deltasync::store_test {
 
@@ -43,37 +42,16 @@ Status StatusOf(const Result<T>& r) {
     EXPECT_TRUE(ds_expect_status_.ok()) << ds_expect_status_.ToString();                   \
   } while (0)
 
-class TempDir {
+// The format tests' TempDir, ReadFileOrDie and WriteFileOrDie.
+class TempDir : public testing_util::TempDir {
  public:
-  TempDir() {
-    const char* base = std::getenv("TMPDIR");
-    std::string pattern = std::string(base && *base ? base : "/tmp") + "/ds_store_test.XXXXXX";
-    path_ = ::mkdtemp(pattern.data()) ? pattern : std::string();
-    EXPECT_FALSE(path_.empty()) << "mkdtemp failed";
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const std::string& path() const { return path_; }
-  std::string Join(std::string_view name) const { return path_ + "/" + std::string(name); }
-
- private:
-  std::string path_;
+  TempDir() : testing_util::TempDir("ds_store_test") {}
 };
 
-inline std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  EXPECT_TRUE(in.good()) << "cannot read " << path;
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
+inline std::string ReadFile(const std::string& path) { return testing_util::ReadFileOrDie(path); }
 
 inline void WriteFile(const std::string& path, std::string_view bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  ASSERT_TRUE(out.good()) << "cannot write " << path;
+  testing_util::WriteFileOrDie(path, bytes);
 }
 
 inline void RemoveDir(const std::string& path) {
