@@ -179,6 +179,14 @@ TEST(CliTest, StoreCommandsPublishPullVerifyPrune) {
     EXPECT_EQ(CountLines(r.err), 1) << r.err;
     EXPECT_NE(r.err.find("--max-shard-bytes"), std::string::npos) << r.err;
   }
+  // An unknown encoding or checksum is refused by name, and publishes nothing.
+  for (const std::string& bad : {std::string("--encoding bogus"), std::string("--checksum md5")}) {
+    CliRun r = RunCli("publish" + store + " --old " + step(1) + " --new " + step(2) + " " + bad);
+    EXPECT_EQ(r.exit_code, 1) << bad;
+    EXPECT_EQ(CountLines(r.err), 1) << r.err;
+    EXPECT_NE(r.err.find(bad.substr(bad.find(' ') + 1)), std::string::npos) << r.err;
+    EXPECT_FALSE(std::filesystem::exists(dir + "/store/weight_v000002")) << bad;
+  }
   // Small shards: the version spreads over several files and still pulls.
   CliRun xor_pub = RunCli("publish --json" + store + " --old " + step(1) + " --new " + step(2) +
                           " --encoding xor --checksum blake3 --max-shard-bytes 4KiB");

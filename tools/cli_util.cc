@@ -6,6 +6,9 @@
 #include <cstdio>
 #include <iostream>
 
+#include "deltasync/checksum.h"
+#include "deltasync/codec.h"
+
 namespace deltasync::cli {
 
 int Fail(const Status& status) {
@@ -75,6 +78,28 @@ Result<uint64_t> ParseByteSize(const std::string& text) {
   }
   return Status::InvalidArgument(
       "byte size '" + text + "' has an unknown unit (use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB)");
+}
+
+void AddPublishFlags(CLI::App* cmd, const std::string& receivers, PublishFlags* flags) {
+  cmd->add_option("--store", flags->store, "Store directory (created if missing)")->required();
+  cmd->add_option("--old", flags->old_ckpt, "Checkpoint the " + receivers + " hold now")
+      ->required();
+  cmd->add_option("--new", flags->new_ckpt, "Checkpoint to publish")->required();
+  cmd->add_option("--encoding,-e", flags->encoding,
+                  "sparse (default) | xor | overwrite (both readable by the Python receiver) | "
+                  "indices | dense")
+      ->capture_default_str();
+  cmd->add_option("--checksum,-c", flags->checksum,
+                  "xxh3-128 (default) | xxh3-64 | blake3 | adler32")
+      ->capture_default_str();
+  cmd->add_flag("--full", flags->full, "Publish a full version (resets the chain)");
+}
+
+Status ApplyPublishFlags(const PublishFlags& flags, PublisherOptions* options) {
+  options->store = flags.store;
+  DS_ASSIGN_OR_RETURN(options->encoding, ParseEncoding(flags.encoding));
+  DS_ASSIGN_OR_RETURN(options->checksum, ParseChecksumAlgo(flags.checksum));
+  return Status::OK();
 }
 
 }  // namespace deltasync::cli

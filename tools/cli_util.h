@@ -6,6 +6,7 @@
 #include <string>
 
 #include "deltasync/status.h"
+#include "deltasync/store.h"
 
 namespace deltasync::cli {
 
@@ -28,6 +29,18 @@ std::string FormatBytes(uint64_t bytes);
 // Binary (KiB/MiB/GiB/TiB) and decimal (KB/MB/GB/TB) suffixes; InvalidArgument
 // for anything else, for zero-free garbage, or on overflow.
 Result<uint64_t> ParseByteSize(const std::string& text);
+
+// The options every command that publishes shares: --store, --old, --new,
+// --encoding/-e, --checksum/-c and --full. `receivers` names who holds OLD
+// in the help text.
+struct PublishFlags {
+  std::string store, old_ckpt, new_ckpt, encoding = "sparse", checksum = "xxh3-128";
+  bool full = false;
+};
+void AddPublishFlags(CLI::App* cmd, const std::string& receivers, PublishFlags* flags);
+// Fills the store, encoding and checksum of `options` from `flags`;
+// InvalidArgument/Unsupported for an unknown encoding or checksum.
+Status ApplyPublishFlags(const PublishFlags& flags, PublisherOptions* options);
 
 // Each subcommand registers itself on the root app and stores its body in
 // `run`, which main() calls after a successful parse.

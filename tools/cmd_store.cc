@@ -42,9 +42,9 @@ nlohmann::json PullJson(const PullResult& r) {
 
 void RegisterPublish(CLI::App& app, CommandFn* run) {
   struct Opts {
-    std::string store, old_ckpt, new_ckpt, encoding = "sparse", checksum = "xxh3-128", hook;
-    std::string max_shard = "1GiB";
-    bool full = false, json = false;
+    PublishFlags publish;
+    std::string hook, max_shard = "1GiB";
+    bool json = false;
     int64_t full_every = 0;
   };
   auto o = std::make_shared<Opts>();
@@ -52,16 +52,7 @@ void RegisterPublish(CLI::App& app, CommandFn* run) {
       "publish",
       "Publish NEW as the store's next version: a delta against OLD (what receivers "
       "hold now), or a full version");
-  cmd->add_option("--store", o->store, "Store directory (created if missing)")->required();
-  cmd->add_option("--old", o->old_ckpt, "Checkpoint the receivers hold now")->required();
-  cmd->add_option("--new", o->new_ckpt, "Checkpoint to publish")->required();
-  cmd->add_option("--encoding,-e", o->encoding,
-                  "sparse (default) | xor | overwrite (both readable by the Python receiver) | "
-                  "indices | dense")
-      ->capture_default_str();
-  cmd->add_option("--checksum,-c", o->checksum, "xxh3-128 (default) | blake3 | adler32")
-      ->capture_default_str();
-  cmd->add_flag("--full", o->full, "Publish a full version (resets the chain)");
+  AddPublishFlags(cmd, "receivers", &o->publish);
   cmd->add_option("--full-every", o->full_every, "Make every K-th version full (0 = never)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--hook", o->hook,
@@ -80,18 +71,13 @@ void RegisterPublish(CLI::App& app, CommandFn* run) {
         return Fail(Status::InvalidArgument("--max-shard-bytes: must be above 0"));
       }
       opts.max_shard_bytes = *max_shard;
-      opts.store = o->store;
-      Result<Encoding> enc = ParseEncoding(o->encoding);
-      if (!enc.ok()) return Fail(enc.status());
-      opts.encoding = *enc;
-      Result<ChecksumAlgo> algo = ParseChecksumAlgo(o->checksum);
-      if (!algo.ok()) return Fail(algo.status());
-      opts.checksum = *algo;
+      if (Status s = ApplyPublishFlags(o->publish, &opts); !s.ok()) return Fail(s);
       opts.full_every = o->full_every;
       opts.post_write_hook = o->hook;
       // One version per run: the old checkpoint is read in place rather than
       // copied into a publisher's snapshot.
-      Result<PublishResult> r = PublishCheckpointOnce(opts, o->old_ckpt, o->new_ckpt, o->full);
+      Result<PublishResult> r =
+          PublishCheckpointOnce(opts, o->publish.old_ckpt, o->publish.new_ckpt, o->publish.full);
       if (!r.ok()) return Fail(r.status());
       if (o->json) {
         nlohmann::json j = VersionJson(r->info);

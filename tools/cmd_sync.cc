@@ -12,11 +12,11 @@ namespace deltasync::cli {
 
 void RegisterSync(CLI::App& app, CommandFn* run) {
   struct Opts {
-    std::string store, old_ckpt, new_ckpt, token_file, encoding = "sparse", checksum = "xxh3-128";
+    PublishFlags publish;
+    std::string token_file;
     std::vector<std::string> engines;
     double timeout = 600, connect_timeout = 10;
     int retries = 3;
-    bool full = false;
   };
   auto o = std::make_shared<Opts>();
   CLI::App* cmd = app.add_subcommand(
@@ -24,21 +24,12 @@ void RegisterSync(CLI::App& app, CommandFn* run) {
       "Publish NEW as the store's next version (a delta against OLD, what the engines hold "
       "now) and have every engine's agent pull it; prints a JSON summary and fails unless "
       "every engine reports the version verified");
-  cmd->add_option("--store", o->store, "Store directory (created if missing)")->required();
-  cmd->add_option("--old", o->old_ckpt, "Checkpoint the engines hold now")->required();
-  cmd->add_option("--new", o->new_ckpt, "Checkpoint to publish")->required();
+  AddPublishFlags(cmd, "engines", &o->publish);
   cmd->add_option("--engines", o->engines,
                   "Agent URLs, comma-separated: http://host:port[/prefix] or host:port")
       ->required()
       ->delimiter(',');
   cmd->add_option("--token-file", o->token_file, "File holding the agents' bearer token");
-  cmd->add_option("--encoding,-e", o->encoding,
-                  "sparse (default) | xor | overwrite (both readable by the Python receiver) | "
-                  "indices | dense")
-      ->capture_default_str();
-  cmd->add_option("--checksum,-c", o->checksum, "xxh3-128 (default) | blake3 | adler32")
-      ->capture_default_str();
-  cmd->add_flag("--full", o->full, "Publish a full version (resets the chain)");
   cmd->add_option("--timeout", o->timeout,
                   "Seconds to wait for one engine's pull (and reload) to answer")
       ->capture_default_str()
@@ -54,13 +45,7 @@ void RegisterSync(CLI::App& app, CommandFn* run) {
   cmd->callback([o, run] {
     *run = [o]() -> int {
       PublisherOptions publish;
-      publish.store = o->store;
-      Result<Encoding> encoding = ParseEncoding(o->encoding);
-      if (!encoding.ok()) return Fail(encoding.status());
-      publish.encoding = *encoding;
-      Result<ChecksumAlgo> checksum = ParseChecksumAlgo(o->checksum);
-      if (!checksum.ok()) return Fail(checksum.status());
-      publish.checksum = *checksum;
+      if (Status s = ApplyPublishFlags(o->publish, &publish); !s.ok()) return Fail(s);
 
       SyncOptions sync;
       for (const std::string& engine : o->engines) {
@@ -76,12 +61,13 @@ void RegisterSync(CLI::App& app, CommandFn* run) {
       }
 
       Result<std::unique_ptr<Publisher>> publisher =
-          Publisher::CreateFromCheckpoint(publish, o->old_ckpt);
+          Publisher::CreateFromCheckpoint(publish, o->publish.old_ckpt);
       if (!publisher.ok()) return Fail(publisher.status());
       Result<std::unique_ptr<SyncCoordinator>> coordinator =
           SyncCoordinator::Create(sync, std::move(publisher).value());
       if (!coordinator.ok()) return Fail(coordinator.status());
-      Result<SyncReport> report = (*coordinator)->SyncCheckpoint(o->new_ckpt, o->full);
+      Result<SyncReport> report =
+          (*coordinator)->SyncCheckpoint(o->publish.new_ckpt, o->publish.full);
       if (!report.ok()) return Fail(report.status().WithContext("publish failed"));
       std::cout << SyncReportToJson(*report) << std::endl;
       if (!report->status.ok()) return Fail(report->status);
