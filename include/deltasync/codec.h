@@ -84,12 +84,16 @@ struct EncodeOptions {
   SparseMode sparse_mode = SparseMode::kAuto;
   // Bytes of zeros-and-XOR (xor) or positions (overwrite) staged per step
   // while streaming into the compressor. Rounded down to whole elements.
-  size_t chunk_bytes = size_t{1} << 20;
+  // Small enough for the stage to stay in L2 while it is built and
+  // compressed (a 1 GiB xor publish took 2-7% longer with 1 MiB).
+  size_t chunk_bytes = size_t{256} << 10;
 };
 
 struct DecodeOptions {
   // Bytes decompressed per step before being applied (xor, overwrite).
-  size_t chunk_bytes = size_t{1} << 20;
+  // Small enough to stay in L2 between zstd's copy out and its use (a 1 GiB
+  // xor pull took 3% longer with 1 MiB).
+  size_t chunk_bytes = size_t{256} << 10;
   // Largest zstd window a frame may ask for (log2 bytes). Bounds decoder
   // memory against hostile frames; level-1 frames use at most 2^19.
   int zstd_window_log_max = 27;
