@@ -231,10 +231,6 @@ Status ApplyRecordsAndVisit(std::span<const JournalRecord* const> records,
   return Status::OK();
 }
 
-Status ScatterNewValues(const ChangeSet& changes, std::span<uint8_t> target) {
-  return ScatterNewValuesAndVisit(changes, target, 0, 0, 0, nullptr);
-}
-
 Status ScatterNewValuesAndVisit(const ChangeSet& changes, std::span<uint8_t> target, size_t begin,
                                 size_t end, size_t piece_bytes,
                                 const std::function<void(std::span<const uint8_t>)>& visit) {
@@ -246,9 +242,9 @@ Status ScatterNewValuesAndVisit(const ChangeSet& changes, std::span<uint8_t> tar
     return Status::Internal("changes do not fit their tensor of " + std::to_string(target.size()) +
                             " bytes");
   }
-  if (visit && (begin > end || end > target.size() || begin % es != 0 || end % es != 0 ||
-                (count > 0 && (changes.position(0) < begin / es ||
-                               (changes.position(count - 1) + 1) * es > end)))) {
+  if (begin > end || end > target.size() || begin % es != 0 || end % es != 0 ||
+      (count > 0 &&
+       (changes.position(0) < begin / es || (changes.position(count - 1) + 1) * es > end))) {
     return Status::Internal("changes do not lie in the visited bytes [" + std::to_string(begin) +
                             ", " + std::to_string(end) + ")");
   }
@@ -261,10 +257,6 @@ Status ScatterNewValuesAndVisit(const ChangeSet& changes, std::span<uint8_t> tar
                              : reinterpret_cast<const uint8_t*>(changes.pos32.data());
   r.new_values = changes.new_values.data();
   uint64_t next = 0;
-  if (!visit) {
-    ScatterRecordBelow(r, /*undo=*/false, target.data(), UINT64_MAX, &next);
-    return Status::OK();
-  }
   const size_t piece = std::max(es, piece_bytes / es * es);
   for (size_t at = begin; at < end; at += piece) {
     const size_t n = std::min(piece, end - at);

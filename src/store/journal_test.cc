@@ -520,21 +520,24 @@ TEST(JournalWriterTest, UndoOnlyRecordsRollBackAndRefuseReplay) {
 }
 
 TEST(ScatterNewValues, WritesEveryChangeOrNothing) {
+  auto scatter = [](const ChangeSet& c, std::span<uint8_t> target) {
+    return ScatterNewValuesAndVisit(c, target, 0, target.size(), 64, [](auto) {});
+  };
   ChangeSet c;
   c.numel = 6;
   c.elem_size = 2;
   c.pos32 = {1, 4};
   c.new_values = {0xa1, 0xa2, 0xb1, 0xb2};
   std::vector<uint8_t> target(12, 0);
-  ASSERT_TRUE(ScatterNewValues(c, target).ok());
+  ASSERT_TRUE(scatter(c, target).ok());
   EXPECT_EQ(target, (std::vector<uint8_t>{0, 0, 0xa1, 0xa2, 0, 0, 0, 0, 0xb1, 0xb2, 0, 0}));
   c.pos32 = {1, 6};
   std::vector<uint8_t> untouched(12, 0);
-  EXPECT_EQ(ScatterNewValues(c, untouched).code(), StatusCode::kInternal);
+  EXPECT_EQ(scatter(c, untouched).code(), StatusCode::kInternal);
   EXPECT_EQ(untouched, std::vector<uint8_t>(12, 0));
   c.pos32 = {1, 4};
   std::vector<uint8_t> wrong_size(10, 0);
-  EXPECT_EQ(ScatterNewValues(c, wrong_size).code(), StatusCode::kInternal);
+  EXPECT_EQ(scatter(c, wrong_size).code(), StatusCode::kInternal);
 }
 
 TEST(ScatterNewValues, VisitsEachPieceOnceItsChangesAreWritten) {
