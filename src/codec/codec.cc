@@ -275,7 +275,13 @@ void ChangeCollector::AddXorListTyped(uint64_t first, const ChangeSet& found) {
   const uint64_t n = found.count();
   if (limit_ == 0 && count_ + n > capacity_) Grow(count_ + n);
   const uint8_t* x = found.new_values.data();
-  for (uint64_t i = 0; i < n; ++i) AddXor<ES>(first + found.position(i), x + i * ES);
+  // The base lines are requested ahead, as DecodePositions does (sparse.cc).
+  const uint64_t lead = std::min<uint64_t>(n, kPrefetchLeadChanges);
+  for (uint64_t i = 0; i < lead; ++i) Prefetch<ES>(first + found.position(i));
+  for (uint64_t i = 0; i < n; ++i) {
+    if (i + lead < n) Prefetch<ES>(first + found.position(i + lead));
+    AddXor<ES>(first + found.position(i), x + i * ES);
+  }
 }
 
 void ChangeCollector::AddXorList(uint64_t first, const ChangeSet& found) {

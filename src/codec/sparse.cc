@@ -235,9 +235,14 @@ class XorPlanesWriter {
 
 // Where decoded XOR values go: straight into the tensor (DecodeApply) or
 // into a change list (DecodeChanges). Planes hold a block of n elements'
-// XOR values, byte j of element i at planes[j * n + i].
+// XOR values, byte j of element i at planes[j * n + i]. Prefetch(pos) is
+// called some changes before XorOne(pos).
 struct ApplyTarget {
   uint8_t* data;
+  template <size_t ES>
+  void Prefetch(uint64_t pos) {
+    __builtin_prefetch(data + pos * ES, /*rw=*/1);
+  }
   // Element pos ^= the i-th value.
   template <size_t ES>
   void XorOne(uint64_t pos, const uint8_t* planes, size_t n, size_t i) {
@@ -265,6 +270,10 @@ struct ApplyTarget {
 struct CollectTarget {
   ChangeCollector* collector;
   template <size_t ES>
+  void Prefetch(uint64_t pos) {
+    collector->Prefetch<ES>(pos);
+  }
+  template <size_t ES>
   void XorOne(uint64_t pos, const uint8_t* planes, size_t n, size_t i) {
     uint8_t x[ES];
     for (size_t j = 0; j < ES; ++j) x[j] = planes[j * n + i];
@@ -281,22 +290,30 @@ struct CollectTarget {
 template <size_t ES, typename Target>
 Status ApplyPositionsBlock(const uint8_t* gaps, size_t gap_bytes, const uint8_t* planes, size_t n,
                            uint64_t numel, uint64_t* next_position, Target* target) {
+  // Positions are decoded, and their lines requested, kPrefetchLeadChanges
+  // changes ahead of the change being applied.
+  uint64_t ahead[kPrefetchLeadChanges];  // positions of changes [i, decoded), by index mod size
   size_t cursor = 0;
+  size_t decoded = 0;
   uint64_t next = *next_position;
   for (size_t i = 0; i < n; ++i) {
-    uint64_t gap;
-    if (cursor < gap_bytes && gaps[cursor] != kGapEscape) {
-      gap = gaps[cursor++];
-    } else if (!ParseGap(gaps, gap_bytes, &cursor, &gap)) {
-      return Corrupt("malformed or truncated gap section");
+    for (const size_t stop = std::min(n, i + kPrefetchLeadChanges); decoded < stop; ++decoded) {
+      uint64_t gap;
+      if (cursor < gap_bytes && gaps[cursor] != kGapEscape) {
+        gap = gaps[cursor++];
+      } else if (!ParseGap(gaps, gap_bytes, &cursor, &gap)) {
+        return Corrupt("malformed or truncated gap section");
+      }
+      if (gap >= numel - next) {
+        return Corrupt("position " + std::to_string(next) + " + gap " + std::to_string(gap) +
+                       " is outside the tensor's " + std::to_string(numel) + " elements");
+      }
+      const uint64_t pos = next + gap;
+      ahead[decoded % kPrefetchLeadChanges] = pos;
+      target->template Prefetch<ES>(pos);
+      next = pos + 1;
     }
-    if (gap >= numel - next) {
-      return Corrupt("position " + std::to_string(next) + " + gap " + std::to_string(gap) +
-                     " is outside the tensor's " + std::to_string(numel) + " elements");
-    }
-    const uint64_t pos = next + gap;
-    target->template XorOne<ES>(pos, planes, n, i);
-    next = pos + 1;
+    target->template XorOne<ES>(ahead[i % kPrefetchLeadChanges], planes, n, i);
   }
   if (cursor != gap_bytes) {
     return Corrupt(std::to_string(gap_bytes - cursor) + " unused bytes in a gap section");
@@ -372,11 +389,13 @@ Status DecodeXorPlanes(const SparseHeader& header, ZstdFrameReader* reader, Targ
 }
 
 // Hands the changes of a decoded positions layout to a writer (re-encoding
-// them as xor-planes); DecodePositions only calls XorOne.
+// them as xor-planes); DecodePositions only calls Prefetch and XorOne.
 template <typename Writer>
 struct ForwardTarget {
   Writer* writer;
   Status status;
+  template <size_t ES>
+  void Prefetch(uint64_t /*pos*/) {}  // writes only to its own buffers
   template <size_t ES>
   void XorOne(uint64_t pos, const uint8_t* planes, size_t n, size_t i) {
     uint8_t x[ES];
