@@ -43,18 +43,20 @@ constexpr double kTryBothMaxDensity = 0.8;
 
 Status Corrupt(const std::string& what) { return Status::Corruption("sparse decode: " + what); }
 
-void AppendGap(uint64_t gap, std::vector<uint8_t>* out) {
+// Writes one gap at `out` (room for kMaxGapBytes); returns the byte past it.
+uint8_t* PutGap(uint64_t gap, uint8_t* out) {
   if (gap < kGapEscape) {
-    out->push_back(static_cast<uint8_t>(gap));
-    return;
+    *out++ = static_cast<uint8_t>(gap);
+    return out;
   }
-  out->push_back(kGapEscape);
+  *out++ = kGapEscape;
   uint64_t rest = gap - kGapEscape;
   while (rest >= 0x80) {
-    out->push_back(static_cast<uint8_t>(rest | 0x80));
+    *out++ = static_cast<uint8_t>(rest | 0x80);
     rest >>= 7;
   }
-  out->push_back(static_cast<uint8_t>(rest));
+  *out++ = static_cast<uint8_t>(rest);
+  return out;
 }
 
 // Parses one gap at *cursor (advancing it); false when the bytes run out or
@@ -114,7 +116,7 @@ uint8_t* ThreadBlockBuffer(ReaderSlot slot, size_t bytes) {
   return buffer.data();
 }
 
-// Writes the positions layout one change at a time, in ascending position
+// Writes the positions layout a diff piece at a time, in ascending position
 // order: a block of up to kBlock changes (gaps, then the XOR values' byte
 // planes, each plane kBlock bytes apart in `planes_`) goes out when full.
 // The header's count is filled in by Finish.
@@ -131,19 +133,39 @@ class PositionsWriter {
         writer_((WriteHeader(SparseMode::kPositions, elem_size, numel, 0, out), out)) {}
 
   Status Begin(const EncodeOptions& options) {
-    gaps_.assign(4, 0);
-    gaps_.reserve(4 + 2 * kBlock);
+    // Room for a block of the longest gaps: the pooled buffer keeps it.
+    if (gaps_.size() < 4 + kBlock * kMaxGapBytes) gaps_.resize(4 + kBlock * kMaxGapBytes);
+    gap_bytes_ = 4;
     if (planes_.size() < kBlock * es_) planes_.resize(kBlock * es_);
     return writer_.Begin(options.zstd_level, options.ZstdChecksumFor(Encoding::kSparse),
                          kZstdUnknownSize);
   }
-  // Element `pos` (above every earlier one) changes by XOR `x` (es bytes).
-  Status Add(uint64_t pos, const uint8_t* x) {
-    AppendGap(pos - next_position_, &gaps_);
-    next_position_ = pos + 1;
-    for (size_t j = 0; j < es_; ++j) planes_[j * kBlock + n_] = x[j];
-    ++count_;
-    return ++n_ == kBlock ? WriteBlock() : Status::OK();
+  // The changes of a diff piece whose positions count from element `first`
+  // (all above every earlier one); ES is the element size.
+  template <size_t ES>
+  Status AddPiece(uint64_t first, const ChangeSet& piece) {
+    const uint64_t count = piece.count();
+    const uint8_t* new_values = piece.new_values.data();
+    const uint8_t* old_values = piece.old_values.data();
+    for (uint64_t i = 0; i < count;) {
+      const uint64_t stop = i + std::min<uint64_t>(count - i, kBlock - n_);
+      uint8_t* gap = gaps_.data() + gap_bytes_;
+      uint8_t* plane = planes_.data() + n_;
+      for (; i < stop; ++i, ++plane) {
+        const uint64_t pos = first + piece.position(i);
+        gap = PutGap(pos - next_position_, gap);
+        next_position_ = pos + 1;
+        for (size_t j = 0; j < ES; ++j) {
+          plane[j * kBlock] = new_values[i * ES + j] ^ old_values[i * ES + j];
+        }
+      }
+      gap_bytes_ = static_cast<size_t>(gap - gaps_.data());
+      const auto added = static_cast<size_t>(plane - (planes_.data() + n_));
+      n_ += added;
+      count_ += added;
+      if (n_ == kBlock) DS_RETURN_IF_ERROR(WriteBlock());
+    }
+    return Status::OK();
   }
   Status Finish() {
     if (n_ > 0) DS_RETURN_IF_ERROR(WriteBlock());
@@ -154,12 +176,12 @@ class PositionsWriter {
 
  private:
   Status WriteBlock() {
-    StoreLE32(gaps_.data(), static_cast<uint32_t>(gaps_.size() - 4));
+    StoreLE32(gaps_.data(), static_cast<uint32_t>(gap_bytes_ - 4));
     std::span<const uint8_t> sections[9];
-    sections[0] = gaps_;
+    sections[0] = {gaps_.data(), gap_bytes_};
     for (size_t j = 0; j < es_; ++j) sections[1 + j] = {planes_.data() + j * kBlock, n_};
     DS_RETURN_IF_ERROR(WriteSections(&writer_, {sections, 1 + es_}, n_));
-    gaps_.resize(4);
+    gap_bytes_ = 4;
     n_ = 0;
     return Status::OK();
   }
@@ -169,9 +191,10 @@ class PositionsWriter {
   size_t header_at_;
   PooledBuffer gaps_buffer_;
   PooledBuffer planes_buffer_;
-  std::vector<uint8_t>& gaps_;
+  std::vector<uint8_t>& gaps_;  // the block's length, then its gaps
   std::vector<uint8_t>& planes_;
   ZstdFrameWriter writer_;  // made after the header went out
+  size_t gap_bytes_ = 4;    // bytes of gaps_ in use
   uint64_t next_position_ = 0;
   uint64_t count_ = 0;
   size_t n_ = 0;  // changes in the current block
@@ -432,11 +455,18 @@ class SparseEncodeStream final : public EncodeStream {
     DS_RETURN_IF_ERROR(begun_);
     DS_RETURN_IF_ERROR(ranges_.Add(first, new_chunk, piece));
     count_ += piece.count();
+    if (positions_) {
+      switch (piece.elem_size) {
+        case 1: return positions_->AddPiece<1>(first, piece);
+        case 2: return positions_->AddPiece<2>(first, piece);
+        case 4: return positions_->AddPiece<4>(first, piece);
+        default: return positions_->AddPiece<8>(first, piece);
+      }
+    }
     uint8_t x[8];
     for (uint64_t i = 0; i < piece.count(); ++i) {
       ChangedXor(piece, i, x);
-      DS_RETURN_IF_ERROR(positions_ ? positions_->Add(first + piece.position(i), x)
-                                    : planes_->Add(first + piece.position(i), x));
+      DS_RETURN_IF_ERROR(planes_->Add(first + piece.position(i), x));
     }
     return Status::OK();
   }
