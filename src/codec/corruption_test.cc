@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "codec/codec_internal.h"
 #include "codec/codec_test_util.h"
 #include "deltasync/codec.h"
 
@@ -413,6 +414,60 @@ TEST(SparseCorruption, GapsAndSections) {
   // Planes cut short, then content past the last block.
   ExpectCorruption(apply(2, {2, 0, 0, 0, 1, 1, 1, 1, 1}), "frame ends after");
   ExpectCorruption(apply(1, {1, 0, 0, 0, 1, 1, 1, 9}), "more than");
+}
+
+// The decoder reads positions ahead of the change it applies (a ring of
+// kPrefetchLeadChanges): a block several rings long must apply every change
+// at its own position, escaped gaps included, and a bad gap far past the
+// first ring must still be refused.
+TEST(SparseCorruption, LongBlockAppliesEveryChangeAndRefusesALateBadGap) {
+  constexpr uint64_t kNumel = 200000;
+  constexpr size_t kCount = 5 * codec_internal::kPrefetchLeadChanges + 77;
+  std::vector<uint8_t> gaps;
+  std::vector<uint64_t> positions;
+  std::vector<size_t> gap_at;  // where each change's gap starts in `gaps`
+  uint64_t next = 0;
+  for (size_t i = 0; i < kCount; ++i) {
+    const uint64_t gap = i % 7 == 0 ? 300 : i % 3;  // 300: escape 255, then varint 45
+    gap_at.push_back(gaps.size());
+    if (gap >= 255) {
+      gaps.push_back(255);
+      gaps.push_back(static_cast<uint8_t>(gap - 255));
+    } else {
+      gaps.push_back(static_cast<uint8_t>(gap));
+    }
+    positions.push_back(next + gap);
+    next = positions.back() + 1;
+  }
+  ASSERT_LT(next, kNumel);
+  auto content_with = [&](const std::vector<uint8_t>& gap_bytes) {
+    std::vector<uint8_t> content;
+    PutLE(&content, gap_bytes.size(), 4);
+    content.insert(content.end(), gap_bytes.begin(), gap_bytes.end());
+    for (size_t i = 0; i < kCount; ++i) content.push_back(static_cast<uint8_t>(i | 1));
+    for (size_t i = 0; i < kCount; ++i) content.push_back(static_cast<uint8_t>(i >> 8));
+    return SparseEncoding(1, 2, kNumel, kCount, content);
+  };
+  const std::vector<uint8_t> base(2 * kNumel, 0);
+  Outcome good = Apply(Encoding::kSparse, content_with(gaps), base, 2);
+  ASSERT_TRUE(good.status.ok()) << good.status.ToString();
+  std::vector<uint8_t> expected(2 * kNumel, 0);
+  for (size_t i = 0; i < kCount; ++i) {
+    expected[2 * positions[i]] = static_cast<uint8_t>(i | 1);
+    expected[2 * positions[i] + 1] = static_cast<uint8_t>(i >> 8);
+  }
+  EXPECT_TRUE(good.target == expected);
+
+  // Change 4 rings in gets a gap that leaves the tensor.
+  const size_t late = 4 * codec_internal::kPrefetchLeadChanges + 4;
+  ASSERT_NE(late % 7, 0u);  // a one-byte gap, made an escape below
+  std::vector<uint8_t> bad = gaps;
+  bad[gap_at[late]] = 255;
+  const uint8_t far[] = {0xFF, 0xFF, 0x7F};  // escape + 2^21 - 1: past element 200000
+  bad.insert(bad.begin() + static_cast<std::ptrdiff_t>(gap_at[late]) + 1, std::begin(far),
+             std::end(far));
+  ExpectCorruption(Apply(Encoding::kSparse, content_with(bad), base, 2),
+                   "outside the tensor's 200000 elements");
 }
 
 TEST(SparseCorruption, XorPlanesCountMismatch) {
