@@ -162,6 +162,7 @@ class ChangeCollector {
   void Prefetch(uint64_t pos) const {
     __builtin_prefetch(base_ + pos * ES, /*rw=*/0);
   }
+  void Prefetch(uint64_t pos) const { __builtin_prefetch(base_ + pos * es_, /*rw=*/0); }
   // Element `pos` becomes v (elem_size bytes).
   void AddNew(uint64_t pos, const uint8_t* v);
   // The elements `found` lists (positions relative to element `first`,

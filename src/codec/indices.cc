@@ -77,7 +77,11 @@ class IndicesCodecImpl final : public Codec {
     }
     ChangeCollector collector(base, elem_size, options, out);
     collector.Reserve(p.count);
+    // The base lines are requested ahead, as the sparse decoder does.
+    const uint64_t lead = std::min<uint64_t>(p.count, kPrefetchLeadChanges);
+    for (uint64_t i = 0; i < lead; ++i) collector.Prefetch(ReadPosition(p.positions, i, p.width));
     for (uint64_t i = 0; i < p.count; ++i) {
+      if (i + lead < p.count) collector.Prefetch(ReadPosition(p.positions, i + lead, p.width));
       collector.AddNew(ReadPosition(p.positions, i, p.width), p.values + i * elem_size);
     }
     return Status::OK();

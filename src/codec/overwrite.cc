@@ -149,7 +149,11 @@ class OverwriteCodecImpl final : public Codec {
     }
     ChangeCollector collector(base, elem_size, options, out);
     uint8_t element[8];
+    // The base lines are requested ahead, as the sparse decoder does.
+    const uint64_t lead = std::min<uint64_t>(count, kPrefetchLeadChanges);
+    for (uint64_t k = 0; k < lead; ++k) __builtin_prefetch(base.data() + positions[k], /*rw=*/0);
     for (uint64_t k = 0; k < count;) {
+      if (k + lead < count) __builtin_prefetch(base.data() + positions[k + lead], /*rw=*/0);
       const uint64_t elem = positions[k] / elem_size;
       std::memcpy(element, base.data() + elem * elem_size, elem_size);
       for (; k < count && positions[k] / elem_size == elem; ++k) {
