@@ -133,8 +133,7 @@ class PositionsWriter {
         writer_((WriteHeader(SparseMode::kPositions, elem_size, numel, 0, out), out)) {}
 
   Status Begin(const EncodeOptions& options) {
-    // Room for a block of the longest gaps: the pooled buffer keeps it.
-    if (gaps_.size() < 4 + kBlock * kMaxGapBytes) gaps_.resize(4 + kBlock * kMaxGapBytes);
+    if (gaps_.size() < 4) gaps_.resize(4);
     gap_bytes_ = 4;
     if (planes_.size() < kBlock * es_) planes_.resize(kBlock * es_);
     return writer_.Begin(options.zstd_level, options.ZstdChecksumFor(Encoding::kSparse),
@@ -149,6 +148,9 @@ class PositionsWriter {
     const uint8_t* old_values = piece.old_values.data();
     for (uint64_t i = 0; i < count;) {
       const uint64_t stop = i + std::min<uint64_t>(count - i, kBlock - n_);
+      // Room for the longest gaps; the pooled buffer keeps what it grew to.
+      const size_t room = gap_bytes_ + static_cast<size_t>(stop - i) * kMaxGapBytes;
+      if (gaps_.size() < room) gaps_.resize(room);
       uint8_t* gap = gaps_.data() + gap_bytes_;
       uint8_t* plane = planes_.data() + n_;
       for (; i < stop; ++i, ++plane) {
