@@ -116,6 +116,16 @@ inline size_t ElementsPerChunk(size_t chunk_bytes, size_t elem_size) {
   return n ? n : 1;
 }
 
+// How many changes ahead of the one being applied a decoder requests the
+// tensor's cache line for (ChangeCollector::Prefetch). At 1-3% density the
+// changes of a BF16 tensor sit about two lines apart in irregular steps, and
+// the hardware prefetcher leaves most of their lines to a miss. Measured on
+// a sparse pull (1 GiB, 1.7% changed): 512 ahead (some 60 KB of the tensor)
+// 8-12% faster than none, 64 ahead about half that, 4096 slower than 1024.
+constexpr size_t kPrefetchLeadChanges = 512;
+static_assert((kPrefetchLeadChanges & (kPrefetchLeadChanges - 1)) == 0,
+              "a power of two: decoders keep a ring of this many positions");
+
 // Builds the ChangeSet of a delta decoded against a receiver's current bytes
 // (Codec::DecodeChanges): each Add* call names an element and either the XOR
 // the delta applies to it or the value it writes; elements that end up
@@ -123,15 +133,6 @@ inline size_t ElementsPerChunk(size_t chunk_bytes, size_t elem_size) {
 // order (decoders whose formats allow any order sort first). The ChangeSet's
 // vectors are grown in steps and trimmed to the recorded changes when the
 // collector is destroyed, so the hot path is a few fixed-size stores.
-// How many changes ahead of the one being applied a decoder requests the
-// tensor's cache line for (ChangeCollector::Prefetch). At 1-3% density the
-// changes of a BF16 tensor sit about two lines apart in irregular steps, and
-// the hardware prefetcher leaves most of their lines to a miss. Measured on
-// a sparse pull (1 GiB, 1.7% changed): 512 ahead (some 60 KB of the tensor)
-// 8-12% faster than none, 64 ahead about half that, 4096 ahead slower.
-// Must be a power of two (decoders keep a ring of this many positions).
-constexpr size_t kPrefetchLeadChanges = 512;
-
 class ChangeCollector {
  public:
   // Clears *out (keeping capacity) and sets its numel, elem_size and
