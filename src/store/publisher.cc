@@ -402,6 +402,10 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
       }
       return stream ? stream->Add(first, new_chunk, piece) : Status::OK();
     };
+    // Mapped in one call each rather than a fault at a time as the pass
+    // reads them (only a page-table walk for memory already mapped).
+    store_internal::PrefaultForRead(w.bytes);
+    if (borrowed) store_internal::PrefaultForRead(snap.bytes());
     // One pass computes the base digest (of the bytes before the refresh;
     // skipped when the snapshot's is known), the diff and the new digest.
     Status s = store_internal::DiffAndHashInChunks(w.bytes, snap.bytes(), diff, kFusedChunkBytes,

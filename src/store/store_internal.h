@@ -86,6 +86,13 @@ Result<uint64_t> CopyFiles(const std::vector<CopyJob>& jobs, bool durable, Threa
 // (the pull's), the parallel teardown measured 3% slower than munmap.
 void DropMappedPages(std::span<const uint8_t> mapped, ThreadPool* pool);
 
+// Maps the pages covering `bytes` for reading (MADV_POPULATE_READ, 4 MiB
+// a call), instead of one fault per 16 pages as a pass reads them: about
+// 0.04 s of kernel time a GiB of a hot file here against 0.06-0.09 s. For
+// memory about to be read in full; advisory, errors (an older kernel, a
+// mapping that cannot be populated) are ignored.
+void PrefaultForRead(std::span<const uint8_t> bytes);
+
 class MappedFile {
  public:
   static Result<MappedFile> OpenReadWrite(const std::string& path);

@@ -425,6 +425,23 @@ void DropMappedPages(std::span<const uint8_t> mapped, ThreadPool* pool) {
   }
 }
 
+void PrefaultForRead(std::span<const uint8_t> bytes) {
+#ifdef MADV_POPULATE_READ
+  if (bytes.empty()) return;
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(bytes.data()) & ~(page - 1);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(bytes.data()) + bytes.size();
+  // In pieces: each call holds the address space's lock, and one call over
+  // a large tensor (0.29 GB: 15 ms) stalled the other threads' allocations.
+  constexpr uintptr_t kPiece = uintptr_t{4} << 20;  // a multiple of any page size
+  for (uintptr_t at = begin; at < end; at += kPiece) {
+    (void)::madvise(reinterpret_cast<void*>(at), std::min(kPiece, end - at), MADV_POPULATE_READ);
+  }
+#else
+  (void)bytes;
+#endif
+}
+
 Status MappedFile::Sync() {
   if (data_ != nullptr && ::msync(data_, size_, MS_SYNC) != 0) {
     return Status::FromErrno(errno, path_ + ": msync");
