@@ -477,12 +477,13 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
     std::string temp_name;
     std::vector<std::string> tensors;
   };
-  std::vector<WrittenShard> shards;
-  std::vector<uint8_t> copy_buffer;
-  for (const auto& part : parts) {
-    if (error.failed()) break;
-    WrittenShard shard;
-    shard.temp_name = "part-" + std::to_string(shards.size() + 1) + ".safetensors";
+  // Shards are assembled side by side: each one's copy and sync are its own.
+  std::vector<WrittenShard> shards(error.failed() ? 0 : parts.size());
+  pool->ParallelFor(shards.size(), [&](size_t k) {
+    if (error.failed()) return;
+    SlotPart* part = parts[k].get();
+    WrittenShard& shard = shards[k];
+    shard.temp_name = "part-" + std::to_string(k + 1) + ".safetensors";
     std::vector<TensorSpec> specs;
     std::map<std::string, std::string> metadata;
     for (const auto& [i, bytes] : part->tensors) {
@@ -497,7 +498,7 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
       part->fd = ::open(part->data_path.c_str(), O_RDONLY | O_CLOEXEC);
       if (part->fd < 0) s = Status::FromErrno(errno, part->data_path + ": open");
     }
-    copy_buffer.resize(std::min<uint64_t>(part->size, kShardCopyBytes));
+    std::vector<uint8_t> copy_buffer(std::min<uint64_t>(part->size, kShardCopyBytes));
     for (uint64_t at = 0; s.ok() && at < part->size; at += copy_buffer.size()) {
       const auto n_bytes =
           static_cast<size_t>(std::min<uint64_t>(copy_buffer.size(), part->size - at));
@@ -507,8 +508,7 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
     if (s.ok()) s = (*writer)->Finish();
     if (s.ok()) s = format_internal::RemoveFileIfExists(part->data_path);
     error.Note(std::move(s));
-    shards.push_back(std::move(shard));
-  }
+  });
   for (size_t i = 0; i < n; ++i) {
     if (!delta[i].changed) continue;
     result->tensors_changed++;
