@@ -1,11 +1,14 @@
 // MappedFile and DropMappedPages: dropping a mapping's pages gives up its
 // page table entries (resident set) but never the data, dirty or not.
+// PrefaultForRead maps pages without changing them; CopyFiles copies
+// exactly, or fails and leaves nothing behind.
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -89,6 +92,112 @@ TEST(DropMappedPages, KeepsWrittenDataAndGivesUpResidentPages) {
   EXPECT_LT(ResidentKb(ro), 1000);
   EXPECT_EQ(std::memcmp(view.data(), expected.data(), size), 0);
   ::munmap(ro, size);
+  std::filesystem::remove_all(dir);
+}
+
+std::vector<uint8_t> Pattern(size_t size, unsigned seed) {
+  std::vector<uint8_t> bytes(size);
+  for (size_t i = 0; i < size; ++i) bytes[i] = static_cast<uint8_t>(i * seed + (i >> 10) + seed);
+  return bytes;
+}
+
+void WriteBytes(const std::string& path, const std::vector<uint8_t>& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(bytes.data()),
+            static_cast<std::streamsize>(bytes.size()));
+}
+
+std::vector<std::string> Names(const std::string& dir) {
+  std::vector<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    names.push_back(entry.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+TEST(PrefaultForRead, MapsThePagesAndLeavesTheBytes) {
+  const std::string dir = ::testing::TempDir() + "/prefault_" + std::to_string(::getpid());
+  std::filesystem::create_directories(dir);
+  const std::string path = dir + "/file";
+  const size_t size = (size_t{9} << 20) + 123;  // three 4 MiB calls, the last partial
+  const std::vector<uint8_t> expected = Pattern(size, 13);
+  WriteBytes(path, expected);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  ASSERT_NE(map, MAP_FAILED);
+#ifdef MADV_POPULATE_READ
+  if (::madvise(map, 4096, MADV_POPULATE_READ) != 0) {
+    ::munmap(map, size);
+    GTEST_SKIP() << "this kernel has no MADV_POPULATE_READ";
+  }
+#else
+  ::munmap(map, size);
+  GTEST_SKIP() << "built without MADV_POPULATE_READ";
+#endif
+  const std::span<const uint8_t> view(static_cast<const uint8_t*>(map), size);
+  // The probe may have mapped the first folio, up to 2 MiB.
+  ASSERT_LE(ResidentKb(map), 2048);
+  PrefaultForRead(view.subspan(1));  // not page-aligned: whole pages covering it
+  EXPECT_GE(ResidentKb(map), static_cast<long>(size >> 10)) << "pages not mapped";
+  EXPECT_EQ(std::memcmp(view.data(), expected.data(), size), 0);
+  PrefaultForRead({});  // nothing to do
+  ::munmap(map, size);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(CopyFiles, CopiesEachFileExactlyAndLeavesNoTempFiles) {
+  const std::string dir = ::testing::TempDir() + "/copy_files_" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir + "/in");
+  std::filesystem::create_directories(dir + "/out");
+  const std::vector<size_t> sizes = {0, 1, size_t{1} << 20, (size_t{3} << 20) + 5};
+  ThreadPool pool(2);
+  for (bool durable : {false, true}) {
+    SCOPED_TRACE(durable ? "durable" : "not durable");
+    std::vector<CopyJob> jobs;
+    std::vector<std::vector<uint8_t>> contents;
+    std::vector<std::string> want_names;
+    uint64_t total = 0;
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      std::string name("f");  // not "f" + ...: a false -Wrestrict in GCC 12
+      name += std::to_string(k);
+      contents.push_back(Pattern(sizes[k], static_cast<unsigned>(k + (durable ? 7 : 3))));
+      WriteBytes(dir + "/in/" + name, contents.back());
+      // The second round copies over the first round's files.
+      jobs.push_back({dir + "/in/" + name, dir + "/out/" + name});
+      want_names.push_back(name);
+      total += sizes[k];
+    }
+    Result<uint64_t> copied = CopyFiles(jobs, durable, &pool);
+    ASSERT_TRUE(copied.ok()) << copied.status().ToString();
+    EXPECT_EQ(*copied, total);
+    EXPECT_EQ(Names(dir + "/out"), want_names);
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      EXPECT_EQ(std::filesystem::file_size(jobs[k].destination), sizes[k]) << jobs[k].destination;
+      EXPECT_TRUE(ReadBack(jobs[k].destination, sizes[k]) == contents[k]) << jobs[k].destination;
+    }
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(CopyFiles, AMissingSourceFailsAndWritesNothing) {
+  const std::string dir = ::testing::TempDir() + "/copy_missing_" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir + "/in");
+  std::filesystem::create_directories(dir + "/out");
+  WriteBytes(dir + "/in/a", Pattern(5000, 3));
+  WriteBytes(dir + "/out/keep", Pattern(10, 5));
+  ThreadPool pool(2);
+  Result<uint64_t> copied = CopyFiles(
+      {{dir + "/in/a", dir + "/out/a"}, {dir + "/in/missing", dir + "/out/missing"}}, false, &pool);
+  ASSERT_FALSE(copied.ok());
+  EXPECT_NE(copied.status().message().find("missing"), std::string::npos)
+      << copied.status().ToString();
+  EXPECT_EQ(Names(dir + "/out"), std::vector<std::string>{"keep"}) << "a copy or a temp file left";
+  EXPECT_TRUE(ReadBack(dir + "/out/keep", 10) == Pattern(10, 5));
   std::filesystem::remove_all(dir);
 }
 

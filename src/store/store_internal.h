@@ -69,8 +69,9 @@ struct CopyJob {
 };
 // Copies each source to its destination atomically (a temp file beside the
 // destination, renamed over it at the end): a FICLONE reflink where the file
-// system offers one, else copy_file_range in parallel ranges, else read and
-// write. With `durable` each file is fsynced before its rename and each
+// system offers one, else in parallel ranges, with copy_file_range where it
+// hands the copy to a server (NFS, SMB) and 1 MiB reads and writes
+// elsewhere. With `durable` each file is fsynced before its rename and each
 // destination directory after. Returns the bytes copied.
 Result<uint64_t> CopyFiles(const std::vector<CopyJob>& jobs, bool durable, ThreadPool* pool);
 

@@ -6,6 +6,7 @@
 #include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -35,15 +36,36 @@ std::atomic<CrashHook> g_crash_hook{nullptr};
 std::mutex g_boot_mu;
 std::optional<std::string> g_boot_override;
 
-// Ranges a single large file is cut into for parallel copy_file_range.
+// Ranges a single large file is cut into for a parallel copy.
 constexpr uint64_t kCopyRangeBytes = uint64_t{256} << 20;
 
-// Copies [offset, offset + length) of `in` to the same offsets of `out`.
-Status CopyRange(int in, int out, uint64_t offset, uint64_t length, const std::string& what) {
+// Bytes read and written at a time by a copy through user space.
+constexpr size_t kCopyBufferBytes = size_t{1} << 20;
+
+// Whether copy_file_range can hand a copy into the file open as `fd` to
+// the server: NFS and SMB do the copy there. On a local filesystem that
+// cannot clone (ext4), copy_file_range copies through the page cache a page
+// at a time and leaves the copy cached in 4 KiB pieces; 1 MiB writes leave
+// it in large folios instead, which are mapped, written and unmapped several
+// times faster (a 1 GiB checkpoint here: mapping and tearing down 0.042 s
+// against 0.016 s). Every later pull into the copy gains that.
+bool OffloadsCopies(int fd) {
+  constexpr decltype(statfs::f_type) kNfs = 0x6969, kSmb2 = static_cast<int32_t>(0xFE534D42),
+                                     kCifs = static_cast<int32_t>(0xFF534D42);
+  struct statfs fs;
+  if (::fstatfs(fd, &fs) != 0) return false;
+  return fs.f_type == kNfs || fs.f_type == kSmb2 || fs.f_type == kCifs;
+}
+
+// Copies [offset, offset + length) of `in` to the same offsets of `out`,
+// with copy_file_range where `offload`, else (or where it is not offered)
+// by reading and writing.
+Status CopyRange(int in, int out, uint64_t offset, uint64_t length, bool offload,
+                 const std::string& what) {
   loff_t in_off = static_cast<loff_t>(offset);
   loff_t out_off = static_cast<loff_t>(offset);
   uint64_t left = length;
-  while (left > 0) {
+  while (offload && left > 0) {
     const ssize_t n = ::copy_file_range(in, &in_off, out, &out_off, left, 0);
     if (n > 0) {
       left -= static_cast<uint64_t>(n);
@@ -57,7 +79,7 @@ Status CopyRange(int in, int out, uint64_t offset, uint64_t length, const std::s
     return Status::FromErrno(errno, what + ": copy_file_range");
   }
   if (left == 0) return Status::OK();
-  std::vector<uint8_t> buffer(std::min<uint64_t>(left, 1u << 20));
+  std::vector<uint8_t> buffer(std::min<uint64_t>(left, kCopyBufferBytes));
   uint64_t pos = static_cast<uint64_t>(in_off);
   while (left > 0) {
     const size_t n = static_cast<size_t>(std::min<uint64_t>(left, buffer.size()));
@@ -255,6 +277,7 @@ Result<uint64_t> CopyFiles(const std::vector<CopyJob>& jobs, bool durable, Threa
     uint64_t size = 0;
     std::string temp;
     bool cloned = false;
+    bool offload = false;
   };
   std::vector<Open> files(jobs.size());
   auto cleanup = [&files]() {
@@ -307,6 +330,7 @@ Result<uint64_t> CopyFiles(const std::vector<CopyJob>& jobs, bool durable, Threa
       f.cloned = true;
       continue;
     }
+    f.offload = OffloadsCopies(f.out);
     if (::ftruncate(f.out, static_cast<off_t>(f.size)) != 0) {
       Status s = Status::FromErrno(errno, f.temp + ": set size");
       cleanup();
@@ -324,8 +348,9 @@ Result<uint64_t> CopyFiles(const std::vector<CopyJob>& jobs, bool durable, Threa
   };
   pool->ParallelFor(ranges.size(), [&](size_t r) {
     const Range& range = ranges[r];
-    Status s = CopyRange(files[range.file].in, files[range.file].out, range.offset, range.length,
-                         jobs[range.file].source);
+    const Open& f = files[range.file];
+    Status s =
+        CopyRange(f.in, f.out, range.offset, range.length, f.offload, jobs[range.file].source);
     if (!s.ok()) note(std::move(s));
   });
   if (durable && first_error.ok()) {
