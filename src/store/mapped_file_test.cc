@@ -50,51 +50,6 @@ std::vector<uint8_t> ReadBack(const std::string& path, size_t size) {
   return bytes;
 }
 
-TEST(DropMappedPages, KeepsWrittenDataAndGivesUpResidentPages) {
-  const std::string dir = ::testing::TempDir() + "/drop_pages_" + std::to_string(::getpid());
-  std::filesystem::create_directories(dir);
-  const std::string path = dir + "/file";
-  const size_t size = (size_t{130} << 20) + 100;  // three 64 MiB pieces, the last partial
-  std::vector<uint8_t> expected(size);
-  for (size_t i = 0; i < size; ++i) expected[i] = static_cast<uint8_t>(i * 7 + (i >> 12));
-  {
-    std::ofstream out(path, std::ios::binary);
-    out.write(reinterpret_cast<const char*>(expected.data()), static_cast<std::streamsize>(size));
-  }
-  ThreadPool pool(2);
-  for (ThreadPool* p : {static_cast<ThreadPool*>(nullptr), &pool}) {
-    Result<MappedFile> map = MappedFile::OpenReadWrite(path);
-    ASSERT_TRUE(map.ok()) << map.status().ToString();
-    std::span<uint8_t> bytes = map->bytes();
-    ASSERT_EQ(bytes.size(), size);
-    // Dirty a byte of every page through the mapping, and read the rest.
-    for (size_t i = 0; i < size; i += 4096) {
-      expected[i + 5 < size ? i + 5 : i] ^= 0x5a;
-      bytes[i + 5 < size ? i + 5 : i] ^= 0x5a;
-    }
-    ASSERT_GT(ResidentKb(bytes.data()), 100000);
-    DropMappedPages(bytes, p);
-    EXPECT_LT(ResidentKb(bytes.data()), 1000) << "pages still mapped";
-    // The writes are in the page cache, and the mapping still reads them.
-    EXPECT_TRUE(ReadBack(path, size) == expected);
-    EXPECT_EQ(std::memcmp(bytes.data(), expected.data(), size), 0);
-  }
-  // A read-only mapping of the file (as checkpoints are opened) too.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  ASSERT_GE(fd, 0);
-  void* ro = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-  ::close(fd);
-  ASSERT_NE(ro, MAP_FAILED);
-  const std::span<const uint8_t> view(static_cast<const uint8_t*>(ro), size);
-  EXPECT_EQ(std::memcmp(view.data(), expected.data(), size), 0);
-  ASSERT_GT(ResidentKb(ro), 100000);
-  DropMappedPages(view.subspan(1), &pool);  // not page-aligned: whole pages covering it
-  EXPECT_LT(ResidentKb(ro), 1000);
-  EXPECT_EQ(std::memcmp(view.data(), expected.data(), size), 0);
-  ::munmap(ro, size);
-  std::filesystem::remove_all(dir);
-}
-
 std::vector<uint8_t> Pattern(size_t size, unsigned seed) {
   std::vector<uint8_t> bytes(size);
   for (size_t i = 0; i < size; ++i) bytes[i] = static_cast<uint8_t>(i * seed + (i >> 10) + seed);
@@ -116,17 +71,68 @@ std::vector<std::string> Names(const std::string& dir) {
   return names;
 }
 
-TEST(PrefaultForRead, MapsThePagesAndLeavesTheBytes) {
-  const std::string dir = ::testing::TempDir() + "/prefault_" + std::to_string(::getpid());
+// A fresh, empty directory under the test's temp dir.
+std::string FreshDir(const std::string& tag) {
+  const std::string dir = ::testing::TempDir() + "/" + tag + "_" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
+  return dir;
+}
+
+// The whole file at `path` mapped read-only and private, as checkpoints are
+// opened (MAP_FAILED on error).
+void* MapReadOnly(const std::string& path, size_t size) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return MAP_FAILED;
+  void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  return map;
+}
+
+TEST(DropMappedPages, KeepsWrittenDataAndGivesUpResidentPages) {
+  const std::string dir = FreshDir("drop_pages");
+  const std::string path = dir + "/file";
+  const size_t size = (size_t{130} << 20) + 100;  // three 64 MiB pieces, the last partial
+  std::vector<uint8_t> expected = Pattern(size, 7);
+  WriteBytes(path, expected);
+  ThreadPool pool(2);
+  for (ThreadPool* p : {static_cast<ThreadPool*>(nullptr), &pool}) {
+    Result<MappedFile> map = MappedFile::OpenReadWrite(path);
+    ASSERT_TRUE(map.ok()) << map.status().ToString();
+    std::span<uint8_t> bytes = map->bytes();
+    ASSERT_EQ(bytes.size(), size);
+    // Dirty a byte of every page through the mapping, and read the rest.
+    for (size_t i = 0; i < size; i += 4096) {
+      expected[i + 5 < size ? i + 5 : i] ^= 0x5a;
+      bytes[i + 5 < size ? i + 5 : i] ^= 0x5a;
+    }
+    ASSERT_GT(ResidentKb(bytes.data()), 100000);
+    DropMappedPages(bytes, p);
+    EXPECT_LT(ResidentKb(bytes.data()), 1000) << "pages still mapped";
+    // The writes are in the page cache, and the mapping still reads them.
+    EXPECT_TRUE(ReadBack(path, size) == expected);
+    EXPECT_EQ(std::memcmp(bytes.data(), expected.data(), size), 0);
+  }
+  // A read-only mapping of the file (as checkpoints are opened) too.
+  void* ro = MapReadOnly(path, size);
+  ASSERT_NE(ro, MAP_FAILED);
+  const std::span<const uint8_t> view(static_cast<const uint8_t*>(ro), size);
+  EXPECT_EQ(std::memcmp(view.data(), expected.data(), size), 0);
+  ASSERT_GT(ResidentKb(ro), 100000);
+  DropMappedPages(view.subspan(1), &pool);  // not page-aligned: whole pages covering it
+  EXPECT_LT(ResidentKb(ro), 1000);
+  EXPECT_EQ(std::memcmp(view.data(), expected.data(), size), 0);
+  ::munmap(ro, size);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(PrefaultForRead, MapsThePagesAndLeavesTheBytes) {
+  const std::string dir = FreshDir("prefault");
   const std::string path = dir + "/file";
   const size_t size = (size_t{9} << 20) + 123;  // three 4 MiB calls, the last partial
   const std::vector<uint8_t> expected = Pattern(size, 13);
   WriteBytes(path, expected);
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  ASSERT_GE(fd, 0);
-  void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-  ::close(fd);
+  void* map = MapReadOnly(path, size);
   ASSERT_NE(map, MAP_FAILED);
 #ifdef MADV_POPULATE_READ
   if (::madvise(map, 4096, MADV_POPULATE_READ) != 0) {
@@ -149,8 +155,7 @@ TEST(PrefaultForRead, MapsThePagesAndLeavesTheBytes) {
 }
 
 TEST(CopyFiles, CopiesEachFileExactlyAndLeavesNoTempFiles) {
-  const std::string dir = ::testing::TempDir() + "/copy_files_" + std::to_string(::getpid());
-  std::filesystem::remove_all(dir);
+  const std::string dir = FreshDir("copy_files");
   std::filesystem::create_directories(dir + "/in");
   std::filesystem::create_directories(dir + "/out");
   const std::vector<size_t> sizes = {0, 1, size_t{1} << 20, (size_t{3} << 20) + 5};
@@ -184,8 +189,7 @@ TEST(CopyFiles, CopiesEachFileExactlyAndLeavesNoTempFiles) {
 }
 
 TEST(CopyFiles, AMissingSourceFailsAndWritesNothing) {
-  const std::string dir = ::testing::TempDir() + "/copy_missing_" + std::to_string(::getpid());
-  std::filesystem::remove_all(dir);
+  const std::string dir = FreshDir("copy_missing");
   std::filesystem::create_directories(dir + "/in");
   std::filesystem::create_directories(dir + "/out");
   WriteBytes(dir + "/in/a", Pattern(5000, 3));
