@@ -29,6 +29,7 @@
 #include "cli_util.h"
 #include "deltasync/checkpoint.h"
 #include "deltasync/synth.h"
+#include "store/store_internal.h"
 
 extern char** environ;
 
@@ -535,6 +536,7 @@ class E2eRun {
                                        into,      "--base", old_dir_,  "--json"};
       if (durable) argv.push_back("--durable");
       const std::string label = name + (durable ? "_pull_durable" : "_pull");
+      if (config_.cold_store) DS_RETURN_IF_ERROR(store_internal::DropFromPageCache(store));
       ChildRun pr;
       DS_ASSIGN_OR_RETURN(json j, RunJson(argv, label, &pr));
       DS_RETURN_IF_ERROR(Expect(j.value("version", -1) == 1 && j.value("applied", false) &&
@@ -619,6 +621,7 @@ class E2eRun {
         std::to_string(result_.sparse.tensors_changed) + " changed tensors, as deltasync found",
         pj));
 
+    if (config_.cold_store) DS_RETURN_IF_ERROR(store_internal::DropFromPageCache(store));
     DS_ASSIGN_OR_RETURN(json lj, RunJson({config_.python, peer_script_, "pull", "--store", store,
                                           "--local", local, "--base", old_dir_},
                                          "peer_pull", &run));
@@ -778,7 +781,7 @@ json E2eReportJson(const E2eConfig& config, const E2eResult& r) {
                    {"deltasync", r.cli_path},
                    {"peer", r.peer_script},
                    {"python", config.python},
-                   {"page_cache", "hot"},
+                   {"page_cache", config.cold_store ? "store dropped before each pull" : "hot"},
                    {"rss_floor_mib", r.rss_floor_mib},
                    {"load_average_start", r.load_average_start},
                    {"load_average_end", LoadAverage()},
@@ -828,9 +831,10 @@ void PrintE2eReport(const E2eConfig& config, const E2eResult& r) {
   std::printf("changed: %llu of %llu elements (density %.4f%%) after %lld warm-up steps\n",
               static_cast<unsigned long long>(r.changed), static_cast<unsigned long long>(r.numel),
               100.0 * r.density(), static_cast<long long>(config.warmup_steps));
-  std::printf(
-      "files hot in page cache for everyone; deltasync times are wall clock, the "
-      "peer's its own\n\n");
+  std::printf("%s; deltasync times are wall clock, the peer's its own\n\n",
+              config.cold_store ? "store files dropped from the page cache before each pull, "
+                                  "checkpoints hot"
+                                : "files hot in page cache for everyone");
   std::printf("%-30s %9s %9s %8s %12s %11s %11s\n", "operation", "seconds", "vs peer", "cpu s",
               "bytes", "peak RSS", "peak anon");
   const double peer_total = r.peer.ran ? r.peer.total_seconds() : 0.0;

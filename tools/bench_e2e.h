@@ -42,6 +42,10 @@ struct E2eConfig {
   std::string cli_path;     // the deltasync binary to run; empty = this process's executable
   std::string peer_script;  // vime_peer.py; empty = DefaultPeerScript()
   std::string python = "/usr/bin/python3";
+  // Drop the store's files from the page cache before each pull (after
+  // syncing them), as on a host that did not write the store itself; the
+  // two checkpoints and the host's own stay cached.
+  bool cold_store = false;
 };
 
 // tests/peer/vime_peer.py of the source tree this binary was built from.

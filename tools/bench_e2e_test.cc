@@ -216,6 +216,25 @@ TEST(BenchE2eTest, TextTableWithKeepAndWithoutPeer) {
   fs::remove_all(dir, ec);
 }
 
+// With the store dropped from the page cache before each pull, the pulls
+// read it back from disk and still land bit for bit.
+TEST(BenchE2eTest, ColdStoreRunsEveryPullBitExact) {
+  CliRun r = RunCli(std::string(kTinyArgs) + " --json --cold-store");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["config"]["page_cache"], "store dropped before each pull");
+  EXPECT_EQ(j["verified"], true);
+  for (const char* enc : {"sparse", "xor"}) {
+    ExpectPositive(j["deltasync"][enc], "pull_s");
+    ExpectPositive(j["deltasync"][enc], "pull_bytes_read");
+  }
+  CliRun text = RunCli(std::string(kTinyArgs) + " --cold-store --python /nonexistent/python3");
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("store files dropped from the page cache before each pull"),
+            std::string::npos)
+      << text.out;
+}
+
 TEST(BenchE2eTest, MissingPythonSkipsThePeerWithANote) {
   CliRun r = RunCli(std::string(kTinyArgs) + " --json --python /nonexistent/python3");
   ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -271,6 +290,7 @@ TEST(BenchE2eTest, BadArgumentsFailWithOneLine) {
       {"bench --e2e --bytes 4MiB --preset nonesuch", "nonesuch"},
       {"bench --e2e --bytes 4MiB --preset tiny --repeat 0", "--repeat"},
       {"bench --bytes 4MiB --preset tiny --keep", "--keep needs --e2e"},
+      {"bench --bytes 4MiB --preset tiny --cold-store", "--cold-store needs --e2e"},
   };
   for (const auto& [args, named] : cases) {
     SCOPED_TRACE(args);

@@ -205,6 +205,7 @@ void RegisterBench(CLI::App& app, CommandFn* run) {
     bool e2e = false;
     std::string workdir, peer, python = "/usr/bin/python3";
     bool keep = false;
+    bool cold_store = false;
   };
   auto opts = std::make_shared<Opts>();
   CLI::App* cmd = app.add_subcommand(
@@ -236,6 +237,9 @@ void RegisterBench(CLI::App& app, CommandFn* run) {
   cmd->add_option("--workdir", opts->workdir,
                   "--e2e: empty or new directory to work in (default: a temp dir under /tmp)");
   cmd->add_flag("--keep", opts->keep, "--e2e: keep the work directory");
+  cmd->add_flag("--cold-store", opts->cold_store,
+                "--e2e: drop the store's files from the page cache before each pull, as on a host "
+                "that did not write the store");
   cmd->add_option("--peer", opts->peer, "--e2e: path of vime_peer.py (default: the source tree's)");
   cmd->add_option("--python", opts->python, "--e2e: Python interpreter for the peer")
       ->capture_default_str();
@@ -263,11 +267,12 @@ void RegisterBench(CLI::App& app, CommandFn* run) {
         }
         e2e.workdir = opts->workdir;
         e2e.keep = opts->keep;
+        e2e.cold_store = opts->cold_store;
         e2e.peer_script = opts->peer;
         e2e.python = opts->python;
         return RunE2eCommand(e2e, opts->json);
       }
-      for (const char* e2e_only : {"--workdir", "--keep", "--peer", "--python"}) {
+      for (const char* e2e_only : {"--workdir", "--keep", "--peer", "--python", "--cold-store"}) {
         if (cmd->count(e2e_only) > 0) return Fail(std::string(e2e_only) + " needs --e2e");
       }
       BenchConfig config;

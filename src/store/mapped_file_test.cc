@@ -205,5 +205,38 @@ TEST(CopyFiles, AMissingSourceFailsAndWritesNothing) {
   std::filesystem::remove_all(dir);
 }
 
+// Pages of the file at `path` in the page cache (mincore), or -1.
+long CachedPages(const std::string& path, size_t size) {
+  void* map = MapReadOnly(path, size);
+  if (map == MAP_FAILED) return -1;
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> resident((size + page - 1) / page);
+  const int rc = ::mincore(map, size, resident.data());
+  ::munmap(map, size);
+  if (rc != 0) return -1;
+  return static_cast<long>(std::count_if(resident.begin(), resident.end(),
+                                         [](unsigned char r) { return (r & 1) != 0; }));
+}
+
+TEST(DropFromPageCache, SyncsAndDropsEveryFileBelowTheDirectory) {
+  const std::string dir = FreshDir("drop_cache");
+  std::filesystem::create_directories(dir + "/sub");
+  const size_t size = (size_t{2} << 20) + 7;
+  const std::vector<uint8_t> a = Pattern(size, 3), b = Pattern(size, 5);
+  WriteBytes(dir + "/a", a);  // written, not synced: dirty pages
+  WriteBytes(dir + "/sub/b", b);
+  ASSERT_GT(CachedPages(dir + "/a", size), 0);
+  ASSERT_GT(CachedPages(dir + "/sub/b", size), 0);
+  ASSERT_TRUE(DropFromPageCache(dir).ok());
+  EXPECT_EQ(CachedPages(dir + "/a", size), 0);
+  EXPECT_EQ(CachedPages(dir + "/sub/b", size), 0) << "a file in a subdirectory stayed cached";
+  EXPECT_TRUE(ReadBack(dir + "/a", size) == a);
+  EXPECT_TRUE(ReadBack(dir + "/sub/b", size) == b);
+  const Status missing = DropFromPageCache(dir + "/nonexistent");
+  EXPECT_FALSE(missing.ok());
+  EXPECT_NE(missing.message().find("nonexistent"), std::string::npos) << missing.ToString();
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace deltasync::store_internal

@@ -61,6 +61,10 @@ Status RemoveTree(const std::string& path);
 Status RenameNoReplace(const std::string& from, const std::string& to);
 // Sum of the sizes of the regular files in `dir` (not recursive).
 uint64_t DirectoryBytes(const std::string& dir);
+// Syncs every regular file under `dir` (recursively) and asks the kernel to
+// drop its cached pages (POSIX_FADV_DONTNEED), as if another host had
+// written them. IOError naming the file when one cannot be opened or synced.
+Status DropFromPageCache(const std::string& dir);
 
 // One file to copy by CopyFiles.
 struct CopyJob {

@@ -270,6 +270,30 @@ uint64_t DirectoryBytes(const std::string& dir) {
   return total;
 }
 
+Status DropFromPageCache(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::recursive_directory_iterator it(dir, ec), end;
+  if (ec) return Status::IOError(dir + ": " + ec.message());
+  for (; it != end; it.increment(ec)) {
+    if (ec) return Status::IOError(dir + ": " + ec.message());
+    if (!it->is_regular_file(ec)) continue;
+    const std::string path = it->path().string();
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return Status::FromErrno(errno, path + ": open");
+    // Only clean pages can be dropped: a writer that did not sync leaves
+    // dirty ones.
+    if (::fdatasync(fd) != 0) {
+      Status s = Status::FromErrno(errno, path + ": fdatasync");
+      ::close(fd);
+      return s;
+    }
+    (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);  // advisory
+    ::close(fd);
+  }
+  if (ec) return Status::IOError(dir + ": " + ec.message());
+  return Status::OK();
+}
+
 Result<uint64_t> CopyFiles(const std::vector<CopyJob>& jobs, bool durable, ThreadPool* pool) {
   static std::atomic<uint64_t> counter{0};
   struct Open {
