@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -19,9 +20,15 @@
 
 #include "deltasync/thread_pool.h"
 #include "store/store_internal.h"
+#include "store/store_test_util.h"
 
 namespace deltasync::store_internal {
 namespace {
+
+using store_test::ListDir;
+using store_test::ReadFile;
+using store_test::TempDir;
+using store_test::WriteFile;
 
 // Resident kilobytes of the mapping that starts at `start`
 // (/proc/self/smaps), or -1 when it is not found.
@@ -41,42 +48,11 @@ long ResidentKb(const void* start) {
   return -1;
 }
 
-std::vector<uint8_t> ReadBack(const std::string& path, size_t size) {
-  std::vector<uint8_t> bytes(size);
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  EXPECT_GE(fd, 0);
-  EXPECT_EQ(::pread(fd, bytes.data(), size, 0), static_cast<ssize_t>(size));
-  ::close(fd);
+// `size` bytes that differ with `seed`.
+std::string Pattern(size_t size, unsigned seed) {
+  std::string bytes(size, '\0');
+  for (size_t i = 0; i < size; ++i) bytes[i] = static_cast<char>(i * seed + (i >> 10) + seed);
   return bytes;
-}
-
-std::vector<uint8_t> Pattern(size_t size, unsigned seed) {
-  std::vector<uint8_t> bytes(size);
-  for (size_t i = 0; i < size; ++i) bytes[i] = static_cast<uint8_t>(i * seed + (i >> 10) + seed);
-  return bytes;
-}
-
-void WriteBytes(const std::string& path, const std::vector<uint8_t>& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(reinterpret_cast<const char*>(bytes.data()),
-            static_cast<std::streamsize>(bytes.size()));
-}
-
-std::vector<std::string> Names(const std::string& dir) {
-  std::vector<std::string> names;
-  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
-    names.push_back(entry.path().filename().string());
-  }
-  std::sort(names.begin(), names.end());
-  return names;
-}
-
-// A fresh, empty directory under the test's temp dir.
-std::string FreshDir(const std::string& tag) {
-  const std::string dir = ::testing::TempDir() + "/" + tag + "_" + std::to_string(::getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
 }
 
 // The whole file at `path` mapped read-only and private, as checkpoints are
@@ -90,11 +66,11 @@ void* MapReadOnly(const std::string& path, size_t size) {
 }
 
 TEST(DropMappedPages, KeepsWrittenDataAndGivesUpResidentPages) {
-  const std::string dir = FreshDir("drop_pages");
-  const std::string path = dir + "/file";
+  TempDir dir;
+  const std::string path = dir.Join("file");
   const size_t size = (size_t{130} << 20) + 100;  // three 64 MiB pieces, the last partial
-  std::vector<uint8_t> expected = Pattern(size, 7);
-  WriteBytes(path, expected);
+  std::string expected = Pattern(size, 7);
+  WriteFile(path, expected);
   ThreadPool pool(2);
   for (ThreadPool* p : {static_cast<ThreadPool*>(nullptr), &pool}) {
     Result<MappedFile> map = MappedFile::OpenReadWrite(path);
@@ -103,14 +79,14 @@ TEST(DropMappedPages, KeepsWrittenDataAndGivesUpResidentPages) {
     ASSERT_EQ(bytes.size(), size);
     // Dirty a byte of every page through the mapping, and read the rest.
     for (size_t i = 0; i < size; i += 4096) {
-      expected[i + 5 < size ? i + 5 : i] ^= 0x5a;
+      expected[i + 5 < size ? i + 5 : i] ^= static_cast<char>(0x5a);
       bytes[i + 5 < size ? i + 5 : i] ^= 0x5a;
     }
     ASSERT_GT(ResidentKb(bytes.data()), 100000);
     DropMappedPages(bytes, p);
     EXPECT_LT(ResidentKb(bytes.data()), 1000) << "pages still mapped";
     // The writes are in the page cache, and the mapping still reads them.
-    EXPECT_TRUE(ReadBack(path, size) == expected);
+    EXPECT_TRUE(ReadFile(path) == expected);
     EXPECT_EQ(std::memcmp(bytes.data(), expected.data(), size), 0);
   }
   // A read-only mapping of the file (as checkpoints are opened) too.
@@ -123,15 +99,14 @@ TEST(DropMappedPages, KeepsWrittenDataAndGivesUpResidentPages) {
   EXPECT_LT(ResidentKb(ro), 1000);
   EXPECT_EQ(std::memcmp(view.data(), expected.data(), size), 0);
   ::munmap(ro, size);
-  std::filesystem::remove_all(dir);
 }
 
 TEST(PrefaultForRead, MapsThePagesAndLeavesTheBytes) {
-  const std::string dir = FreshDir("prefault");
-  const std::string path = dir + "/file";
+  TempDir dir;
+  const std::string path = dir.Join("file");
   const size_t size = (size_t{9} << 20) + 123;  // three 4 MiB calls, the last partial
-  const std::vector<uint8_t> expected = Pattern(size, 13);
-  WriteBytes(path, expected);
+  const std::string expected = Pattern(size, 13);
+  WriteFile(path, expected);
   void* map = MapReadOnly(path, size);
   ASSERT_NE(map, MAP_FAILED);
 #ifdef MADV_POPULATE_READ
@@ -151,11 +126,11 @@ TEST(PrefaultForRead, MapsThePagesAndLeavesTheBytes) {
   EXPECT_EQ(std::memcmp(view.data(), expected.data(), size), 0);
   PrefaultForRead({});  // nothing to do
   ::munmap(map, size);
-  std::filesystem::remove_all(dir);
 }
 
 TEST(CopyFiles, CopiesEachFileExactlyAndLeavesNoTempFiles) {
-  const std::string dir = FreshDir("copy_files");
+  TempDir tmp;
+  const std::string& dir = tmp.path();
   std::filesystem::create_directories(dir + "/in");
   std::filesystem::create_directories(dir + "/out");
   const std::vector<size_t> sizes = {0, 1, size_t{1} << 20, (size_t{3} << 20) + 5};
@@ -163,14 +138,14 @@ TEST(CopyFiles, CopiesEachFileExactlyAndLeavesNoTempFiles) {
   for (bool durable : {false, true}) {
     SCOPED_TRACE(durable ? "durable" : "not durable");
     std::vector<CopyJob> jobs;
-    std::vector<std::vector<uint8_t>> contents;
+    std::vector<std::string> contents;
     std::vector<std::string> want_names;
     uint64_t total = 0;
     for (size_t k = 0; k < sizes.size(); ++k) {
       std::string name("f");  // not "f" + ...: a false -Wrestrict in GCC 12
       name += std::to_string(k);
       contents.push_back(Pattern(sizes[k], static_cast<unsigned>(k + (durable ? 7 : 3))));
-      WriteBytes(dir + "/in/" + name, contents.back());
+      WriteFile(dir + "/in/" + name, contents.back());
       // The second round copies over the first round's files.
       jobs.push_back({dir + "/in/" + name, dir + "/out/" + name});
       want_names.push_back(name);
@@ -179,30 +154,30 @@ TEST(CopyFiles, CopiesEachFileExactlyAndLeavesNoTempFiles) {
     Result<uint64_t> copied = CopyFiles(jobs, durable, &pool);
     ASSERT_TRUE(copied.ok()) << copied.status().ToString();
     EXPECT_EQ(*copied, total);
-    EXPECT_EQ(Names(dir + "/out"), want_names);
+    EXPECT_EQ(ListDir(dir + "/out"), want_names);
     for (size_t k = 0; k < sizes.size(); ++k) {
       EXPECT_EQ(std::filesystem::file_size(jobs[k].destination), sizes[k]) << jobs[k].destination;
-      EXPECT_TRUE(ReadBack(jobs[k].destination, sizes[k]) == contents[k]) << jobs[k].destination;
+      EXPECT_TRUE(ReadFile(jobs[k].destination) == contents[k]) << jobs[k].destination;
     }
   }
-  std::filesystem::remove_all(dir);
 }
 
 TEST(CopyFiles, AMissingSourceFailsAndWritesNothing) {
-  const std::string dir = FreshDir("copy_missing");
+  TempDir tmp;
+  const std::string& dir = tmp.path();
   std::filesystem::create_directories(dir + "/in");
   std::filesystem::create_directories(dir + "/out");
-  WriteBytes(dir + "/in/a", Pattern(5000, 3));
-  WriteBytes(dir + "/out/keep", Pattern(10, 5));
+  WriteFile(dir + "/in/a", Pattern(5000, 3));
+  WriteFile(dir + "/out/keep", Pattern(10, 5));
   ThreadPool pool(2);
   Result<uint64_t> copied = CopyFiles(
       {{dir + "/in/a", dir + "/out/a"}, {dir + "/in/missing", dir + "/out/missing"}}, false, &pool);
   ASSERT_FALSE(copied.ok());
   EXPECT_NE(copied.status().message().find("missing"), std::string::npos)
       << copied.status().ToString();
-  EXPECT_EQ(Names(dir + "/out"), std::vector<std::string>{"keep"}) << "a copy or a temp file left";
-  EXPECT_TRUE(ReadBack(dir + "/out/keep", 10) == Pattern(10, 5));
-  std::filesystem::remove_all(dir);
+  EXPECT_EQ(ListDir(dir + "/out"), std::vector<std::string>{"keep"})
+      << "a copy or a temp file left";
+  EXPECT_TRUE(ReadFile(dir + "/out/keep") == Pattern(10, 5));
 }
 
 // Pages of the file at `path` in the page cache (mincore), or -1.
@@ -219,23 +194,28 @@ long CachedPages(const std::string& path, size_t size) {
 }
 
 TEST(DropFromPageCache, SyncsAndDropsEveryFileBelowTheDirectory) {
-  const std::string dir = FreshDir("drop_cache");
+  TempDir tmp;
+  const std::string& dir = tmp.path();
+  struct statfs fs;
+  ASSERT_EQ(::statfs(dir.c_str(), &fs), 0);
+  if (static_cast<uint32_t>(fs.f_type) == 0x01021994u) {
+    GTEST_SKIP() << dir << " is on tmpfs, whose pages are the files themselves";
+  }
   std::filesystem::create_directories(dir + "/sub");
   const size_t size = (size_t{2} << 20) + 7;
-  const std::vector<uint8_t> a = Pattern(size, 3), b = Pattern(size, 5);
-  WriteBytes(dir + "/a", a);  // written, not synced: dirty pages
-  WriteBytes(dir + "/sub/b", b);
+  const std::string a = Pattern(size, 3), b = Pattern(size, 5);
+  WriteFile(dir + "/a", a);  // written, not synced: dirty pages
+  WriteFile(dir + "/sub/b", b);
   ASSERT_GT(CachedPages(dir + "/a", size), 0);
   ASSERT_GT(CachedPages(dir + "/sub/b", size), 0);
   ASSERT_TRUE(DropFromPageCache(dir).ok());
   EXPECT_EQ(CachedPages(dir + "/a", size), 0);
   EXPECT_EQ(CachedPages(dir + "/sub/b", size), 0) << "a file in a subdirectory stayed cached";
-  EXPECT_TRUE(ReadBack(dir + "/a", size) == a);
-  EXPECT_TRUE(ReadBack(dir + "/sub/b", size) == b);
+  EXPECT_TRUE(ReadFile(dir + "/a") == a);
+  EXPECT_TRUE(ReadFile(dir + "/sub/b") == b);
   const Status missing = DropFromPageCache(dir + "/nonexistent");
   EXPECT_FALSE(missing.ok());
   EXPECT_NE(missing.message().find("nonexistent"), std::string::npos) << missing.ToString();
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
