@@ -81,8 +81,8 @@ Result<VersionInfo> ReadVersionInfo(const std::string& version_dir);
 
 // Version numbers of every version dir in `store`, ascending, reading only
 // the directory listing. Entries that are not version dirs (temp dirs of a
-// publish in progress, trash of a prune) are ignored. A missing store is an
-// empty one.
+// publish in progress, trash of a prune) are ignored. NotFound for a store
+// that does not exist (an empty one has no versions).
 Result<std::vector<int64_t>> ListVersionNumbers(const std::string& store);
 
 // ReadVersionInfo of every version dir in `store`, ascending. Fails on the
@@ -235,11 +235,24 @@ Result<std::vector<int64_t>> PruneStore(const std::string& store, int64_t keep);
 // LocalCheckpoint (rollout side)
 
 struct LocalCheckpointOptions {
-  std::string local;  // host-local full checkpoint dir, created on first pull
-  std::string store;  // may be missing when only the base is pulled
+  // Host-local full checkpoint dir, created by the first pull. It must be a
+  // directory of its own: neither the base nor the store, nor inside or
+  // around either of them.
+  std::string local;
+  // The store. A pull from a store that does not exist fails (NotFound);
+  // empty only when nothing but the base is ever pulled.
+  std::string store;
   // The engine's base checkpoint dir (version 0); needed only when a pull
-  // has to start from the base (Verify, CurrentVersion need none).
+  // has to start from the base (Verify, CurrentVersion need none). Before
+  // copying it, a pull checks it against what the store's version 1 records
+  // about its base, when it records that (our sidecar), and refuses a base
+  // that differs, changing nothing. A full version must have the base's
+  // tensor names, dtypes and shapes before it replaces anything.
   std::string base;
+  // A pull that has to reset a local checkpoint with no state.json (one
+  // that no receiver made, such as a trainer's checkpoint) but holding
+  // weights files refuses to replace them unless this is set.
+  bool replace_unknown_checkpoint = false;
   // Executable run as `hook <store> <target>` (target: 6-digit version or
   // "latest") at the start of every Pull, before the store is listed; e.g.
   // to refresh an object-store mount's view. A non-zero exit fails the pull.
@@ -271,8 +284,10 @@ struct PullResult {
   bool applied = false;                   // false when already at the target
   std::optional<int64_t> reset_to;        // a full version (or 0: the base) copied in
   std::vector<int64_t> versions_applied;  // deltas, in order
-  bool recovered = false;                 // an interrupted apply was replayed or rolled back first
-  bool reseeded = false;                  // local state could not be trusted and was rebuilt
+  // An interrupted apply was replayed or rolled back first (by this pull or
+  // by the Open before it).
+  bool recovered = false;
+  bool reseeded = false;  // local state could not be trusted and was rebuilt
   double seconds = 0;
   uint64_t bytes_read = 0;  // of version files (deltas) or copied (full/base)
   uint64_t tensors_changed = 0;
@@ -284,9 +299,11 @@ struct PullResult {
 // host (ours or the Python receiver) never interleave.
 class LocalCheckpoint {
  public:
-  // Creates <local>/.weight_sync if needed and, with recover_on_open,
-  // finishes or rolls back an interrupted apply. InvalidArgument for an
-  // empty `local`.
+  // With recover_on_open, finishes or rolls back an interrupted apply;
+  // otherwise writes nothing (nor does CurrentVersion or Verify: only Pull
+  // creates <local>/.weight_sync). InvalidArgument for an empty `local`,
+  // or one that is, lies inside or holds the base or the store (compared by
+  // device and inode, so symlinks and bind mounts count).
   static Result<std::unique_ptr<LocalCheckpoint>> Open(const LocalCheckpointOptions& options);
   ~LocalCheckpoint();
   LocalCheckpoint(const LocalCheckpoint&) = delete;
@@ -300,8 +317,13 @@ class LocalCheckpoint {
   // then every delta up to the target is applied in order and each changed
   // tensor verified. Each version is decoded and validated completely before
   // the checkpoint is touched, and committed on its own.
+  // A local checkpoint at version 0 copied from another base than
+  // options.base is copied again from options.base. Leftovers of a killed
+  // writer (a reset's partial copies, state temporaries) are removed first.
   // Errors (the local checkpoint is left at the last committed version):
-  // NotFound for a missing version dir or target; FailedPrecondition for a
+  // NotFound for a missing store, version dir or target; FailedPrecondition
+  // for a base the store's records refuse, a local checkpoint that no
+  // receiver made (see replace_unknown_checkpoint), a
   // version whose base_version breaks the chain, or whose base checksums
   // show the local tensor is not its base; Corruption for bad files, frames,
   // positions or a checksum mismatch after apply (rolled back);
@@ -312,7 +334,8 @@ class LocalCheckpoint {
   Result<PullResult> Pull(std::optional<int64_t> target);
 
   // The committed version, or nullopt when none is (never materialized,
-  // mid-apply or mid-reset).
+  // mid-apply or mid-reset, or `local` does not exist). Takes a shared lock
+  // and writes nothing.
   Result<std::optional<int64_t>> CurrentVersion();
 
   // Recomputes every tensor's checksum and compares it with what the applied
@@ -323,7 +346,9 @@ class LocalCheckpoint {
   // store: each tensor's digest from the newest delta <= the applied version
   // that changed it, else the newest full version, else the base (the
   // option, or the base path our last pull recorded).
-  // FailedPrecondition when nothing is committed or a needed source is gone;
+  // Takes a shared lock and writes nothing. NotFound when `local` does not
+  // exist; FailedPrecondition when nothing is committed (saying whether an
+  // interrupted pull must be recovered by pulling) or a needed source is gone;
   // NotFound for a missing version in the chain; Corruption naming the first
   // mismatching tensor and the version that set its expected value.
   Status Verify();

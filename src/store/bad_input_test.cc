@@ -234,9 +234,18 @@ TEST_P(BadInput, TensorMissingFromTheLocalCheckpoint) {
   DS_ASSERT_OK(publisher);
   PublishSteps(publisher->get(), with_extra, 1);
   auto local = g.OpenLocal();
+  // Version 1's sidecar records the base it was made against: this base is
+  // refused before it is copied.
   Result<PullResult> r = local->Pull(1);
   EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition) << r.status().ToString();
   EXPECT_NE(r.status().message().find("extra.weight"), std::string::npos);
+  EXPECT_FALSE(local->CurrentVersion()->has_value());
+  // Without the sidecar, the apply finds the tensor missing.
+  std::filesystem::remove(g.VersionPath(1) + "/" + kVersionManifestFileName);
+  r = local->Pull(1);
+  EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("extra.weight"), std::string::npos);
+  EXPECT_NE(r.status().message().find("does not have"), std::string::npos);
   // The base was materialized and stays: version 0, untouched.
   EXPECT_EQ(**local->CurrentVersion(), 0);
   EXPECT_TRUE(HoldsModel(g.local, g.base_model));

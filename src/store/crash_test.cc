@@ -227,6 +227,14 @@ TEST_P(ResetCrash, MaterializationRestartsCleanly) {
     DS_ASSERT_OK(local->Pull(1));
   }
   ASSERT_EQ(PullInChild(f.LocalOpts(), 3, GetParam()), kCrashExit);
+  auto copies = [&] {
+    size_t n = 0;
+    for (const std::string& name : ListDir(f.local)) n += name.find(".copy.") != std::string::npos;
+    return n;
+  };
+  if (std::string_view(GetParam()) == "copy:written") {
+    EXPECT_GT(copies(), 0u) << "the crash must leave the copy's temporaries";
+  }
   auto local = f.OpenLocal();
   Result<std::optional<int64_t>> v = local->CurrentVersion();
   DS_ASSERT_OK(v);
@@ -240,16 +248,44 @@ TEST_P(ResetCrash, MaterializationRestartsCleanly) {
   DS_ASSERT_OK(r);
   EXPECT_TRUE(HoldsModel(f.local, more[1]));
   DS_EXPECT_OK(local->Verify());
+  EXPECT_EQ(copies(), 0u) << "the pull after a killed reset removes its partial copies";
 }
 
 INSTANTIATE_TEST_SUITE_P(Points, ResetCrash,
-                         ::testing::Values("reset:begin", "reset:state", "reset:copied",
-                                           "reset:committed"),
+                         ::testing::Values("reset:begin", "reset:state", "copy:written",
+                                           "reset:copied", "reset:committed"),
                          [](const ::testing::TestParamInfo<const char*>& info) {
                            std::string name = info.param;
                            name[name.find(':')] = '_';
                            return name;
                          });
+
+// The Open that recovers an interrupted apply says so through the next
+// Pull, as a pull that recovers it itself does.
+TEST(StreamedApply, RecoveryByOpenIsReported) {
+  for (bool recover_on_open : {true, false}) {
+    SCOPED_TRACE(recover_on_open);
+    Fixture f;
+    auto publisher = f.MakePublisher(f.PublisherOpts(Encoding::kXor));
+    const std::vector<Model> models = PublishSteps(publisher.get(), f.base_model, 2, 100, 0.05);
+    LocalCheckpointOptions lo = f.LocalOpts();
+    lo.journal_record_changes = 5;
+    DS_ASSERT_OK(f.OpenLocal()->Pull(1));
+    ASSERT_EQ(PullInChild(lo, 2, "apply:record", 2), kCrashExit);
+    lo.recover_on_open = recover_on_open;
+    auto local = LocalCheckpoint::Open(lo);
+    DS_ASSERT_OK(local);
+    Result<PullResult> r = (*local)->Pull(2);
+    DS_ASSERT_OK(r);
+    EXPECT_TRUE(r->recovered);
+    EXPECT_EQ(r->versions_applied, (std::vector<int64_t>{2}));
+    EXPECT_TRUE(HoldsModel(f.local, models[2]));
+    // Reported once: the next pull recovered nothing.
+    Result<PullResult> again = (*local)->Pull(2);
+    DS_ASSERT_OK(again);
+    EXPECT_FALSE(again->recovered);
+  }
+}
 
 // A version whose checksum does not match: the apply rolls back. Dying
 // during that apply, or during the rollback, must still end at version 1.

@@ -19,6 +19,7 @@
 #include <mutex>
 #include <set>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "deltasync/checkpoint.h"
@@ -56,6 +57,32 @@ double SecondsSince(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// A file a checkpoint loader would read as weights.
+bool IsWeightsFileName(const std::string& name) {
+  return name == kIndexFileName || (name.size() > 12 && name.ends_with(".safetensors"));
+}
+
+// InvalidArgument unless the local checkpoint is a place of its own: a pull
+// writes into it, so it must be neither the base checkpoint nor the store,
+// nor inside either, nor hold either.
+Status CheckSeparatePaths(const LocalCheckpointOptions& o) {
+  const std::pair<const std::string*, const char*> others[] = {{&o.base, "base checkpoint"},
+                                                               {&o.store, "store"}};
+  for (const auto& [other, what] : others) {
+    if (other->empty()) continue;
+    const bool inside = store_internal::IsSameOrInside(o.local, *other);
+    const bool holds = store_internal::IsSameOrInside(*other, o.local);
+    if (!inside && !holds) continue;
+    const std::string relation = inside && holds ? "is the same directory as"
+                                 : inside        ? "lies inside"
+                                                 : "holds";
+    return Status::InvalidArgument(
+        "local checkpoint " + o.local + " " + relation + " the " + what + " " + *other +
+        ": a pull writes into the local checkpoint, so it needs a " + "directory of its own");
+  }
+  return Status::OK();
+}
+
 // "algo:hex", how state.json and the journal store a digest with its algorithm.
 std::string TaggedDigest(ChecksumAlgo algo, std::string_view hex) {
   return std::string(ChecksumAlgoName(algo)) + ":" + std::string(hex);
@@ -78,6 +105,7 @@ Result<ParsedDigest> ParseTaggedDigest(std::string_view tagged) {
 
 // What <local>/.weight_sync/state.json says. Keys of other writers are kept.
 struct LocalState {
+  bool exists = false;  // state.json was there (readable or not)
   json doc = json::object();
   std::optional<int64_t> version;
   std::optional<int64_t> applying;
@@ -339,7 +367,7 @@ struct LocalCheckpoint::State {
   std::unique_ptr<store_internal::FreeList<DecodeScratch>> scratch;
 
   Result<LocalState> LoadState();
-  Status SaveState(const LocalState& st);
+  Status SaveState(LocalState& st);
   Status Recover(LocalState* st, PullResult* result);
   Status Reseed(LocalState* st, PullResult* result);
   Status Materialize(const std::string& source, int64_t version, LocalState* st,
@@ -362,25 +390,57 @@ struct LocalCheckpoint::State {
   // RollBack of `journal`'s records, through `local` (opened here if null).
   Status RollBackJournal(const Journal& journal, LocalFiles* local, LocalState* st);
   Status VerifyAll(const LocalState& st);
-  // The base checkpoint the last successful pull was given, as an absolute
+  // The base checkpoint the checkpoint was last reset to, as an absolute
   // path, so that a Verify given none can still check the tensors no
   // version changed. "" when none is recorded (or the record is unreadable).
   std::string RecordedBase();
-  Status RecordBase();
+  Status RecordBase(const std::string& resolved_base);
+  // Records options.base when no base is recorded yet (the checkpoint was
+  // seeded by another receiver) and the store's version 1 vouches for it;
+  // a base the store cannot check, or refuses, is not recorded.
+  Status RecordVouchedBase();
+  // FailedPrecondition unless a reset may replace what `local` holds: the
+  // files of a checkpoint that no receiver made (no state.json) are kept
+  // unless options.replace_unknown_checkpoint says otherwise.
+  Status CheckReplaceable(const LocalState& st);
+  // Checks `base` against what the store's version 1 records about the base
+  // it was made against, before anything is copied, and returns those
+  // digests (name -> tagged) for state.json. Empty when the store records
+  // nothing (no version 1 on the base, or no sidecar).
+  Result<std::map<std::string, std::string>> CheckBaseAgainstStore(const Checkpoint& base,
+                                                                   const std::string& base_path);
+  // Corruption unless the full version `full` has exactly the tensor names,
+  // dtypes and shapes of the base checkpoint (the option, else the recorded
+  // one, else the local checkpoint when it is at a version).
+  Status CheckFullLayout(const Checkpoint& full, const std::string& where, const LocalState& st);
+  // A checkpoint at version 0 copied from another base than options.base
+  // (a wrong base earlier, which the store could not check) counts as
+  // nothing applied, so that the given base is copied instead.
+  void ForgetACopyOfAnotherBase(LocalState* st);
+  // An interrupted apply recovered (or reseeded) by Open, reported by the
+  // next Pull.
+  bool recovered_on_open = false;
+  bool reseeded_on_open = false;
 };
 
 Result<LocalState> LocalCheckpoint::State::LoadState() {
   Result<std::string> text = format_internal::ReadFileLimited(state_path, kMaxStateBytes);
+  LocalState st;
   if (!text.ok()) {
-    if (text.status().IsNotFound()) return LocalState();
-    if (text.status().IsCorruption()) return LocalState();  // too large to be ours
-    return text.status();
+    if (text.status().IsNotFound()) return st;
+    if (!text.status().IsCorruption()) return text.status();
+    // Too large to be ours: no version, but a state file all the same.
+  } else {
+    st = ParseState(*text);
   }
-  return ParseState(*text);
+  st.exists = true;
+  return st;
 }
 
-Status LocalCheckpoint::State::SaveState(const LocalState& st) {
-  return format_internal::WriteFileAtomically(state_path, SerializeState(st));
+Status LocalCheckpoint::State::SaveState(LocalState& st) {
+  DS_RETURN_IF_ERROR(format_internal::WriteFileAtomically(state_path, SerializeState(st)));
+  st.exists = true;
+  return Status::OK();
 }
 
 std::string LocalCheckpoint::State::RecordedBase() {
@@ -392,17 +452,133 @@ std::string LocalCheckpoint::State::RecordedBase() {
   return it != doc->end() && it->is_string() ? it->get<std::string>() : "";
 }
 
-Status LocalCheckpoint::State::RecordBase() {
-  if (options.base.empty()) return Status::OK();
-  std::error_code ec;
-  const std::string absolute =
-      std::filesystem::absolute(options.base, ec).lexically_normal().string();
-  if (ec) return Status::FromErrno(ec.value(), "absolute path of " + options.base);
-  if (RecordedBase() == absolute) return Status::OK();
+Status LocalCheckpoint::State::RecordBase(const std::string& resolved_base) {
+  if (RecordedBase() == resolved_base) return Status::OK();
   json doc = json::object();
-  doc["base"] = absolute;
+  doc["base"] = resolved_base;
   return format_internal::WriteFileAtomically(
       base_record_path, doc.dump(1, ' ', false, json::error_handler_t::replace) + "\n");
+}
+
+Status LocalCheckpoint::State::RecordVouchedBase() {
+  if (options.base.empty() || !RecordedBase().empty()) return Status::OK();
+  Result<std::unique_ptr<Checkpoint>> base = Checkpoint::Open(options.base);
+  if (!base.ok()) return Status::OK();  // not needed by this pull, so not its error
+  Result<std::map<std::string, std::string>> vouched = CheckBaseAgainstStore(**base, options.base);
+  if (!vouched.ok() || vouched->empty()) return Status::OK();
+  DS_ASSIGN_OR_RETURN(const std::string resolved, store_internal::ResolvedPath(options.base));
+  return RecordBase(resolved);
+}
+
+[[gnu::noinline]] void LocalCheckpoint::State::ForgetACopyOfAnotherBase(LocalState* st) {
+  if (!st->version || *st->version != 0 || st->origin_version != 0 || options.base.empty() ||
+      st->origin_dir.empty()) {
+    return;
+  }
+  if (store_internal::IsSameOrInside(options.base, st->origin_dir) &&
+      store_internal::IsSameOrInside(st->origin_dir, options.base)) {
+    return;
+  }
+  st->version.reset();
+}
+
+Status LocalCheckpoint::State::CheckReplaceable(const LocalState& st) {
+  if (st.exists || options.replace_unknown_checkpoint) return Status::OK();
+  Result<std::vector<std::string>> names = store_internal::ListRegularFiles(options.local);
+  if (!names.ok()) return names.status().IsNotFound() ? Status::OK() : names.status();
+  for (const std::string& name : *names) {
+    if (!IsWeightsFileName(name)) continue;
+    return Status::FailedPrecondition(
+        "local checkpoint " + options.local + " already holds " + name +
+        ", a checkpoint that no pull made (there is no .weight_sync/state.json); refusing to " +
+        "replace it: give the local checkpoint a directory of its own, or force the " +
+        "replacement (--force)");
+  }
+  return Status::OK();
+}
+
+Result<std::map<std::string, std::string>> LocalCheckpoint::State::CheckBaseAgainstStore(
+    const Checkpoint& base, const std::string& base_path) {
+  std::map<std::string, std::string> digests;
+  if (options.store.empty()) return digests;
+  const std::string first = store_internal::VersionDir(options.store, 1);
+  if (!store_internal::IsDirectory(first)) return digests;
+  // A malformed version 1 is reported by the pull that applies it.
+  Result<VersionInfo> info = ReadVersionInfo(first);
+  if (!info.ok() || !info->is_delta || info->base_version != 0) return digests;
+  Result<std::optional<VersionManifest>> manifest = ReadVersionManifest(first);
+  if (!manifest.ok() || !manifest->has_value()) return digests;
+  const VersionManifest& m = **manifest;
+  std::vector<const std::pair<const std::string, ManifestTensor>*> entries;
+  for (const auto& entry : m.tensors) entries.push_back(&entry);
+  const std::string not_base =
+      "base checkpoint " + base_path + " is not the base of store " + options.store + ": ";
+  std::vector<Status> outcome(entries.size());
+  pool->ParallelFor(entries.size(), [&](size_t i) {
+    const auto& [name, expected] = *entries[i];
+    Result<TensorView> t = base.Get(name);
+    if (!t.ok()) {
+      outcome[i] =
+          Status::FailedPrecondition(not_base + "it lacks tensor " + QuoteForMessage(name) +
+                                     ", which version 000001 " + "changes");
+    } else if (t->dtype != expected.dtype || t->shape != expected.shape) {
+      outcome[i] = Status::FailedPrecondition(
+          not_base + "tensor " + QuoteForMessage(name) + " is " + std::string(DTypeName(t->dtype)) +
+          ShapeToString(t->shape) + " there, " + std::string(DTypeName(expected.dtype)) +
+          ShapeToString(expected.shape) + " in version 000001");
+    } else if (const std::string actual = ChecksumHex(m.checksum, t->bytes);
+               actual != expected.base_checksum) {
+      outcome[i] =
+          Status::FailedPrecondition(not_base + "tensor " + QuoteForMessage(name) + " has " +
+                                     std::string(ChecksumAlgoName(m.checksum)) + " " + actual +
+                                     ", version 000001 was made against " + expected.base_checksum);
+    }
+  });
+  for (const Status& st : outcome) DS_RETURN_IF_ERROR(st);  // the first by name
+  for (const auto* entry : entries) {
+    digests[entry->first] = TaggedDigest(m.checksum, entry->second.base_checksum);
+  }
+  return digests;
+}
+
+Status LocalCheckpoint::State::CheckFullLayout(const Checkpoint& full, const std::string& where,
+                                               const LocalState& st) {
+  std::unique_ptr<Checkpoint> reference;
+  std::string what;
+  const std::string base = options.base.empty() ? RecordedBase() : options.base;
+  if (!base.empty()) {
+    Result<std::unique_ptr<Checkpoint>> opened = Checkpoint::Open(base);
+    if (!opened.ok()) return opened.status().WithContext("base checkpoint");
+    reference = std::move(*opened);
+    what = "the base checkpoint " + base;
+  } else if (st.version) {
+    Result<std::unique_ptr<Checkpoint>> opened = Checkpoint::Open(options.local);
+    if (!opened.ok()) return Status::OK();  // nothing to compare with; the reset rebuilds it
+    reference = std::move(*opened);
+    what = "the local checkpoint " + options.local;
+  } else {
+    return Status::OK();
+  }
+  auto mismatch = [&](const std::string& detail) {
+    return Status::Corruption(where + " is not a full checkpoint of this model: " + detail +
+                              " (a delta whose index lost its delta metadata?); nothing was " +
+                              "replaced");
+  };
+  for (const auto& [name, t] : full.tensors()) {
+    Result<TensorView> r = reference->Get(name);
+    if (!r.ok()) return mismatch("it has tensor " + QuoteForMessage(name) + ", " + what + " not");
+    if (r->dtype != t.dtype || r->shape != t.shape) {
+      return mismatch("tensor " + QuoteForMessage(name) + " is " + std::string(DTypeName(t.dtype)) +
+                      ShapeToString(t.shape) + " there, " + std::string(DTypeName(r->dtype)) +
+                      ShapeToString(r->shape) + " in " + what);
+    }
+  }
+  for (const auto& [name, r] : reference->tensors()) {
+    if (!full.Get(name).ok()) {
+      return mismatch("it lacks tensor " + QuoteForMessage(name) + ", which " + what + " has");
+    }
+  }
+  return Status::OK();
 }
 
 Status LocalCheckpoint::State::Reseed(LocalState* st, PullResult* result) {
@@ -464,9 +640,17 @@ Status LocalCheckpoint::State::Recover(LocalState* st, PullResult* result) {
 
 Status LocalCheckpoint::State::VerifyAll(const LocalState& st) {
   if (!st.version) {
-    return Status::FailedPrecondition(
-        options.local + ": no version is committed" +
-        (st.applying ? " (an apply is pending; pull to recover)" : ""));
+    std::string why = " (never pulled)";
+    if (st.applying) {
+      why = ": an apply of version " + FormatVersion(*st.applying) + " onto " +
+            FormatVersion(*st.from_version) + " was interrupted; pull to recover it";
+    } else if (st.resetting) {
+      why = ": a reset to version " + FormatVersion(*st.resetting) +
+            " was interrupted; pull to finish it";
+    } else if (st.exists) {
+      why = " (state.json names none; pull to rebuild it)";
+    }
+    return Status::FailedPrecondition(options.local + " is not at any version" + why);
   }
   DS_ASSIGN_OR_RETURN(std::unique_ptr<LocalFiles> files, LocalFiles::Open(options.local));
   for (const auto& [name, digest] : st.checksums) {
@@ -586,7 +770,18 @@ Status LocalCheckpoint::State::Materialize(const std::string& source, int64_t ve
     return source_checkpoint.status().WithContext(
         version == 0 ? "base checkpoint" : "full version " + FormatVersion(version));
   }
+  DS_RETURN_IF_ERROR(CheckReplaceable(*st));
+  const std::string where = version == 0
+                                ? "base checkpoint " + source
+                                : "full version " + FormatVersion(version) + " (" + source + ")";
+  std::map<std::string, std::string> base_digests;
+  if (version == 0) {
+    DS_ASSIGN_OR_RETURN(base_digests, CheckBaseAgainstStore(**source_checkpoint, source));
+  } else {
+    DS_RETURN_IF_ERROR(CheckFullLayout(**source_checkpoint, where, *st));
+  }
   source_checkpoint->reset();
+  DS_ASSIGN_OR_RETURN(const std::string resolved_source, store_internal::ResolvedPath(source));
   DS_ASSIGN_OR_RETURN(std::vector<std::string> names, store_internal::ListRegularFiles(source));
   DS_ASSIGN_OR_RETURN(std::optional<VersionManifest> manifest,
                       version == 0 ? Result<std::optional<VersionManifest>>(std::nullopt)
@@ -616,9 +811,7 @@ Status LocalCheckpoint::State::Materialize(const std::string& source, int64_t ve
   DS_ASSIGN_OR_RETURN(std::vector<std::string> local_names,
                       store_internal::ListRegularFiles(options.local));
   for (const std::string& name : local_names) {
-    const bool weights =
-        name == kIndexFileName || (name.size() > 12 && name.ends_with(".safetensors"));
-    if (weights && !copied.count(name)) {
+    if (IsWeightsFileName(name) && !copied.count(name)) {
       DS_RETURN_IF_ERROR(format_internal::RemoveFileIfExists(JoinPath(options.local, name)));
     }
   }
@@ -627,15 +820,20 @@ Status LocalCheckpoint::State::Materialize(const std::string& source, int64_t ve
 
   st->resetting.reset();
   st->version = version;
-  st->origin_dir = source;
+  st->origin_dir = resolved_source;
   st->origin_version = version;
   if (manifest && !manifest->is_delta) {
     for (const auto& [name, t] : manifest->tensors) {
       st->checksums[name] = TaggedDigest(manifest->checksum, t.checksum);
     }
   }
+  // What the store says the base holds, checked above: verifying against
+  // it catches a base that changed after the copy, which a byte comparison
+  // with the base itself never would.
+  for (auto& [name, digest] : base_digests) st->checksums[name] = std::move(digest);
   DS_RETURN_IF_ERROR(SaveState(*st));
   CrashPoint("reset:committed");
+  if (version == 0) DS_RETURN_IF_ERROR(RecordBase(resolved_source));
   result->reset_to = version;
   result->bytes_read += bytes;
   return Status::OK();
@@ -1057,26 +1255,34 @@ Result<std::unique_ptr<LocalCheckpoint>> LocalCheckpoint::Open(
   state->lock_path = JoinPath(state->sync_dir, kLockFileName);
   state->journal_path = JoinPath(state->sync_dir, store_internal::kJournalFileName);
   state->base_record_path = JoinPath(state->sync_dir, kBaseRecordFileName);
-  DS_RETURN_IF_ERROR(format_internal::CreateDirectories(state->sync_dir));
-  if (options.recover_on_open) {
+  DS_RETURN_IF_ERROR(CheckSeparatePaths(options));
+  // Nothing is created here: only a pull writes, so that opening a
+  // checkpoint to read or verify it leaves no trace.
+  if (options.recover_on_open && store_internal::IsDirectory(state->sync_dir)) {
     DS_ASSIGN_OR_RETURN(store_internal::FileLock lock,
                         store_internal::FileLock::Acquire(state->lock_path));
     DS_ASSIGN_OR_RETURN(LocalState st, state->LoadState());
-    DS_RETURN_IF_ERROR(state->Recover(&st, nullptr));
+    PullResult recovery;
+    DS_RETURN_IF_ERROR(state->Recover(&st, &recovery));
+    state->recovered_on_open = recovery.recovered;
+    state->reseeded_on_open = recovery.reseeded;
   }
   return std::unique_ptr<LocalCheckpoint>(new LocalCheckpoint(std::move(state)));
 }
 
 Result<std::optional<int64_t>> LocalCheckpoint::CurrentVersion() {
   DS_ASSIGN_OR_RETURN(store_internal::FileLock lock,
-                      store_internal::FileLock::Acquire(state_->lock_path));
+                      store_internal::FileLock::AcquireSharedIfExists(state_->lock_path));
   DS_ASSIGN_OR_RETURN(LocalState st, state_->LoadState());
   return st.version;
 }
 
 Status LocalCheckpoint::Verify() {
+  if (!store_internal::IsDirectory(state_->options.local)) {
+    return Status::NotFound("local checkpoint " + state_->options.local + " does not exist");
+  }
   DS_ASSIGN_OR_RETURN(store_internal::FileLock lock,
-                      store_internal::FileLock::Acquire(state_->lock_path));
+                      store_internal::FileLock::AcquireSharedIfExists(state_->lock_path));
   DS_ASSIGN_OR_RETURN(LocalState st, state_->LoadState());
   return state_->VerifyAll(st);
 }
@@ -1094,10 +1300,21 @@ Result<PullResult> LocalCheckpoint::Pull(std::optional<int64_t> target) {
         opt.pre_read_hook, {opt.store, target ? FormatVersion(*target) : "latest"},
         "pre-read hook"));
   }
+  if (!opt.store.empty() && !store_internal::IsDirectory(opt.store)) {
+    return Status::NotFound("store " + opt.store + " does not exist" +
+                            (store_internal::PathExists(opt.store) ? " as a directory" : ""));
+  }
+  DS_RETURN_IF_ERROR(format_internal::CreateDirectories(s.sync_dir));
   DS_ASSIGN_OR_RETURN(store_internal::FileLock lock,
                       store_internal::FileLock::Acquire(s.lock_path));
+  // Under the lock no writer of ours is running here: what one left behind
+  // (a killed reset's copy, a state file's temporary) is garbage.
+  DS_RETURN_IF_ERROR(store_internal::RemoveLeftoverTemporaries(opt.local).status());
+  DS_RETURN_IF_ERROR(store_internal::RemoveLeftoverTemporaries(s.sync_dir).status());
   DS_ASSIGN_OR_RETURN(LocalState st, s.LoadState());
   PullResult result;
+  result.recovered = std::exchange(s.recovered_on_open, false);
+  result.reseeded = std::exchange(s.reseeded_on_open, false);
   DS_RETURN_IF_ERROR(s.Recover(&st, &result));
   result.from_version = st.version;
 
@@ -1109,9 +1326,13 @@ Result<PullResult> LocalCheckpoint::Pull(std::optional<int64_t> target) {
     if (!versions.empty()) goal = versions.back();
   }
   result.version = goal;
+  // A copy of another base (a wrong --base earlier, which the store could
+  // not check) counts as nothing applied: the base given now is copied
+  // instead of keeping what failed.
+  s.ForgetACopyOfAnotherBase(&st);
   const std::optional<int64_t> current = st.version;
   if (current && *current == goal) {
-    DS_RETURN_IF_ERROR(s.RecordBase());
+    DS_RETURN_IF_ERROR(s.RecordVouchedBase());
     result.seconds = SecondsSince(t0);
     return result;
   }
@@ -1172,7 +1393,7 @@ Result<PullResult> LocalCheckpoint::Pull(std::optional<int64_t> target) {
     DS_RETURN_IF_ERROR(s.ApplyVersion(info, &st, &result));
     result.versions_applied.push_back(v);
   }
-  DS_RETURN_IF_ERROR(s.RecordBase());
+  DS_RETURN_IF_ERROR(s.RecordVouchedBase());
   result.applied = true;
   result.seconds = SecondsSince(t0);
   return result;

@@ -402,7 +402,7 @@ TEST(Pull, TargetZeroMaterializesTheBase) {
   Fixture f;
   WriteModel(f.base, f.base_model, 2500);
   LocalCheckpointOptions lo = f.LocalOpts();
-  lo.store = f.tmp.Join("no-such-store");
+  std::filesystem::create_directories(lo.store);
   auto local = LocalCheckpoint::Open(lo);
   DS_ASSERT_OK(local);
   Result<PullResult> r = (*local)->Pull(std::nullopt);  // empty store: latest = 0
@@ -614,10 +614,20 @@ TEST(Verify, DetectsACorruptedLocalTensor) {
   EXPECT_NE(s.message().find("up_proj"), std::string::npos);
   FlipByte(file, at + 3);
   DS_ASSERT_OK(local->Verify());
-  // A tensor copied from the base and never changed since: compared with
-  // the base byte for byte.
+  // A tensor copied from the base: checked against the store's record of
+  // the base (version 1's base checksums).
   DS_ASSERT_OK(local->Pull(0));
   const std::string f0 = FileHolding(f.local, "model.norm.weight");
+  FlipByte(f0, TensorOffsetInFile(f0, "model.norm.weight"));
+  s = local->Verify();
+  EXPECT_TRUE(s.IsCorruption()) << s.ToString();
+  EXPECT_NE(s.message().find("model.norm.weight"), std::string::npos) << s.ToString();
+  EXPECT_NE(s.message().find("(state.json)"), std::string::npos) << s.ToString();
+  // Without that record (no sidecar): compared with the base byte for byte.
+  std::filesystem::remove(f.VersionPath(1) + "/" + kVersionManifestFileName);
+  RemoveDir(f.local);
+  local = f.OpenLocal();
+  DS_ASSERT_OK(local->Pull(0));
   FlipByte(f0, TensorOffsetInFile(f0, "model.norm.weight"));
   s = local->Verify();
   EXPECT_TRUE(s.IsCorruption()) << s.ToString();

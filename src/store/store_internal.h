@@ -66,6 +66,22 @@ uint64_t DirectoryBytes(const std::string& dir);
 // written them. IOError naming the file when one cannot be opened or synced.
 Status DropFromPageCache(const std::string& dir);
 
+// The absolute, symlink-resolved form of `path` (its missing tail kept as
+// written), for recording a path that must keep naming the same place.
+Result<std::string> ResolvedPath(const std::string& path);
+
+// True when `inner` is `outer` or lies below it. Compares the device and
+// inode of `outer` with those of `inner` and each of its existing
+// ancestors, so relative spellings, symlinks and bind mounts are seen
+// through; `inner` need not exist yet. False when `outer` does not exist.
+bool IsSameOrInside(const std::string& inner, const std::string& outer);
+
+// Removes what an interrupted writer of ours leaves in `dir` (not
+// recursive): CopyFiles' `.<name>.copy.<pid>.<n>` and AtomicFile's
+// `.<name>.tmp.<pid>.<n>` temporaries. Only for a directory whose writers
+// are all serialized by a lock the caller holds. Returns how many it removed.
+Result<uint64_t> RemoveLeftoverTemporaries(const std::string& dir);
+
 // One file to copy by CopyFiles.
 struct CopyJob {
   std::string source;
@@ -119,10 +135,15 @@ class MappedFile {
   size_t size_ = 0;
 };
 
-// An exclusive flock held for the object's lifetime.
+// An flock held for the object's lifetime.
 class FileLock {
  public:
+  // Exclusive; creates the lock file if needed.
   static Result<FileLock> Acquire(const std::string& path);
+  // Shared, for readers that must not write: opens the lock file read-only
+  // and never creates it. A missing lock file is no lock at all (an
+  // unlocked FileLock): no process has ever written next to it.
+  static Result<FileLock> AcquireSharedIfExists(const std::string& path);
   FileLock() = default;
   FileLock(FileLock&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
   FileLock& operator=(FileLock&& other) noexcept;

@@ -259,6 +259,74 @@ Status RenameNoReplace(const std::string& from, const std::string& to) {
   return Status::OK();
 }
 
+Result<std::string> ResolvedPath(const std::string& path) {
+  std::error_code ec;
+  std::filesystem::path absolute = std::filesystem::absolute(path, ec);
+  if (ec) return Status::FromErrno(ec.value(), path + ": absolute path");
+  std::filesystem::path resolved = std::filesystem::weakly_canonical(absolute, ec);
+  if (ec) return Status::FromErrno(ec.value(), path + ": resolve path");
+  return resolved.lexically_normal().string();
+}
+
+bool IsSameOrInside(const std::string& inner, const std::string& outer) {
+  if (inner.empty() || outer.empty()) return false;
+  Result<std::string> resolved_outer = ResolvedPath(outer);
+  struct stat o {};
+  if (!resolved_outer.ok() || ::stat(resolved_outer->c_str(), &o) != 0) return false;
+  Result<std::string> resolved = ResolvedPath(inner);
+  std::filesystem::path p = resolved.ok() ? std::filesystem::path(*resolved)
+                                          : std::filesystem::absolute(inner).lexically_normal();
+  while (true) {
+    struct stat s {};
+    if (::stat(p.c_str(), &s) == 0 && s.st_dev == o.st_dev && s.st_ino == o.st_ino) return true;
+    if (!p.has_relative_path()) return false;  // the root: nothing above it
+    p = p.parent_path();
+  }
+}
+
+namespace {
+
+// ".<name>.<kind>.<digits>.<digits>"
+bool IsOurTemporaryName(std::string_view name, std::string_view kind) {
+  if (name.size() < 2 || name[0] != '.') return false;
+  auto digits_back = [&](std::string_view& s) {
+    size_t n = 0;
+    while (n < s.size() && s[s.size() - 1 - n] >= '0' && s[s.size() - 1 - n] <= '9') ++n;
+    if (n == 0 || n == s.size() || s[s.size() - 1 - n] != '.') return false;
+    s.remove_suffix(n + 1);
+    return true;
+  };
+  std::string_view rest = name.substr(1);
+  if (!digits_back(rest) || !digits_back(rest)) return false;
+  return rest.size() > kind.size() + 1 && rest.ends_with(kind) &&
+         rest[rest.size() - kind.size() - 1] == '.';
+}
+
+}  // namespace
+
+Result<uint64_t> RemoveLeftoverTemporaries(const std::string& dir) {
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) {
+    if (errno == ENOENT) return uint64_t{0};
+    return Status::FromErrno(errno, dir + ": open directory");
+  }
+  std::vector<std::string> leftovers;
+  while (struct dirent* entry = ::readdir(d)) {
+    const std::string_view name = entry->d_name;
+    if (IsOurTemporaryName(name, "copy") || IsOurTemporaryName(name, "tmp")) {
+      leftovers.emplace_back(name);
+    }
+  }
+  ::closedir(d);
+  for (const std::string& name : leftovers) {
+    const std::string path = JoinPath(dir, name);
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+      return Status::FromErrno(errno, path + ": remove leftover temporary file");
+    }
+  }
+  return static_cast<uint64_t>(leftovers.size());
+}
+
 uint64_t DirectoryBytes(const std::string& dir) {
   uint64_t total = 0;
   Result<std::vector<std::string>> names = ListRegularFiles(dir);
@@ -387,6 +455,7 @@ Result<uint64_t> CopyFiles(const std::vector<CopyJob>& jobs, bool durable, Threa
     cleanup();
     return first_error;
   }
+  CrashPoint("copy:written");  // the temporaries hold the data, none is renamed yet
   std::vector<std::string> dirs;
   for (size_t i = 0; i < files.size(); ++i) {
     Open& f = files[i];
@@ -505,6 +574,19 @@ Result<FileLock> FileLock::Acquire(const std::string& path) {
   lock.fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (lock.fd_ < 0) return Status::FromErrno(errno, path + ": open lock file");
   while (::flock(lock.fd_, LOCK_EX) != 0) {
+    if (errno != EINTR) return Status::FromErrno(errno, path + ": flock");
+  }
+  return lock;
+}
+
+Result<FileLock> FileLock::AcquireSharedIfExists(const std::string& path) {
+  FileLock lock;
+  lock.fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (lock.fd_ < 0) {
+    if (errno == ENOENT) return lock;
+    return Status::FromErrno(errno, path + ": open lock file");
+  }
+  while (::flock(lock.fd_, LOCK_SH) != 0) {
     if (errno != EINTR) return Status::FromErrno(errno, path + ": flock");
   }
   return lock;

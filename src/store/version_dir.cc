@@ -203,7 +203,7 @@ Result<std::vector<int64_t>> ListVersionNumbers(const std::string& store) {
   std::vector<int64_t> versions;
   DIR* d = ::opendir(store.c_str());
   if (d == nullptr) {
-    if (errno == ENOENT) return versions;
+    if (errno == ENOENT) return Status::NotFound("store " + store + " does not exist");
     return Status::FromErrno(errno, store + ": open store directory");
   }
   while (struct dirent* entry = ::readdir(d)) {

@@ -1,0 +1,345 @@
+// The local checkpoint refuses the mistakes a user makes with paths and
+// bases, and reading it never writes: each test sets up the mistake, checks
+// the specific error, and checks that nothing was changed.
+
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "deltasync/store.h"
+#include "store/store_internal.h"
+#include "store/store_test_util.h"
+
+namespace deltasync::store_test {
+namespace {
+
+// Every regular file below `dir` with its bytes, for "nothing changed".
+std::map<std::string, std::string> Snapshot(const std::string& dir) {
+  std::map<std::string, std::string> files;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir, ec)) {
+    if (e.is_regular_file()) files[e.path().string()] = ReadFile(e.path().string());
+  }
+  return files;
+}
+
+LocalCheckpointOptions With(LocalCheckpointOptions o, std::string local, std::string base,
+                            std::string store) {
+  o.local = std::move(local);
+  o.base = std::move(base);
+  o.store = std::move(store);
+  return o;
+}
+
+TEST(LocalGuard, RefusesALocalThatIsOrHoldsOrLiesInsideTheBaseOrTheStore) {
+  Fixture f;
+  auto publisher = f.MakePublisher(f.PublisherOpts());
+  PublishSteps(publisher.get(), f.base_model, 1);
+  std::filesystem::create_symlink(f.base, f.tmp.Join("base-link"));
+  const auto base_before = Snapshot(f.base);
+  const auto store_before = Snapshot(f.store);
+  struct Case {
+    std::string local, base, store, relation;
+  };
+  const Case cases[] = {
+      {f.base, f.base, f.store, "is the same directory as the base checkpoint"},
+      {f.base + "/", f.base, f.store, "is the same directory as the base checkpoint"},
+      {f.tmp.Join("base-link"), f.base, f.store, "is the same directory as the base checkpoint"},
+      {f.tmp.Join("x/../base"), f.base, f.store, "is the same directory as the base checkpoint"},
+      {f.base + "/sub/local", f.base, f.store, "lies inside the base checkpoint"},
+      {f.tmp.Join("base-link") + "/new", f.base, f.store, "lies inside the base checkpoint"},
+      {f.tmp.path(), f.base, f.store, "holds the base checkpoint"},
+      {f.store, f.base, f.store, "is the same directory as the store"},
+      {f.store + "/local", f.base, f.store, "lies inside the store"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.local);
+    Result<std::unique_ptr<LocalCheckpoint>> opened =
+        LocalCheckpoint::Open(With(f.LocalOpts(), c.local, c.base, c.store));
+    ASSERT_FALSE(opened.ok());
+    EXPECT_TRUE(opened.status().IsInvalidArgument()) << opened.status().ToString();
+    EXPECT_NE(opened.status().message().find(c.relation), std::string::npos)
+        << opened.status().ToString();
+  }
+  EXPECT_EQ(Snapshot(f.base), base_before);
+  EXPECT_EQ(Snapshot(f.store), store_before);
+  EXPECT_FALSE(store_internal::PathExists(f.base + "/.weight_sync"));
+  // A directory beside the base, whose name merely starts the same, is fine.
+  DS_EXPECT_OK(LocalCheckpoint::Open(With(f.LocalOpts(), f.base + "2", f.base, f.store)));
+}
+
+TEST(LocalGuard, AMissingStoreIsAnErrorThatWritesNothing) {
+  Fixture f;
+  WriteModel(f.base, f.base_model);
+  LocalCheckpointOptions lo = f.LocalOpts();
+  lo.store = f.tmp.Join("no-such-store");
+  auto local = LocalCheckpoint::Open(lo);
+  DS_ASSERT_OK(local);
+  for (std::optional<int64_t> target : {std::optional<int64_t>(), std::optional<int64_t>(0)}) {
+    Result<PullResult> r = (*local)->Pull(target);
+    ASSERT_TRUE(r.status().IsNotFound()) << r.status().ToString();
+    EXPECT_NE(r.status().message().find("store " + lo.store + " does not exist"), std::string::npos)
+        << r.status().ToString();
+  }
+  EXPECT_FALSE(store_internal::PathExists(f.local));
+  EXPECT_TRUE(ListVersions(lo.store).status().IsNotFound());
+  EXPECT_TRUE(PruneStore(lo.store, 1).status().IsNotFound());
+  EXPECT_FALSE(store_internal::PathExists(lo.store));
+
+  // An empty store is a store: latest is the base.
+  std::filesystem::create_directories(f.store);
+  auto empty = f.OpenLocal();
+  Result<PullResult> r = empty->Pull(std::nullopt);
+  DS_ASSERT_OK(r);
+  EXPECT_EQ(r->version, 0);
+  EXPECT_TRUE(HoldsModel(f.local, f.base_model));
+  Result<std::vector<VersionInfo>> versions = ListVersions(f.store);
+  DS_ASSERT_OK(versions);
+  EXPECT_TRUE(versions->empty());
+}
+
+TEST(LocalGuard, RefusesToReplaceACheckpointNoPullMadeUnlessTold) {
+  Fixture f;
+  auto publisher = f.MakePublisher(f.PublisherOpts());
+  const std::vector<Model> models = PublishSteps(publisher.get(), f.base_model, 1);
+  const Model trainer = MakeModel(77);
+  WriteModel(f.local, trainer, 3000);  // sharded: an index and its shards
+  const auto before = Snapshot(f.local);
+  auto local = f.OpenLocal();
+  Result<PullResult> r = local->Pull(std::nullopt);
+  ASSERT_TRUE(r.status().code() == StatusCode::kFailedPrecondition) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("a checkpoint that no pull made"), std::string::npos);
+  EXPECT_NE(r.status().message().find("--force"), std::string::npos);
+  // Only the (empty) lock directory may have appeared.
+  auto after = Snapshot(f.local);
+  after.erase(f.local + "/.weight_sync/lock");
+  EXPECT_EQ(after, before);
+  EXPECT_FALSE(store_internal::PathExists(f.local + "/.weight_sync/state.json"));
+
+  LocalCheckpointOptions forced = f.LocalOpts();
+  forced.replace_unknown_checkpoint = true;
+  auto replacing = LocalCheckpoint::Open(forced);
+  DS_ASSERT_OK(replacing);
+  DS_ASSERT_OK((*replacing)->Pull(std::nullopt));
+  EXPECT_TRUE(HoldsModel(f.local, models[1]));
+  // From then on the checkpoint is one a pull made: no flag needed.
+  auto again = f.OpenLocal();
+  DS_EXPECT_OK(again->Pull(0));
+  EXPECT_TRUE(HoldsModel(f.local, f.base_model));
+}
+
+TEST(LocalGuard, VerifyAndCurrentVersionNeverWrite) {
+  Fixture f;
+  auto publisher = f.MakePublisher(f.PublisherOpts());
+  PublishSteps(publisher.get(), f.base_model, 1);
+  LocalCheckpointOptions lo = f.LocalOpts();
+  lo.recover_on_open = false;
+
+  // A local that does not exist: NotFound, and still nothing there.
+  {
+    auto local = LocalCheckpoint::Open(lo);
+    DS_ASSERT_OK(local);
+    Status s = (*local)->Verify();
+    EXPECT_TRUE(s.IsNotFound()) << s.ToString();
+    Result<std::optional<int64_t>> v = (*local)->CurrentVersion();
+    DS_ASSERT_OK(v);
+    EXPECT_FALSE(v->has_value());
+  }
+  EXPECT_FALSE(store_internal::PathExists(f.local));
+
+  // A trainer's checkpoint: not at any version, and left as it was.
+  WriteModel(f.local, f.base_model);
+  const auto trainer = Snapshot(f.local);
+  for (bool recover : {false, true}) {
+    LocalCheckpointOptions o = lo;
+    o.recover_on_open = recover;
+    auto local = LocalCheckpoint::Open(o);
+    DS_ASSERT_OK(local);
+    Status s = (*local)->Verify();
+    EXPECT_TRUE(s.code() == StatusCode::kFailedPrecondition) << s.ToString();
+    EXPECT_NE(s.message().find("never pulled"), std::string::npos) << s.ToString();
+    DS_EXPECT_OK((*local)->CurrentVersion());
+  }
+  EXPECT_EQ(Snapshot(f.local), trainer);
+  EXPECT_FALSE(store_internal::PathExists(f.local + "/.weight_sync"));
+
+  // A pulled checkpoint: verifying it changes no byte of any file.
+  RemoveDir(f.local);
+  DS_ASSERT_OK(f.OpenLocal()->Pull(std::nullopt));
+  const auto pulled = Snapshot(f.local);
+  auto local = LocalCheckpoint::Open(lo);
+  DS_ASSERT_OK(local);
+  DS_EXPECT_OK((*local)->Verify());
+  EXPECT_EQ(Snapshot(f.local), pulled);
+}
+
+// Rewrites the index metadata of `dir` through `edit`.
+void EditIndexMetadata(const std::string& dir, const std::function<void(nlohmann::json&)>& edit) {
+  const std::string path = dir + "/" + kIndexFileName;
+  nlohmann::json index = nlohmann::json::parse(ReadFile(path));
+  edit(index);
+  WriteFile(path, index.dump(2));
+}
+
+TEST(LocalGuard, ADeltaThatLostItsDeltaMetadataIsNotInstalledAsAFullVersion) {
+  const std::function<void(nlohmann::json&)> edits[] = {
+      [](nlohmann::json& i) { i["metadata"].erase("delta_encoding"); },
+      [](nlohmann::json& i) { i.erase("metadata"); },
+      [](nlohmann::json& i) { i["metadata"] = nlohmann::json::object(); },
+  };
+  for (const Encoding encoding : {Encoding::kXor, Encoding::kOverwrite, Encoding::kSparse}) {
+    for (size_t e = 0; e < std::size(edits); ++e) {
+      SCOPED_TRACE(std::string(EncodingName(encoding)) + " edit " + std::to_string(e));
+      Fixture f;
+      auto publisher = f.MakePublisher(f.PublisherOpts(encoding));
+      PublishSteps(publisher.get(), f.base_model, 2);
+      // As the Python publisher writes a store: no sidecar.
+      for (int v : {1, 2})
+        std::filesystem::remove(f.VersionPath(v) + "/" + kVersionManifestFileName);
+      auto local = f.OpenLocal();
+      DS_ASSERT_OK(local->Pull(1));
+      const auto before = Snapshot(f.local);
+      EditIndexMetadata(f.VersionPath(2), edits[e]);
+      Result<VersionInfo> info = ReadVersionInfo(f.VersionPath(2));
+      ASSERT_TRUE(info.ok() && !info->is_delta) << "the edit must make it read as full";
+      Result<PullResult> r = local->Pull(2);
+      ASSERT_TRUE(r.status().IsCorruption()) << r.status().ToString();
+      EXPECT_NE(r.status().message().find("is not a full checkpoint of this model"),
+                std::string::npos)
+          << r.status().ToString();
+      EXPECT_EQ(Snapshot(f.local), before);
+      EXPECT_EQ(**local->CurrentVersion(), 1);
+      DS_EXPECT_OK(local->Verify());
+    }
+  }
+}
+
+TEST(LocalGuard, AFullVersionOfTheModelStillResetsTheCheckpoint) {
+  Fixture f;
+  auto publisher = f.MakePublisher(f.PublisherOpts());
+  std::vector<Model> models = PublishSteps(publisher.get(), f.base_model, 1);
+  models.push_back(Step(models.back(), 9));
+  DS_ASSERT_OK(publisher->Publish(Views(models.back()), /*full=*/true));
+  auto local = f.OpenLocal();
+  Result<PullResult> r = local->Pull(std::nullopt);
+  DS_ASSERT_OK(r);
+  EXPECT_EQ(r->reset_to, 2);
+  EXPECT_TRUE(HoldsModel(f.local, models[2]));
+}
+
+TEST(LocalGuard, AWrongBaseIsRefusedBeforeAnythingIsCopied) {
+  Fixture f;
+  auto publisher = f.MakePublisher(f.PublisherOpts());
+  const std::vector<Model> models = PublishSteps(publisher.get(), f.base_model, 2);
+  const std::string wrong = f.tmp.Join("wrong-base");
+  WriteModel(wrong, Step(f.base_model, 5));  // same layout, other weights
+  for (std::optional<int64_t> target : {std::optional<int64_t>(), std::optional<int64_t>(0)}) {
+    LocalCheckpointOptions lo = f.LocalOpts();
+    lo.base = wrong;
+    auto local = LocalCheckpoint::Open(lo);
+    DS_ASSERT_OK(local);
+    Result<PullResult> r = (*local)->Pull(target);
+    ASSERT_TRUE(r.status().code() == StatusCode::kFailedPrecondition) << r.status().ToString();
+    EXPECT_NE(r.status().message().find("is not the base of store"), std::string::npos)
+        << r.status().ToString();
+    EXPECT_FALSE(store_internal::PathExists(f.local + "/" + kSingleFileName));
+    EXPECT_FALSE(store_internal::PathExists(f.local + "/.weight_sync/state.json"));
+  }
+  // The right base then works as if nothing had happened.
+  Result<PullResult> r = f.OpenLocal()->Pull(std::nullopt);
+  DS_ASSERT_OK(r);
+  EXPECT_TRUE(HoldsModel(f.local, models[2]));
+}
+
+TEST(LocalGuard, TheRightBaseRepairsACheckpointSeededFromAWrongOne) {
+  Fixture f;
+  auto publisher = f.MakePublisher(f.PublisherOpts(Encoding::kXor));
+  const std::vector<Model> models = PublishSteps(publisher.get(), f.base_model, 2);
+  // Without sidecars the store records nothing about its base: a wrong base
+  // is only found when the first delta fails to verify.
+  for (int v : {1, 2}) std::filesystem::remove(f.VersionPath(v) + "/" + kVersionManifestFileName);
+  const std::string wrong = f.tmp.Join("wrong-base");
+  WriteModel(wrong, Step(f.base_model, 5));
+  LocalCheckpointOptions lo = f.LocalOpts();
+  lo.base = wrong;
+  auto bad = LocalCheckpoint::Open(lo);
+  DS_ASSERT_OK(bad);
+  EXPECT_FALSE((*bad)->Pull(std::nullopt).ok());
+  EXPECT_EQ(**(*bad)->CurrentVersion(), 0);  // a copy of the wrong base
+  // The right base replaces it, then every delta applies.
+  auto local = f.OpenLocal();
+  Result<PullResult> r = local->Pull(std::nullopt);
+  DS_ASSERT_OK(r);
+  EXPECT_EQ(r->reset_to, 0);
+  EXPECT_TRUE(HoldsModel(f.local, models[2]));
+  DS_EXPECT_OK(local->Verify());
+}
+
+TEST(LocalGuard, AWrongBaseChangesNothingOnACheckpointAlreadyAtAVersion) {
+  Fixture f;
+  auto publisher = f.MakePublisher(f.PublisherOpts());
+  const std::vector<Model> models = PublishSteps(publisher.get(), f.base_model, 2);
+  DS_ASSERT_OK(f.OpenLocal()->Pull(1));
+  const std::string record = f.local + "/.weight_sync/deltasync-base.json";
+  const std::string recorded = ReadFile(record);
+  const std::string wrong = f.tmp.Join("wrong-base");
+  WriteModel(wrong, Step(f.base_model, 5));
+  LocalCheckpointOptions lo = f.LocalOpts();
+  lo.base = wrong;
+  auto local = LocalCheckpoint::Open(lo);
+  DS_ASSERT_OK(local);
+  DS_ASSERT_OK((*local)->Pull(1));  // already there
+  DS_ASSERT_OK((*local)->Pull(2));  // a delta on top: the base plays no part
+  EXPECT_EQ(ReadFile(record), recorded);
+  EXPECT_TRUE(HoldsModel(f.local, models[2]));
+}
+
+TEST(LocalGuard, VersionZeroIsVerifiedAgainstTheStoresRecordOfTheBase) {
+  Fixture f;
+  auto publisher = f.MakePublisher(f.PublisherOpts());
+  PublishSteps(publisher.get(), f.base_model, 1);
+  auto local = f.OpenLocal();
+  DS_ASSERT_OK(local->Pull(0));
+  DS_ASSERT_OK(local->Verify());
+  // The same bytes changed in the base and in its copy, as a pull into the
+  // base itself would leave them: a byte comparison with the base agrees,
+  // the store's record of the base does not.
+  const std::string tensor = "model.layers.0.mlp.up_proj.weight";
+  for (const std::string& dir : {f.base, f.local}) {
+    const std::string file = FileHolding(dir, tensor);
+    FlipByte(file, TensorOffsetInFile(file, tensor) + 3);
+  }
+  Status s = local->Verify();
+  EXPECT_TRUE(s.IsCorruption()) << s.ToString();
+  EXPECT_NE(s.message().find(tensor), std::string::npos) << s.ToString();
+  // And a changed base is refused by the next reset to it.
+  RemoveDir(f.local);
+  Result<PullResult> r = f.OpenLocal()->Pull(0);
+  EXPECT_TRUE(r.status().code() == StatusCode::kFailedPrecondition) << r.status().ToString();
+}
+
+TEST(LocalGuard, ThePullRemovesWhatAKilledWriterLeft) {
+  Fixture f;
+  auto publisher = f.MakePublisher(f.PublisherOpts());
+  const std::vector<Model> models = PublishSteps(publisher.get(), f.base_model, 1);
+  DS_ASSERT_OK(f.OpenLocal()->Pull(0));
+  const std::string leftovers[] = {
+      f.local + "/.model.safetensors.copy.4242.0",
+      f.local + "/.model-00001-of-00002.safetensors.copy.17.3",
+      f.local + "/.weight_sync/.state.json.tmp.4242.7",
+      f.local + "/.weight_sync/.deltasync-base.json.tmp.1.0",
+  };
+  const std::string kept[] = {f.local + "/.cache", f.local + "/.model.safetensors.copy.x.0",
+                              f.local + "/notes.tmp.1.2"};
+  for (const std::string& p : leftovers) WriteFile(p, std::string(4096, 'x'));
+  for (const std::string& p : kept) WriteFile(p, "keep");
+  DS_ASSERT_OK(f.OpenLocal()->Pull(1));
+  for (const std::string& p : leftovers) EXPECT_FALSE(store_internal::PathExists(p)) << p;
+  for (const std::string& p : kept) EXPECT_TRUE(store_internal::PathExists(p)) << p;
+  EXPECT_TRUE(HoldsModel(f.local, models[1]));
+}
+
+}  // namespace
+}  // namespace deltasync::store_test
