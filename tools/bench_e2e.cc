@@ -503,6 +503,10 @@ class E2eRun {
     DS_ASSIGN_OR_RETURN(const std::string dir, FreshDir(name));
     const std::string store = dir + "/store", local = dir + "/local",
                       local_durable = dir + "/local_durable";
+    // The trainer's store exists before the hosts seed from the base.
+    std::error_code ec;
+    fs::create_directories(store, ec);
+    if (ec) return Status::FromErrno(ec.value(), store + ": create store directory");
     DS_RETURN_IF_ERROR(MaterializeOurs(store, local, name + "_base"));
     if (!full) DS_RETURN_IF_ERROR(MaterializeOurs(store, local_durable, name + "_base_durable"));
 

@@ -127,8 +127,8 @@ int InspectStore(const std::string& path, bool json) {
     for (const VersionInfo& v : *versions) {
       nlohmann::json j = {{"version", v.version},
                           {"kind", v.is_delta ? "delta" : "full"},
-                          {"tensors", v.tensors},
                           {"bytes", dir_bytes(v.dir)}};
+      j[v.is_delta ? "tensors_changed" : "tensors"] = v.tensors;
       if (v.is_delta) {
         j["base_version"] = v.base_version;
         j["encoding"] = EncodingName(v.encoding);
@@ -154,7 +154,8 @@ int InspectStore(const std::string& path, bool json) {
                                    std::string(EncodingName(v.encoding)) + "/" + v.compression +
                                    "/" + std::string(ChecksumAlgoName(v.checksum))
                              : std::string("full"))
-              << "  " << v.tensors << " tensors  " << FormatBytes(dir_bytes(v.dir)) << "\n";
+              << "  " << v.tensors << (v.is_delta ? " tensors changed  " : " tensors  ")
+              << FormatBytes(dir_bytes(v.dir)) << "\n";
   }
   return 0;
 }
@@ -198,7 +199,14 @@ void RegisterInspect(CLI::App& app, CommandFn* run) {
         }
       }
       Result<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(opts->path);
-      if (!ckpt.ok()) return Fail(ckpt.status());
+      if (!ckpt.ok()) {
+        if (ckpt.status().IsCorruption() && std::filesystem::is_regular_file(opts->path, ec)) {
+          std::string_view why = ckpt.status().message();
+          if (why.starts_with(opts->path + ": ")) why.remove_prefix(opts->path.size() + 2);
+          return Fail(opts->path + " is not a safetensors file: " + std::string(why));
+        }
+        return Fail(ckpt.status());
+      }
       if (!opts->json && std::filesystem::is_directory(opts->path, ec)) {
         Result<VersionInfo> info = ReadVersionInfo(opts->path);
         if (info.ok() && info->is_delta) PrintVersionHeader(*info);

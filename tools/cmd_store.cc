@@ -9,11 +9,12 @@
 namespace deltasync::cli {
 namespace {
 
+// `tensors` counts a model's tensors everywhere; a delta version holds only
+// the changed ones, `tensors_changed`.
 nlohmann::json VersionJson(const VersionInfo& v) {
-  nlohmann::json j = {{"version", v.version},
-                      {"dir", v.dir},
-                      {"kind", v.is_delta ? "delta" : "full"},
-                      {"tensors", v.tensors}};
+  nlohmann::json j = {
+      {"version", v.version}, {"dir", v.dir}, {"kind", v.is_delta ? "delta" : "full"}};
+  j[v.is_delta ? "tensors_changed" : "tensors"] = v.tensors;
   if (v.is_delta) {
     j["base_version"] = v.base_version;
     j["encoding"] = EncodingName(v.encoding);
@@ -24,8 +25,11 @@ nlohmann::json VersionJson(const VersionInfo& v) {
 }
 
 nlohmann::json PullJson(const PullResult& r) {
+  // Every pull that returns is verified: each changed tensor was hashed
+  // after its apply (a mismatch rolls back and fails the pull).
   nlohmann::json j = {{"version", r.version},
                       {"applied", r.applied},
+                      {"verified", true},
                       {"versions_applied", r.versions_applied},
                       {"recovered", r.recovered},
                       {"reseeded", r.reseeded},
@@ -104,7 +108,7 @@ void RegisterPublish(CLI::App& app, CommandFn* run) {
 void RegisterPull(CLI::App& app, CommandFn* run) {
   struct Opts {
     std::string store, local, base, target = "latest", hook;
-    bool durable = false, json = false;
+    bool durable = false, json = false, force = false;
   };
   auto o = std::make_shared<Opts>();
   CLI::App* cmd = app.add_subcommand(
@@ -116,6 +120,9 @@ void RegisterPull(CLI::App& app, CommandFn* run) {
   cmd->add_option("--hook", o->hook,
                   "Executable run as `hook <version_dir> <target>` before a version is read");
   cmd->add_flag("--durable", o->durable, "Sync data to disk before committing the new version");
+  cmd->add_flag("--force", o->force,
+                "Replace the weights in --local even if no pull made them (no "
+                ".weight_sync/state.json: e.g. a trainer's checkpoint)");
   cmd->add_flag("--json", o->json, "Machine-readable output");
   cmd->callback([o, run] {
     *run = [o]() -> int {
@@ -137,6 +144,7 @@ void RegisterPull(CLI::App& app, CommandFn* run) {
       opts.base = o->base;
       opts.pre_read_hook = o->hook;
       opts.durable = o->durable;
+      opts.replace_unknown_checkpoint = o->force;
       Result<std::unique_ptr<LocalCheckpoint>> local = LocalCheckpoint::Open(opts);
       if (!local.ok()) return Fail(local.status());
       Result<PullResult> r = (*local)->Pull(target);
@@ -179,12 +187,13 @@ void RegisterVerify(CLI::App& app, CommandFn* run) {
       opts.recover_on_open = false;  // verify reports; it never changes the checkpoint
       Result<std::unique_ptr<LocalCheckpoint>> local = LocalCheckpoint::Open(opts);
       if (!local.ok()) return Fail(local.status());
-      Result<std::optional<int64_t>> v = (*local)->CurrentVersion();
-      if (!v.ok()) return Fail(v.status());
-      if (!v->has_value())
-        return Fail(o->local + " is not at any version (never pulled, or mid-apply)");
+      // Verify says why when no version is committed (never pulled, or a
+      // pull to recover).
       Status s = (*local)->Verify();
       if (!s.ok()) return Fail(s);
+      Result<std::optional<int64_t>> v = (*local)->CurrentVersion();
+      if (!v.ok()) return Fail(v.status());
+      if (!v->has_value()) return Fail(o->local + " changed while being verified; verify again");
       std::cout << o->local << ": version " << FormatVersion(**v) << " verified" << std::endl;
       return 0;
     };
@@ -210,7 +219,7 @@ void RegisterVersions(CLI::App& app, CommandFn* run) {
         std::cout << nlohmann::json{{"store", o->store}, {"versions", arr}}.dump(2) << std::endl;
         return 0;
       }
-      if (versions->empty()) std::cout << o->store << ": no versions" << std::endl;
+      if (versions->empty()) std::cout << o->store << ": empty store, no versions" << std::endl;
       for (const VersionInfo& v : *versions) {
         std::cout << FormatVersion(v.version) << "  ";
         if (v.is_delta) {
@@ -220,7 +229,8 @@ void RegisterVersions(CLI::App& app, CommandFn* run) {
         } else {
           std::cout << "full";
         }
-        std::cout << "  " << v.tensors << " tensors" << std::endl;
+        std::cout << "  " << v.tensors << (v.is_delta ? " tensors changed" : " tensors")
+                  << std::endl;
       }
       return 0;
     };

@@ -155,6 +155,11 @@ Result<Testbed> MakeTestbed(const DemoConfig& config) {
   CheckpointWriteOptions write;
   write.max_shard_bytes = uint64_t{2} << 30;  // as save_pretrained shards, one file up to 2 GiB
   DS_RETURN_IF_ERROR(WriteCheckpoint(s.base, bed.trainer->Weights(), write));
+  // The trainer makes the store before the engines seed from the base: a
+  // pull refuses a store that does not exist (a mistyped path).
+  std::error_code ec;
+  std::filesystem::create_directories(s.store, ec);
+  if (ec) return Status::FromErrno(ec.value(), s.store + ": create store directory");
   s.setup_seconds = SecondsSince(start);
   return bed;
 }

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "agent/agent_test_util.h"
@@ -109,6 +110,7 @@ class AgentCliTest : public ::testing::Test {
     next_ = store_test::Step(base_, 9, 0.05);
     store_test::WriteModel(tmp_.Join("base"), base_);
     store_test::WriteModel(tmp_.Join("next"), next_);
+    std::filesystem::create_directories(tmp_.Join("store"));
   }
   std::vector<std::string> AgentArgs(const std::string& local, const std::string& listen) {
     return {DS_CLI_PATH,      "agent",  "--store",         tmp_.Join("store"), "--local",

@@ -279,6 +279,8 @@ class EndToEndTest : public ::testing::Test {
     options.steps = steps;
     const Status s = WriteSynthChain(options);
     ASSERT_TRUE(s.ok()) << s.ToString();
+    // The trainer makes the store before the engines seed from the base.
+    std::filesystem::create_directories(Store());
   }
 
   std::string Path(const std::string& name) const { return root_ + "/" + name; }

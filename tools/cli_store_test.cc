@@ -1,0 +1,136 @@
+// The disk transport's commands as a user meets them: mistyped paths,
+// checkpoints that are not ours, what the JSON and the messages say.
+#include <gtest/gtest.h>
+
+#include "cli_test_util.h"
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace deltasync {
+namespace {
+
+using testing_cli::CliRun;
+using testing_cli::CountLines;
+using testing_cli::ReadWholeFile;
+using testing_cli::RunCli;
+
+// A synth chain of 3 steps and a store with versions 1 (delta) and 2
+// (full), in a fresh dir per test.
+struct Chain {
+  std::string dir;
+  explicit Chain(const std::string& name) : dir(testing::TempDir() + "/" + name) {
+    std::filesystem::remove_all(dir);
+    EXPECT_EQ(RunCli("synth --preset tiny --out " + dir + "/chain --steps 2 --seed 3").exit_code,
+              0);
+    EXPECT_EQ(
+        RunCli("publish --store " + store() + " --old " + step(0) + " --new " + step(1)).exit_code,
+        0);
+    EXPECT_EQ(
+        RunCli("publish --full --store " + store() + " --old " + step(1) + " --new " + step(2))
+            .exit_code,
+        0);
+  }
+  std::string step(int i) const { return dir + "/chain/step_00000" + std::to_string(i); }
+  std::string store() const { return dir + "/store"; }
+  std::string local() const { return dir + "/local"; }
+};
+
+void ExpectOneLineError(const CliRun& r, const std::string& needle) {
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_EQ(CountLines(r.err), 1) << r.err;
+  EXPECT_NE(r.err.find(needle), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("error: error"), std::string::npos) << r.err;
+}
+
+TEST(CliStore, JsonSaysVerifiedAndTensorsCountsTheModel) {
+  Chain c("cli_store_json");
+  CliRun pull = RunCli("pull --json --target 1 --store " + c.store() + " --local " + c.local() +
+                       " --base " + c.step(0));
+  ASSERT_EQ(pull.exit_code, 0) << pull.err;
+  const nlohmann::json p = nlohmann::json::parse(pull.out);
+  EXPECT_EQ(p["verified"], true);
+  EXPECT_GT(p["tensors_changed"].get<uint64_t>(), 0u);
+
+  CliRun versions = RunCli("versions --json --store " + c.store());
+  ASSERT_EQ(versions.exit_code, 0) << versions.err;
+  const nlohmann::json v = nlohmann::json::parse(versions.out)["versions"];
+  ASSERT_EQ(v.size(), 2u);
+  EXPECT_FALSE(v[0].contains("tensors")) << v[0].dump();  // a delta holds only the changed ones
+  EXPECT_GT(v[0]["tensors_changed"].get<uint64_t>(), 0u);
+  const nlohmann::json inspected = nlohmann::json::parse(RunCli("inspect --json " + c.step(2)).out);
+  EXPECT_EQ(v[1]["tensors"], inspected["totals"]["tensors"]) << v[1].dump();
+  EXPECT_NE(RunCli("versions --store " + c.store()).out.find("tensors changed"), std::string::npos);
+}
+
+TEST(CliStore, AMistypedStoreIsAnErrorAndAnEmptyOneSaysSo) {
+  Chain c("cli_store_missing");
+  const std::string typo = c.dir + "/stor";
+  ExpectOneLineError(
+      RunCli("pull --store " + typo + " --local " + c.local() + " --base " + c.step(0)),
+      "store " + typo + " does not exist");
+  ExpectOneLineError(RunCli("versions --store " + typo), typo);
+  ExpectOneLineError(RunCli("prune --keep 1 --store " + typo), typo);
+  EXPECT_FALSE(std::filesystem::exists(c.local()));
+  EXPECT_FALSE(std::filesystem::exists(typo));
+
+  std::filesystem::create_directories(c.dir + "/empty");
+  CliRun empty = RunCli("versions --store " + c.dir + "/empty");
+  EXPECT_EQ(empty.exit_code, 0) << empty.err;
+  EXPECT_NE(empty.out.find("empty store"), std::string::npos) << empty.out;
+}
+
+TEST(CliStore, TheLocalMustNotBeTheBase) {
+  Chain c("cli_store_same");
+  const std::string before = ReadWholeFile(c.step(0) + "/model.safetensors");
+  ExpectOneLineError(
+      RunCli("pull --store " + c.store() + " --local " + c.step(0) + " --base " + c.step(0)),
+      "is the same directory as the base checkpoint");
+  ExpectOneLineError(RunCli("verify --local " + c.step(0) + " --base " + c.step(0)),
+                     "is the same directory as the base checkpoint");
+  EXPECT_EQ(ReadWholeFile(c.step(0) + "/model.safetensors"), before);
+  EXPECT_FALSE(std::filesystem::exists(c.step(0) + "/.weight_sync"));
+}
+
+TEST(CliStore, ATrainersCheckpointIsReplacedOnlyWithForce) {
+  Chain c("cli_store_force");
+  std::filesystem::create_directories(c.local());
+  std::filesystem::copy(c.step(1), c.local(), std::filesystem::copy_options::recursive);
+  const std::string pull =
+      "pull --store " + c.store() + " --local " + c.local() + " --base " + c.step(0);
+  ExpectOneLineError(RunCli(pull), "--force");
+  CliRun verify = RunCli("verify --local " + c.local());
+  ExpectOneLineError(verify, "never pulled");
+  EXPECT_FALSE(std::filesystem::exists(c.local() + "/.weight_sync/state.json"));
+  CliRun forced = RunCli(pull + " --force");
+  EXPECT_EQ(forced.exit_code, 0) << forced.err;
+  EXPECT_EQ(RunCli("verify --local " + c.local()).exit_code, 0);
+}
+
+TEST(CliStore, VerifyAfterAKilledPullSaysToPull) {
+  Chain c("cli_store_killed");
+  const std::string pull =
+      "pull --target 1 --store " + c.store() + " --local " + c.local() + " --base " + c.step(0);
+  ASSERT_EQ(RunCli(pull).exit_code, 0);
+  // What a pull killed mid-apply leaves (the journal aside): the state names
+  // no version, only the apply in flight.
+  const std::string state_path = c.local() + "/.weight_sync/state.json";
+  nlohmann::json state = nlohmann::json::parse(ReadWholeFile(state_path));
+  state.erase("version");
+  state["applying"] = "000002";
+  state["from_version"] = "000001";
+  std::ofstream(state_path) << state.dump();
+  const std::string before = ReadWholeFile(state_path);
+  ExpectOneLineError(RunCli("verify --local " + c.local()), "pull to recover");
+  EXPECT_EQ(ReadWholeFile(state_path), before);  // verify wrote nothing
+}
+
+TEST(CliStore, InspectOfAFileThatIsNotSafetensorsSaysSo) {
+  const std::string path = testing::TempDir() + "/cli_not_safetensors.txt";
+  std::ofstream(path) << "hello, this is a text file\n";
+  ExpectOneLineError(RunCli("inspect " + path), "is not a safetensors file");
+}
+
+}  // namespace
+}  // namespace deltasync
