@@ -698,13 +698,23 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
                                     file->path() + " and " + kVersionManifestFileName);
         }
         job.base_checksum = TaggedDigest(info.checksum, m->second.base_checksum);
+        // A weak checksum_format (adler32) can be matched on purpose: the
+        // strong digests the sidecar keeps beside it are what the apply is
+        // verified against, and what the state records.
+        store_internal::ExpectedDigests expected{info.checksum, m->second.checksum,
+                                                 m->second.base_checksum};
+        if (auto strong = store_internal::StrongDigestsOf(*manifest, m->second)) {
+          expected = std::move(*strong);
+          job.checksum = TaggedDigest(expected.algo, expected.checksum);
+          job.base_checksum = TaggedDigest(expected.algo, expected.base_checksum);
+        }
         auto known = st->checksums.find(t.name);
         if (known != st->checksums.end() && known->second != job.base_checksum) {
           Result<ParsedDigest> k = ParseTaggedDigest(known->second);
-          if (k.ok() && k->algo == info.checksum) {
+          if (k.ok() && k->algo == expected.algo) {
             return Status::FailedPrecondition(
                 where + " is based on a different tensor " + name + " than the local checkpoint " +
-                "holds (base checksum " + m->second.base_checksum + ", local " + k->hex +
+                "holds (base checksum " + expected.base_checksum + ", local " + k->hex +
                 "): wrong base; the store does not continue this checkpoint's history");
           }
         }
