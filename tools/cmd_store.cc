@@ -60,8 +60,9 @@ void RegisterPublish(CLI::App& app, CommandFn* run) {
   cmd->add_option("--full-every", o->full_every, "Make every K-th version full (0 = never)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--hook", o->hook,
-                  "Executable run as `hook <version_dir>` before the version becomes visible; "
-                  "non-zero exit fails the publish");
+                  "Executable run as `hook <temp_dir> <final_dir> <version>` (version: 6 digits) "
+                  "once the version is complete in a temp dir inside the store, before it is "
+                  "renamed to final_dir and becomes visible; non-zero exit fails the publish");
   cmd->add_option("--max-shard-bytes", o->max_shard,
                   "Most encoded bytes per delta shard file, with a unit (e.g. 64MiB)")
       ->capture_default_str();
@@ -118,7 +119,9 @@ void RegisterPull(CLI::App& app, CommandFn* run) {
   cmd->add_option("--base", o->base, "The engine's base checkpoint (version 0)")->required();
   cmd->add_option("--target,-t", o->target, "Version number, or latest")->capture_default_str();
   cmd->add_option("--hook", o->hook,
-                  "Executable run as `hook <version_dir> <target>` before a version is read");
+                  "Executable run as `hook <store> <target>` (target: 6-digit version or "
+                  "`latest`) at the start of the pull, before the store is listed; non-zero exit "
+                  "fails the pull");
   cmd->add_flag("--durable", o->durable, "Sync data to disk before committing the new version");
   cmd->add_flag("--force", o->force,
                 "Replace the weights in --local even if no pull made them (no "
@@ -246,9 +249,17 @@ void RegisterPrune(CLI::App& app, CommandFn* run) {
   CLI::App* cmd = app.add_subcommand(
       "prune", "Delete old versions, keeping the newest N and whatever the chain needs to replay");
   cmd->add_option("--store", o->store, "Store directory")->required();
-  cmd->add_option("--keep", o->keep, "Versions to keep")->required()->check(CLI::PositiveNumber);
+  cmd->add_option("--keep", o->keep,
+                  "Newest versions to keep (at least 1); versions from the newest full one on "
+                  "are kept too")
+      ->required();
   cmd->callback([o, run] {
     *run = [o]() -> int {
+      if (o->keep < 1) {
+        return Fail("--keep must be at least 1, not " + std::to_string(o->keep) +
+                    ": the newest version (what receivers pull) and the versions from the " +
+                    "newest full one on are never deleted");
+      }
       Result<std::vector<int64_t>> removed = PruneStore(o->store, o->keep);
       if (!removed.ok()) return Fail(removed.status());
       std::cout << "removed " << removed->size() << " versions";

@@ -12,7 +12,8 @@
 //   tensor holding the encoded change; each shard's __metadata__ maps tensor
 //   name -> hex checksum of its new bytes. A version without delta_encoding
 //   is a full version. Our extensions (each changed tensor's base checksum,
-//   dtype and shape) live in a sidecar, <version>/deltasync.json, which the
+//   dtype and shape, every tensor's digest at the version, strong digests
+//   beside adler32) live in a sidecar, <version>/deltasync.json, which the
 //   Python receiver never opens.
 //   <local>/.weight_sync/lock        flock, serializes every process on a host
 //   <local>/.weight_sync/state.json  {"version": "000007", ...}
@@ -70,8 +71,9 @@ struct VersionInfo {
 
 // Reads and validates a version directory's index and sidecar. NotFound
 // when the dir is missing; Corruption for a malformed index, metadata or
-// sidecar (missing or non-numeric base_version, a "version" that disagrees
-// with the directory name, a weight_map file name that is not a plain name);
+// sidecar (a non-string delta_encoding, a delta without a string "version",
+// missing or non-numeric base_version, a "version" that disagrees with the
+// directory name, a weight_map file name that is not a plain name);
 // Unsupported for an unknown delta_encoding, compression_format or
 // checksum_format. A dir with neither an index nor model.safetensors is
 // Corruption. The version number comes from the dir name when it is a
@@ -96,6 +98,10 @@ struct ManifestTensor {
   std::string checksum;       // hex digest of the new bytes
   std::string base_checksum;  // delta only: hex digest of the bytes it applies to
   uint64_t changed = 0;       // delta only: changed elements
+  // With VersionManifest::strong: checksum and base_checksum again, in the
+  // strong algorithm.
+  std::string strong_checksum;
+  std::string strong_base_checksum;  // delta only
 };
 
 // The sidecar deltasync.json (docs/format.md, "Delta store").
@@ -106,6 +112,18 @@ struct VersionManifest {
   ChecksumAlgo checksum = ChecksumAlgo::kXxh3_128;
   // Delta: the changed tensors. Full: every tensor.
   std::map<std::string, ManifestTensor> tensors;
+  // Every tensor's digest (`checksum`) at this version, name -> hex: what a
+  // publish on top of this version checks its base against. A full
+  // version's come from `tensors`; a delta's sidecar records them apart.
+  // nullopt for a delta whose sidecar predates that record (it describes
+  // only the changed tensors).
+  std::optional<std::map<std::string, std::string>> state;
+  // Set when `checksum` can be matched on purpose (adler32): the algorithm
+  // (xxh3-128) of the strong digests recorded beside the peer-readable ones,
+  // in each tensor's strong_* fields and, for every tensor, in strong_state
+  // (present exactly when `state` is).
+  std::optional<ChecksumAlgo> strong;
+  std::map<std::string, std::string> strong_state;
 };
 
 // The sidecar of `version_dir`, or nullopt when it has none (versions
@@ -166,10 +184,14 @@ struct PublishResult {
 class Publisher {
  public:
   // `base` is what receivers hold now: the engine's base checkpoint (version
-  // 0) when the store is empty, else the newest version's weights (the
-  // caller's promise; receivers check each tensor's base checksum). Copied
-  // into the publisher's snapshot. InvalidArgument for invalid or repeated
-  // tensors, bad options, or an encoding that cannot be published.
+  // 0) when the store is empty, else the newest version's weights. Copied
+  // into the publisher's snapshot, and checked as it is copied against what
+  // the newest version records (docs/format.md, "Publishing": every tensor's
+  // digest for versions we publish, less for others). InvalidArgument for
+  // invalid or repeated tensors, bad options, or an encoding that cannot be
+  // published; FailedPrecondition naming the first tensor (by name) where
+  // the base differs from the newest version, or naming the newest version
+  // when it is empty or incomplete (no index, a shard missing).
   static Result<std::unique_ptr<Publisher>> Create(const PublisherOptions& options,
                                                    const std::vector<TensorView>& base);
   // Create with every tensor of the checkpoint (dir or .safetensors file) at
@@ -211,8 +233,11 @@ class Publisher {
 // empty), in one shot: no snapshot is kept, so `base` is read in place
 // instead of being copied (the publish costs no memory in proportion to the
 // model beyond the tensors in flight). Same files, checks and errors as
-// Publisher::Publish; full_every applies to the version number. For tools
-// that publish one version per run (the CLI's `publish --old --new`).
+// Publisher::Create then Publisher::Publish, except that the base of a full
+// version is not checked against the newest version (a full version does not
+// depend on it); a delta's base is checked by the diff pass, before anything
+// becomes visible. full_every applies to the version number. For tools that
+// publish one version per run (the CLI's `publish --old --new`).
 Result<PublishResult> PublishOnce(const PublisherOptions& options,
                                   const std::vector<TensorView>& base,
                                   const std::vector<TensorView>& weights, bool full = false);

@@ -509,35 +509,56 @@ Result<std::map<std::string, std::string>> LocalCheckpoint::State::CheckBaseAgai
   Result<std::optional<VersionManifest>> manifest = ReadVersionManifest(first);
   if (!manifest.ok() || !manifest->has_value()) return digests;
   const VersionManifest& m = **manifest;
-  std::vector<const std::pair<const std::string, ManifestTensor>*> entries;
-  for (const auto& entry : m.tensors) entries.push_back(&entry);
+  // What the base held, tensor by tensor: a changed tensor's base checksum;
+  // an unchanged one's digest at version 1 (its `state`, when recorded).
+  // The strong digests when the sidecar keeps them beside a weak format.
+  const ChecksumAlgo algo = m.strong.value_or(m.checksum);
+  struct Expected {
+    const std::string* name;
+    const ManifestTensor* changed;  // null: unchanged by version 1
+    const std::string* hex;
+  };
+  std::vector<Expected> expected;
+  for (const auto& [name, t] : m.tensors) {
+    expected.push_back({&name, &t, m.strong ? &t.strong_base_checksum : &t.base_checksum});
+  }
+  if (m.state) {
+    for (const auto& [name, hex] : m.strong ? m.strong_state : *m.state) {
+      if (!m.tensors.count(name)) expected.push_back({&name, nullptr, &hex});
+    }
+    for (const auto& [name, t] : base.tensors()) {
+      if (!m.state->count(name)) {
+        return Status::FailedPrecondition(
+            "base checkpoint " + base_path + " is not the base of store " + options.store +
+            ": it has tensor " + QuoteForMessage(name) + ", which version 000001 does not know");
+      }
+    }
+  }
+  std::sort(expected.begin(), expected.end(),
+            [](const Expected& a, const Expected& b) { return *a.name < *b.name; });
   const std::string not_base =
       "base checkpoint " + base_path + " is not the base of store " + options.store + ": ";
-  std::vector<Status> outcome(entries.size());
-  pool->ParallelFor(entries.size(), [&](size_t i) {
-    const auto& [name, expected] = *entries[i];
-    Result<TensorView> t = base.Get(name);
+  std::vector<Status> outcome(expected.size());
+  pool->ParallelFor(expected.size(), [&](size_t i) {
+    const Expected& e = expected[i];
+    const std::string name = QuoteForMessage(*e.name);
+    Result<TensorView> t = base.Get(*e.name);
     if (!t.ok()) {
-      outcome[i] =
-          Status::FailedPrecondition(not_base + "it lacks tensor " + QuoteForMessage(name) +
-                                     ", which version 000001 " + "changes");
-    } else if (t->dtype != expected.dtype || t->shape != expected.shape) {
+      outcome[i] = Status::FailedPrecondition(not_base + "it lacks tensor " + name +
+                                              ", which version 000001 records");
+    } else if (e.changed && (t->dtype != e.changed->dtype || t->shape != e.changed->shape)) {
       outcome[i] = Status::FailedPrecondition(
-          not_base + "tensor " + QuoteForMessage(name) + " is " + std::string(DTypeName(t->dtype)) +
-          ShapeToString(t->shape) + " there, " + std::string(DTypeName(expected.dtype)) +
-          ShapeToString(expected.shape) + " in version 000001");
-    } else if (const std::string actual = ChecksumHex(m.checksum, t->bytes);
-               actual != expected.base_checksum) {
-      outcome[i] =
-          Status::FailedPrecondition(not_base + "tensor " + QuoteForMessage(name) + " has " +
-                                     std::string(ChecksumAlgoName(m.checksum)) + " " + actual +
-                                     ", version 000001 was made against " + expected.base_checksum);
+          not_base + "tensor " + name + " is " + std::string(DTypeName(t->dtype)) +
+          ShapeToString(t->shape) + " there, " + std::string(DTypeName(e.changed->dtype)) +
+          ShapeToString(e.changed->shape) + " in version 000001");
+    } else if (const std::string actual = ChecksumHex(algo, t->bytes); actual != *e.hex) {
+      outcome[i] = Status::FailedPrecondition(not_base + "tensor " + name + " has " +
+                                              std::string(ChecksumAlgoName(algo)) + " " + actual +
+                                              ", version 000001 was made against " + *e.hex);
     }
   });
   for (const Status& st : outcome) DS_RETURN_IF_ERROR(st);  // the first by name
-  for (const auto* entry : entries) {
-    digests[entry->first] = TaggedDigest(m.checksum, entry->second.base_checksum);
-  }
+  for (const Expected& e : expected) digests[*e.name] = TaggedDigest(algo, *e.hex);
   return digests;
 }
 
@@ -896,13 +917,23 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
                                     file->path() + " and " + kVersionManifestFileName);
         }
         job.base_checksum = TaggedDigest(info.checksum, m->second.base_checksum);
+        // A weak checksum_format (adler32) can be matched on purpose: the
+        // strong digests the sidecar keeps beside it are what the apply is
+        // verified against, and what the state records.
+        store_internal::ExpectedDigests expected{info.checksum, m->second.checksum,
+                                                 m->second.base_checksum};
+        if (auto strong = store_internal::StrongDigestsOf(*manifest, m->second)) {
+          expected = std::move(*strong);
+          job.checksum = TaggedDigest(expected.algo, expected.checksum);
+          job.base_checksum = TaggedDigest(expected.algo, expected.base_checksum);
+        }
         auto known = st->checksums.find(t.name);
         if (known != st->checksums.end() && known->second != job.base_checksum) {
           Result<ParsedDigest> k = ParseTaggedDigest(known->second);
-          if (k.ok() && k->algo == info.checksum) {
+          if (k.ok() && k->algo == expected.algo) {
             return Status::FailedPrecondition(
                 where + " is based on a different tensor " + name + " than the local checkpoint " +
-                "holds (base checksum " + m->second.base_checksum + ", local " + k->hex +
+                "holds (base checksum " + expected.base_checksum + ", local " + k->hex +
                 "): wrong base; the store does not continue this checkpoint's history");
           }
         }

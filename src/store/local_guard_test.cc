@@ -253,6 +253,29 @@ TEST(LocalGuard, AWrongBaseIsRefusedBeforeAnythingIsCopied) {
   EXPECT_TRUE(HoldsModel(f.local, models[2]));
 }
 
+TEST(LocalGuard, ABaseThatDiffersOnlyWhereVersionOneChangedNothingIsRefusedToo) {
+  Fixture f;
+  auto publisher = f.MakePublisher(f.PublisherOpts(Encoding::kXor, ChecksumAlgo::kAdler32));
+  Model next = f.base_model;
+  next[1].data[0] ^= 1;  // version 1 changes one tensor only
+  DS_ASSERT_OK(publisher->Publish(Views(next)));
+  Model wrong = f.base_model;
+  wrong[2].data[5] ^= 1;  // a tensor version 1 leaves alone
+  WriteModel(f.tmp.Join("wrong-base"), wrong);
+  LocalCheckpointOptions lo = f.LocalOpts();
+  lo.base = f.tmp.Join("wrong-base");
+  auto local = LocalCheckpoint::Open(lo);
+  DS_ASSERT_OK(local);
+  Result<PullResult> r = (*local)->Pull(std::nullopt);
+  ASSERT_EQ(r.status().code(), StatusCode::kFailedPrecondition) << r.status().ToString();
+  EXPECT_NE(r.status().message().find(wrong[2].name), std::string::npos) << r.status().ToString();
+  // Checked with the strong digest the sidecar keeps beside adler32.
+  EXPECT_NE(r.status().message().find("xxh3-128"), std::string::npos) << r.status().ToString();
+  EXPECT_FALSE(store_internal::PathExists(f.local + "/" + kSingleFileName));
+  DS_ASSERT_OK(f.OpenLocal()->Pull(std::nullopt));
+  EXPECT_TRUE(HoldsModel(f.local, next));
+}
+
 TEST(LocalGuard, TheRightBaseRepairsACheckpointSeededFromAWrongOne) {
   Fixture f;
   auto publisher = f.MakePublisher(f.PublisherOpts(Encoding::kXor));

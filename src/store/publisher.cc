@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <functional>
 #include <mutex>
+#include <numeric>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -21,6 +22,7 @@
 #include "deltasync/safetensors.h"
 #include "deltasync/store.h"
 #include "format/file_util.h"
+#include "format/json_util.h"
 #include "store/store_internal.h"
 #include "store/version_internal.h"
 
@@ -28,8 +30,11 @@ namespace deltasync {
 namespace {
 
 using format_internal::JoinPath;
+using format_internal::QuoteForMessage;
 using store_internal::CrashPoint;
 using store_internal::FirstError;
+using store_internal::IsWeakChecksum;
+using store_internal::kStrongChecksum;
 using store_internal::VersionDir;
 
 struct SnapshotTensor {
@@ -41,6 +46,8 @@ struct SnapshotTensor {
   size_t size = 0;
   // Hex digest (options.checksum) of the current contents, once computed.
   std::optional<std::string> checksum;
+  // The same in kStrongChecksum, kept when options.checksum is weak.
+  std::optional<std::string> strong_checksum;
 
   std::span<uint8_t> bytes() { return {data, size}; }
   TensorView view() const { return {name, dtype, shape, {data, size}}; }
@@ -53,7 +60,33 @@ struct DeltaTensor {
   ChangeSet undo;             // positions + old values while refreshed
   std::string checksum;       // of the new bytes
   std::string base_checksum;  // of the old bytes
+  // kStrongChecksum digests, when options.checksum is weak.
+  std::string strong_checksum;
+  std::string strong_base_checksum;
+  // The old bytes' digest in the algorithm of the newest version's record,
+  // when the base is checked against it.
+  std::string check_digest;
   uint64_t changed_elements = 0;
+};
+
+// What the store's newest version records about every tensor: what the
+// base of a delta published on top of it must hold.
+struct BaseRecord {
+  int64_t version = 0;
+  std::string dir;
+  // Digests of the tensors' bytes, name -> hex in `algo`; nullopt for a
+  // full version without a sidecar, known by its tensors' dtypes and shapes.
+  std::optional<ChecksumAlgo> algo;
+  std::map<std::string, std::string> digests;
+  std::map<std::string, std::pair<DType, std::vector<int64_t>>> specs;
+  // Every tensor of the version is listed: the base must hold no other.
+  // Otherwise only the tensors the version changed are (a sidecar that
+  // predates the state record, or none: the Python publisher's).
+  bool complete = false;
+
+  bool Lists(const std::string& name) const {
+    return algo ? digests.count(name) > 0 : specs.count(name) > 0;
+  }
 };
 
 // Removes a temp dir unless released.
@@ -112,6 +145,9 @@ struct TensorScratch {
   SlotPart* part = nullptr;      // the data file this slot appends to
   std::unique_ptr<Hasher> base_hasher;
   std::unique_ptr<Hasher> new_hasher;
+  std::unique_ptr<Hasher> strong_base_hasher;
+  std::unique_ptr<Hasher> strong_new_hasher;
+  std::unique_ptr<Hasher> check_hasher;
 };
 
 // The hasher for `algo` in `slot`, made on first use and reset.
@@ -193,10 +229,13 @@ using ChunkSink = std::function<Status(uint64_t first, std::span<const uint8_t> 
                                        const ChangeSet& piece)>;
 
 // The pass below with each chunk's changes handed to `sink` instead of
-// gathered; a sink error stops it (earlier chunks stay refreshed).
+// gathered, and any number of hashers fed each piece; a sink error stops it
+// (earlier chunks stay refreshed).
 Status DiffAndHashInChunks(std::span<const uint8_t> new_bytes, std::span<uint8_t> snapshot,
-                           const DiffOptions& options, size_t chunk_bytes, Hasher* base_hasher,
-                           Hasher* new_hasher, ChangeSet* piece, const ChunkSink& sink);
+                           const DiffOptions& options, size_t chunk_bytes,
+                           std::span<Hasher* const> base_hashers,
+                           std::span<Hasher* const> new_hashers, ChangeSet* piece,
+                           const ChunkSink& sink);
 
 // Declared by the test that checks it against DiffTensor and ChecksumHex;
 // internal to the publisher otherwise.
@@ -221,8 +260,10 @@ Status DiffAndHashInChunks(std::span<const uint8_t> new_bytes, std::span<uint8_t
   out->elem_size = options.elem_size;
   if (options.elem_size != 0) out->numel = new_bytes.size() / options.elem_size;
   out->wide = out->numel > uint64_t{UINT32_MAX};
-  return DiffAndHashInChunks(new_bytes, snapshot, options, chunk_bytes, base_hasher, new_hasher,
-                             piece,
+  const std::span<Hasher* const> none;
+  return DiffAndHashInChunks(new_bytes, snapshot, options, chunk_bytes,
+                             base_hasher ? std::span<Hasher* const>(&base_hasher, 1) : none,
+                             new_hasher ? std::span<Hasher* const>(&new_hasher, 1) : none, piece,
                              [&](uint64_t first, std::span<const uint8_t>, const ChangeSet& p) {
                                AppendShifted(p, first, /*with_new_values=*/true, out);
                                return Status::OK();
@@ -230,8 +271,10 @@ Status DiffAndHashInChunks(std::span<const uint8_t> new_bytes, std::span<uint8_t
 }
 
 Status DiffAndHashInChunks(std::span<const uint8_t> new_bytes, std::span<uint8_t> snapshot,
-                           const DiffOptions& options, size_t chunk_bytes, Hasher* base_hasher,
-                           Hasher* new_hasher, ChangeSet* piece, const ChunkSink& sink) {
+                           const DiffOptions& options, size_t chunk_bytes,
+                           std::span<Hasher* const> base_hashers,
+                           std::span<Hasher* const> new_hashers, ChangeSet* piece,
+                           const ChunkSink& sink) {
   if (piece == nullptr) return Status::InvalidArgument("chunked diff: piece ChangeSet is null");
   const uint32_t elem_size = options.elem_size;
   DS_RETURN_IF_ERROR(CheckChunkedOperands(new_bytes, snapshot, elem_size));
@@ -243,10 +286,10 @@ Status DiffAndHashInChunks(std::span<const uint8_t> new_bytes, std::span<uint8_t
     const size_t offset = first * elem_size;
     const size_t length = std::min(chunk_numel, numel - first) * elem_size;
     const std::span<const uint8_t> new_chunk = new_bytes.subspan(offset, length);
-    if (base_hasher != nullptr) base_hasher->Update(snapshot.subspan(offset, length));
+    for (Hasher* h : base_hashers) h->Update(snapshot.subspan(offset, length));
     DS_RETURN_IF_ERROR(
         DiffTensor(new_chunk, snapshot.subspan(offset, length), piece_options, piece));
-    if (new_hasher != nullptr) new_hasher->Update(new_chunk);
+    for (Hasher* h : new_hashers) h->Update(new_chunk);
     DS_RETURN_IF_ERROR(sink(first, new_chunk, *piece));
   }
   return Status::OK();
@@ -278,6 +321,122 @@ Result<uint64_t> RefreshInChunks(std::span<const uint8_t> new_bytes, std::span<u
   return changed;
 }
 
+// What the store's newest version `newest` records about its tensors,
+// read from its sidecar (or, without one, its shards' headers). A version
+// that is empty, lacks its index, names shards that are missing or is
+// otherwise unreadable is FailedPrecondition: nothing can be published on
+// top of it until it is removed.
+Result<BaseRecord> ReadBaseRecord(const std::string& store, int64_t newest) {
+  const std::string dir = VersionDir(store, newest);
+  auto unusable = [&dir](const Status& s) {
+    const std::string what = "cannot publish on top of the store's newest version " + dir;
+    if (s.code() == StatusCode::kIOError || s.code() == StatusCode::kUnsupported) {
+      return s.WithContext(what);
+    }
+    return Status::FailedPrecondition(what + ", which is incomplete or damaged (" + s.message() +
+                                      "): if it is left over from an interrupted write or " +
+                                      "copy, remove it and publish again");
+  };
+  Result<VersionInfo> info = ReadVersionInfo(dir);
+  if (!info.ok()) return unusable(info.status());
+  // Opening maps every shard the index names and validates their headers
+  // (a missing or truncated shard fails here); no tensor data is read.
+  Result<std::unique_ptr<Checkpoint>> opened = Checkpoint::Open(dir);
+  if (!opened.ok()) return unusable(opened.status());
+  Result<std::optional<VersionManifest>> manifest = ReadVersionManifest(dir);
+  if (!manifest.ok()) return unusable(manifest.status());
+
+  BaseRecord record;
+  record.version = newest;
+  record.dir = dir;
+  if (*manifest && (*manifest)->state) {
+    const VersionManifest& m = **manifest;
+    record.complete = true;
+    record.algo = m.strong ? *m.strong : m.checksum;
+    record.digests = m.strong ? m.strong_state : *m.state;
+  } else if (*manifest) {
+    // A delta from an older publisher: the changed tensors only.
+    record.algo = (*manifest)->checksum;
+    for (const auto& [name, t] : (*manifest)->tensors) record.digests[name] = t.checksum;
+  } else if (info->is_delta) {
+    // The Python publisher's delta: the changed tensors' new checksums.
+    record.algo = info->checksum;
+    for (const auto& file : (*opened)->files()) {
+      for (const TensorView& t : file->tensors()) {
+        auto md = file->metadata().find(t.name);
+        if (md == file->metadata().end()) {
+          return unusable(Status::Corruption(file->path() + " records no checksum for tensor " +
+                                             QuoteForMessage(t.name)));
+        }
+        record.digests[t.name] = md->second;
+      }
+    }
+  } else {
+    // A full version without a sidecar: its tensors' names, dtypes and
+    // shapes are what it records without reading the weights.
+    record.complete = true;
+    for (const auto& [name, t] : (*opened)->tensors()) record.specs[name] = {t.dtype, t.shape};
+  }
+  return record;
+}
+
+// FailedPrecondition naming the first tensor, in name order, where the base
+// (`tensors`, `digests[i]` the hex digest of tensor i in record.algo) is not
+// what `record` says.
+Status CheckBase(const BaseRecord& record, const std::vector<SnapshotTensor>& tensors,
+                 const std::vector<std::string>& digests) {
+  std::vector<size_t> order(tensors.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return tensors[a].name < tensors[b].name; });
+  std::vector<const std::string*> listed;
+  if (record.algo) {
+    for (const auto& [name, digest] : record.digests) listed.push_back(&name);
+  } else {
+    for (const auto& [name, spec] : record.specs) listed.push_back(&name);
+  }
+  const std::string version = FormatVersion(record.version);
+  auto refuse = [&](const std::string& why) {
+    return Status::FailedPrecondition("cannot publish a delta on version " + version + " (" +
+                                      record.dir + "): the base given is not what that version " +
+                                      "holds, so no host could apply the delta: " + why);
+  };
+  size_t a = 0, b = 0;
+  while (a < order.size() || b < listed.size()) {
+    const SnapshotTensor* t = a < order.size() ? &tensors[order[a]] : nullptr;
+    if (t != nullptr && (b == listed.size() || t->name < *listed[b])) {
+      if (record.complete) {
+        return refuse("tensor " + QuoteForMessage(t->name) + " of the base is not in it");
+      }
+      ++a;
+      continue;
+    }
+    if (t == nullptr || *listed[b] < t->name) {
+      return refuse("its tensor " + QuoteForMessage(*listed[b]) + " is not in the base");
+    }
+    if (record.algo) {
+      const std::string& recorded = record.digests.at(t->name);
+      const std::string& actual = digests[order[a]];
+      if (actual != recorded) {
+        return refuse("tensor " + QuoteForMessage(t->name) + " differs (" +
+                      std::string(ChecksumAlgoName(*record.algo)) + " " + actual +
+                      " in the base, " + recorded + " in the version)");
+      }
+    } else {
+      const auto& [dtype, shape] = record.specs.at(t->name);
+      if (t->dtype != dtype || t->shape != shape) {
+        return refuse("tensor " + QuoteForMessage(t->name) + " is " +
+                      std::string(DTypeName(t->dtype)) + ShapeToString(t->shape) +
+                      " in the base, " + std::string(DTypeName(dtype)) + ShapeToString(shape) +
+                      " in the version");
+      }
+    }
+    ++a;
+    ++b;
+  }
+  return Status::OK();
+}
+
 }  // namespace
 
 struct Publisher::State {
@@ -289,6 +448,10 @@ struct Publisher::State {
   // The snapshot points at the caller's base, which is only read: a
   // one-shot publish (PublishOnce) that never advances it.
   bool borrowed = false;
+  // A borrowed base's check against the store's newest version, done by
+  // the delta pass, which hashes every base tensor anyway. An owned base is
+  // checked as it is copied, in Make.
+  std::optional<BaseRecord> base_record;
 
   static Result<std::unique_ptr<State>> Make(const PublisherOptions& options,
                                              const std::vector<TensorView>& base, bool borrow);
@@ -302,9 +465,10 @@ struct Publisher::State {
                                               PublishResult* result);
   // With `changed_elements`, also counts the elements that differ from the
   // snapshot, in the pass that computes the digests.
+  // `strong_checksums` are filled when options.checksum is weak.
   Status WriteFull(const std::vector<const TensorView*>& weights, int64_t version,
                    const std::string& dir, std::vector<std::string>* checksums,
-                   uint64_t* changed_elements);
+                   std::vector<std::string>* strong_checksums, uint64_t* changed_elements);
   void RestoreSnapshot(std::vector<DeltaTensor>* delta);
 };
 
@@ -363,6 +527,13 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
 
   const PublisherOptions& opt = options;
   const Codec& codec = GetCodec(opt.encoding);
+  const bool weak = IsWeakChecksum(opt.checksum);
+  // The base's digests in the record's algorithm come from the hashers the
+  // pass runs anyway, unless the record is in a third algorithm.
+  const std::optional<ChecksumAlgo> check_algo =
+      base_record ? base_record->algo : std::optional<ChecksumAlgo>();
+  const bool check_apart =
+      check_algo && *check_algo != opt.checksum && !(weak && *check_algo == kStrongChecksum);
   store_internal::FreeList<TensorScratch> scratches;
   auto process = [&](size_t i) {
     if (error.failed()) return;
@@ -381,6 +552,23 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
     Hasher* base_hasher =
         snap.checksum ? nullptr : FreshHasher(opt.checksum, &scratch->base_hasher);
     Hasher* new_hasher = FreshHasher(opt.checksum, &scratch->new_hasher);
+    Hasher* strong_base_hasher = weak && !snap.strong_checksum
+                                     ? FreshHasher(kStrongChecksum, &scratch->strong_base_hasher)
+                                     : nullptr;
+    Hasher* strong_new_hasher =
+        weak ? FreshHasher(kStrongChecksum, &scratch->strong_new_hasher) : nullptr;
+    const bool checked = check_algo && base_record->Lists(snap.name);
+    Hasher* check_hasher =
+        checked && check_apart ? FreshHasher(*check_algo, &scratch->check_hasher) : nullptr;
+    Hasher* base_hashers[3];
+    Hasher* new_hashers[2];
+    size_t base_count = 0, new_count = 0;
+    for (Hasher* h : {base_hasher, strong_base_hasher, check_hasher}) {
+      if (h != nullptr) base_hashers[base_count++] = h;
+    }
+    for (Hasher* h : {new_hasher, strong_new_hasher}) {
+      if (h != nullptr) new_hashers[new_count++] = h;
+    }
     const uint64_t numel = snap.size / diff.elem_size;
     // Encodings that stream take each chunk's changes as the pass finds them,
     // so the tensor's whole change list is never held; the undo log of a
@@ -406,14 +594,25 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
     // reads them (only a page-table walk for memory already mapped).
     store_internal::PrefaultForRead(w.bytes);
     if (borrowed) store_internal::PrefaultForRead(snap.bytes());
-    // One pass computes the base digest (of the bytes before the refresh;
-    // skipped when the snapshot's is known), the diff and the new digest.
+    // One pass computes the base digests (of the bytes before the refresh;
+    // skipped when the snapshot's are known), the diff and the new digests.
     Status s = store_internal::DiffAndHashInChunks(w.bytes, snap.bytes(), diff, kFusedChunkBytes,
-                                                   base_hasher, new_hasher, &scratch->piece, sink);
+                                                   {base_hashers, base_count},
+                                                   {new_hashers, new_count}, &scratch->piece, sink);
     out.refreshed = diff.refresh_snapshot;
     if (s.ok()) {
       out.base_checksum = base_hasher ? base_hasher->HexDigest() : *snap.checksum;
       out.checksum = new_hasher->HexDigest();
+      if (weak) {
+        out.strong_base_checksum =
+            strong_base_hasher ? strong_base_hasher->HexDigest() : *snap.strong_checksum;
+        out.strong_checksum = strong_new_hasher->HexDigest();
+      }
+      if (checked) {
+        out.check_digest = check_hasher                  ? check_hasher->HexDigest()
+                           : *check_algo == opt.checksum ? out.base_checksum
+                                                         : out.strong_base_checksum;
+      }
       if (count > 0) {
         out.changed = true;
         out.changed_elements = count;
@@ -540,7 +739,13 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
   manifest.is_delta = true;
   manifest.base_version = version - 1;
   manifest.checksum = opt.checksum;
+  if (weak) manifest.strong = kStrongChecksum;
+  // Every tensor's new digest, which the pass computed anyway: the next
+  // publish checks its base against them.
+  manifest.state.emplace();
   for (size_t i = 0; i < n; ++i) {
+    manifest.state->emplace(tensors[i].name, delta[i].checksum);
+    if (weak) manifest.strong_state.emplace(tensors[i].name, delta[i].strong_checksum);
     if (!delta[i].changed) continue;
     ManifestTensor& t = manifest.tensors[tensors[i].name];
     t.dtype = tensors[i].dtype;
@@ -548,6 +753,8 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
     t.checksum = delta[i].checksum;
     t.base_checksum = delta[i].base_checksum;
     t.changed = delta[i].changed_elements;
+    t.strong_checksum = delta[i].strong_checksum;
+    t.strong_base_checksum = delta[i].strong_base_checksum;
   }
   if (status.ok()) {
     Result<std::string> index_text = SerializeCheckpointIndex(index);
@@ -578,38 +785,47 @@ void Publisher::State::RestoreSnapshot(std::vector<DeltaTensor>* delta) {
       }
     }
     d.refreshed = false;
-    // The snapshot holds the base again; its digest, when the diff computed
-    // it, saves the next publish a pass.
+    // The snapshot holds the base again; its digests, when the diff
+    // computed them, save the next publish a pass.
     if (!d.base_checksum.empty()) tensors[i].checksum = d.base_checksum;
+    if (!d.strong_base_checksum.empty()) tensors[i].strong_checksum = d.strong_base_checksum;
   });
 }
 
 Status Publisher::State::WriteFull(const std::vector<const TensorView*>& weights, int64_t version,
                                    const std::string& dir, std::vector<std::string>* checksums,
+                                   std::vector<std::string>* strong_checksums,
                                    uint64_t* changed_elements) {
+  const bool weak = IsWeakChecksum(options.checksum);
   checksums->assign(weights.size(), std::string());
+  strong_checksums->assign(weak ? weights.size() : 0, std::string());
   std::atomic<uint64_t> changed{0};
   pool->ParallelFor(weights.size(), [&](size_t i) {
     const std::span<const uint8_t> bytes = weights[i]->bytes;
-    if (changed_elements == nullptr) {
+    if (changed_elements == nullptr && !weak) {
       (*checksums)[i] = ChecksumHex(options.checksum, bytes);
       return;
     }
-    // Counted piece by piece while each piece of the new bytes is in cache.
+    // Hashed (and counted) piece by piece while each piece of the new bytes
+    // is in cache.
     const SnapshotTensor& snap = tensors[i];
     const auto elem_size = static_cast<uint32_t>(DTypeSize(snap.dtype));
     const size_t chunk = ChunkNumel(kFusedChunkBytes, elem_size) * elem_size;
     std::unique_ptr<Hasher> hasher = NewHasher(options.checksum);
+    std::unique_ptr<Hasher> strong = weak ? NewHasher(kStrongChecksum) : nullptr;
     uint64_t count = 0;
     for (size_t offset = 0; offset < bytes.size(); offset += chunk) {
       const size_t length = std::min(chunk, bytes.size() - offset);
       hasher->Update(bytes.subspan(offset, length));
+      if (strong) strong->Update(bytes.subspan(offset, length));
+      if (changed_elements == nullptr) continue;
       Result<uint64_t> n =
           CountChanged(bytes.subspan(offset, length),
                        std::span<const uint8_t>(snap.data + offset, length), elem_size);
       if (n.ok()) count += *n;
     }
     (*checksums)[i] = hasher->HexDigest();
+    if (strong) (*strong_checksums)[i] = strong->HexDigest();
     changed.fetch_add(count, std::memory_order_relaxed);
   });
   if (changed_elements != nullptr) *changed_elements = changed.load();
@@ -626,11 +842,13 @@ Status Publisher::State::WriteFull(const std::vector<const TensorView*>& weights
   manifest.version = version;
   manifest.is_delta = false;
   manifest.checksum = options.checksum;
+  if (weak) manifest.strong = kStrongChecksum;
   for (size_t i = 0; i < weights.size(); ++i) {
     ManifestTensor& t = manifest.tensors[tensors[i].name];
     t.dtype = tensors[i].dtype;
     t.shape = tensors[i].shape;
     t.checksum = (*checksums)[i];
+    if (weak) t.strong_checksum = (*strong_checksums)[i];
   }
   return format_internal::WriteFileAtomically(JoinPath(dir, kVersionManifestFileName),
                                               store_internal::SerializeVersionManifest(manifest));
@@ -673,16 +891,45 @@ Result<std::unique_ptr<Publisher::State>> Publisher::State::Make(
       s.data = s.owned.get();
     }
   }
-  if (!borrow) {
-    state->pool->ParallelFor(base.size(), [&](size_t i) {
-      if (!base[i].bytes.empty()) {
-        std::memcpy(state->tensors[i].data, base[i].bytes.data(), base[i].bytes.size());
-      }
-    });
-  }
   DS_RETURN_IF_ERROR(format_internal::CreateDirectories(options.store));
   DS_ASSIGN_OR_RETURN(std::vector<int64_t> versions, ListVersionNumbers(options.store));
+  // The base must be what the newest version holds: a delta made against
+  // anything else applies nowhere.
+  std::optional<BaseRecord> record;
+  if (!versions.empty()) {
+    DS_ASSIGN_OR_RETURN(record, ReadBaseRecord(options.store, versions.back()));
+  }
   state->latest = versions.empty() ? 0 : versions.back();
+  if (borrow) {
+    state->base_record = std::move(record);
+    return state;
+  }
+  // Copied and, when checked, hashed a piece at a time while it is in
+  // cache; a digest in the algorithm the publisher uses saves the first
+  // publish its base pass.
+  const std::optional<ChecksumAlgo> check_algo = record ? record->algo : std::nullopt;
+  std::vector<std::string> digests(base.size());
+  state->pool->ParallelFor(base.size(), [&](size_t i) {
+    SnapshotTensor& s = state->tensors[i];
+    const std::span<const uint8_t> from = base[i].bytes;
+    if (!check_algo || !record->Lists(s.name)) {
+      if (!from.empty()) std::memcpy(s.data, from.data(), from.size());
+      return;
+    }
+    std::unique_ptr<Hasher> hasher = NewHasher(*check_algo);
+    for (size_t offset = 0; offset < from.size(); offset += kFusedChunkBytes) {
+      const size_t length = std::min(kFusedChunkBytes, from.size() - offset);
+      std::memcpy(s.data + offset, from.data() + offset, length);
+      hasher->Update({s.data + offset, length});
+    }
+    digests[i] = hasher->HexDigest();
+    if (*check_algo == options.checksum) {
+      s.checksum = digests[i];
+    } else if (IsWeakChecksum(options.checksum) && *check_algo == kStrongChecksum) {
+      s.strong_checksum = digests[i];
+    }
+  });
+  if (record) DS_RETURN_IF_ERROR(CheckBase(*record, state->tensors, digests));
   return state;
 }
 
@@ -754,15 +1001,25 @@ Result<PublishResult> Publisher::State::Publish(const std::vector<TensorView>& w
     result.total_elements += t.size / DTypeSize(t.dtype);
   }
   std::vector<DeltaTensor> delta;
-  std::vector<std::string> full_checksums;
+  std::vector<std::string> full_checksums, full_strong_checksums;
   if (full) {
     // A borrowed snapshot is never refreshed, so only this pass can count
-    // the changes; an owned one counts them in its refresh below.
+    // the changes; an owned one counts them in its refresh below. A full
+    // version does not depend on the base, which is therefore not checked.
     DS_RETURN_IF_ERROR(st.WriteFull(ordered, version, temp_dir, &full_checksums,
+                                    &full_strong_checksums,
                                     st.borrowed ? &result.changed_elements : nullptr));
     result.tensors_changed = st.tensors.size();
   } else {
     DS_ASSIGN_OR_RETURN(delta, st.WriteDelta(ordered, version, temp_dir, &result));
+    if (st.base_record) {
+      std::vector<std::string> digests(delta.size());
+      for (size_t i = 0; i < delta.size(); ++i) digests[i] = std::move(delta[i].check_digest);
+      if (Status s = CheckBase(*st.base_record, st.tensors, digests); !s.ok()) {
+        st.RestoreSnapshot(&delta);
+        return s;
+      }
+    }
   }
   // From here on a failure must put the snapshot back.
   Status status = format_internal::SyncDirectory(temp_dir);
@@ -804,6 +1061,7 @@ Result<PublishResult> Publisher::State::Publish(const std::vector<TensorView>& w
         if (s.size > 0) std::memcpy(s.data, ordered[i]->bytes.data(), s.size);
       }
       s.checksum = full_checksums[i];
+      if (!full_strong_checksums.empty()) s.strong_checksum = full_strong_checksums[i];
       scratches.Give(std::move(scratch));
     });
     result.changed_elements = changed.load();
@@ -817,6 +1075,7 @@ Result<PublishResult> Publisher::State::Publish(const std::vector<TensorView>& w
       // The diff pass hashed every tensor's new bytes, which the snapshot
       // now holds: the next publish need not hash its base.
       s.checksum = d.checksum;
+      if (!d.strong_checksum.empty()) s.strong_checksum = d.strong_checksum;
       d.undo = ChangeSet();
     });
   }

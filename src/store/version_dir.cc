@@ -128,6 +128,22 @@ Result<VersionInfo> ReadVersionInfo(const std::string& version_dir) {
     if (!index.ok()) return index.status().WithContext(index_path);
     const auto& md = index->metadata;
     info.tensors = index->weight_map.size();
+    // A value that is not a string is not in `md`, and must not pass for an
+    // absent one: a delta taken for a full version, or a delta whose version
+    // only its directory name would give.
+    auto not_a_string = [&](const char* key) {
+      return Status::Corruption(index_path + ": metadata \"" + key + "\" is " +
+                                QuoteForMessage(index->metadata_json.at(key), 40) +
+                                ", not a string");
+    };
+    if (index->metadata_json.count("delta_encoding")) return not_a_string("delta_encoding");
+    if (md.count("delta_encoding")) {
+      if (index->metadata_json.count("version")) return not_a_string("version");
+      if (!md.count("version")) {
+        return Status::Corruption(index_path + ": metadata lacks \"version\", which a delta " +
+                                  "version must carry");
+      }
+    }
     if (md.count("version")) {
       DS_ASSIGN_OR_RETURN(int64_t meta_version, ParseVersionField(md, "version", index_path));
       if (dir_version.ok() && meta_version != *dir_version) {
@@ -254,19 +270,27 @@ std::string SerializeVersionManifest(const VersionManifest& manifest) {
   doc["kind"] = manifest.is_delta ? "delta" : "full";
   if (manifest.is_delta) doc["base_version"] = FormatVersion(manifest.base_version);
   doc["checksum_format"] = ChecksumAlgoName(manifest.checksum);
+  if (manifest.strong) doc["strong_checksum_format"] = ChecksumAlgoName(*manifest.strong);
   json tensors = json::object();
   for (const auto& [name, t] : manifest.tensors) {
     json entry = json::object();
     entry["dtype"] = DTypeName(t.dtype);
     entry["shape"] = t.shape;
     entry["checksum"] = t.checksum;
+    if (manifest.strong) entry["strong_checksum"] = t.strong_checksum;
     if (manifest.is_delta) {
       entry["base_checksum"] = t.base_checksum;
       entry["changed"] = t.changed;
+      if (manifest.strong) entry["strong_base_checksum"] = t.strong_base_checksum;
     }
     tensors[name] = std::move(entry);
   }
   doc["tensors"] = std::move(tensors);
+  // A full version's state is its tensors' checksums, already written.
+  if (manifest.is_delta && manifest.state) {
+    doc["state"] = *manifest.state;
+    if (manifest.strong) doc["strong_state"] = manifest.strong_state;
+  }
   return doc.dump(1, ' ', false, json::error_handler_t::replace) + "\n";
 }
 
@@ -311,6 +335,15 @@ Result<VersionManifest> ParseVersionManifest(std::string_view text, const std::s
     return Status::Unsupported(where + ": unknown checksum_format " + QuoteForMessage(s, 40));
   }
   m.checksum = *algo;
+  if (auto strong = doc.find("strong_checksum_format"); strong != doc.end()) {
+    if (!strong->is_string()) return bad("\"strong_checksum_format\" is not a string");
+    Result<ChecksumAlgo> strong_algo = ParseChecksumAlgo(strong->get<std::string>());
+    if (!strong_algo.ok()) {
+      return Status::Unsupported(where + ": unknown strong_checksum_format " +
+                                 QuoteForMessage(strong->get<std::string>(), 40));
+    }
+    m.strong = *strong_algo;
+  }
   auto tensors = doc.find("tensors");
   if (tensors == doc.end() || !tensors->is_object()) return bad("\"tensors\" is not an object");
   for (auto it = tensors->begin(); it != tensors->end(); ++it) {
@@ -341,13 +374,77 @@ Result<VersionManifest> ParseVersionManifest(std::string_view text, const std::s
       }
       t.changed = changed->get<uint64_t>();
     }
+    if (m.strong) {
+      DS_RETURN_IF_ERROR(get_string(*it, "strong_checksum", &t.strong_checksum));
+      DS_RETURN_IF_ERROR(CheckDigest(t.strong_checksum, *m.strong, where + ": tensor " + tname));
+      if (m.is_delta) {
+        DS_RETURN_IF_ERROR(get_string(*it, "strong_base_checksum", &t.strong_base_checksum));
+        DS_RETURN_IF_ERROR(
+            CheckDigest(t.strong_base_checksum, *m.strong, where + ": tensor " + tname));
+      }
+    }
     m.tensors.emplace(it.key(), std::move(t));
+  }
+  if (!m.is_delta) {
+    m.state.emplace();
+    for (const auto& [name, t] : m.tensors) {
+      m.state->emplace(name, t.checksum);
+      if (m.strong) m.strong_state.emplace(name, t.strong_checksum);
+    }
+    return m;
+  }
+  // A delta's state: every tensor's digest, which for a changed tensor must
+  // be the one `tensors` records.
+  auto read_state = [&](const char* key, ChecksumAlgo algo, std::string ManifestTensor::*field,
+                        std::map<std::string, std::string>* out) -> Status {
+    auto obj = doc.find(key);
+    if (obj == doc.end() || !obj->is_object()) {
+      return bad(std::string("\"") + key + "\" is missing or not an object");
+    }
+    for (auto it = obj->begin(); it != obj->end(); ++it) {
+      const std::string what = where + ": \"" + key + "\" of tensor " + QuoteForMessage(it.key());
+      if (!it->is_string()) return Status::Corruption(what + " is not a string");
+      std::string digest = it->get<std::string>();
+      DS_RETURN_IF_ERROR(CheckDigest(digest, algo, what));
+      out->emplace(it.key(), std::move(digest));
+    }
+    for (const auto& [name, t] : m.tensors) {
+      auto found = out->find(name);
+      if (found == out->end() || found->second != t.*field) {
+        return bad(std::string("\"") + key + "\" disagrees with tensor " + QuoteForMessage(name) +
+                   " (a changed tensor's new digest)");
+      }
+    }
+    return Status::OK();
+  };
+  if (doc.contains("state")) {
+    m.state.emplace();
+    DS_RETURN_IF_ERROR(read_state("state", m.checksum, &ManifestTensor::checksum, &*m.state));
+    if (m.strong) {
+      DS_RETURN_IF_ERROR(
+          read_state("strong_state", *m.strong, &ManifestTensor::strong_checksum, &m.strong_state));
+      if (m.strong_state.size() != m.state->size() ||
+          !std::equal(m.state->begin(), m.state->end(), m.strong_state.begin(),
+                      [](const auto& a, const auto& b) { return a.first == b.first; })) {
+        return bad("\"strong_state\" and \"state\" name different tensors");
+      }
+    }
+  } else if (m.strong) {
+    return bad("\"strong_checksum_format\" without \"state\"");
   }
   return m;
 }
 
 Status CheckDigestText(std::string_view digest, ChecksumAlgo algo, std::string_view what) {
   return CheckDigest(digest, algo, what);
+}
+
+bool IsWeakChecksum(ChecksumAlgo algo) { return algo == ChecksumAlgo::kAdler32; }
+
+std::optional<ExpectedDigests> StrongDigestsOf(const VersionManifest& manifest,
+                                               const ManifestTensor& t) {
+  if (!manifest.strong || !manifest.is_delta) return std::nullopt;
+  return ExpectedDigests{*manifest.strong, t.strong_checksum, t.strong_base_checksum};
 }
 
 }  // namespace store_internal
