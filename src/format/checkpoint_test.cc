@@ -372,6 +372,28 @@ TEST(CheckpointOpen, MalformedIndexFiles) {
   }
 }
 
+// A NUL is not JSON whitespace; nlohmann would stop reading at it and take
+// the index for valid (some tools zero-fill a file they rewrite in place).
+TEST(CheckpointOpen, IndexWithTrailingNulBytes) {
+  const std::string index = R"({"weight_map":{"a":"shard.safetensors","b":"shard.safetensors"}})";
+  using namespace std::string_literals;
+  for (std::string tail : {"\0"s, "\n\0\0\0\0"s, "\0{\"weight_map\":{}}"s}) {
+    SCOPED_TRACE(::testing::PrintToString(tail));
+    TempDir dir;
+    WriteHandMadeCheckpoint(dir, index + tail);
+    const std::string at = std::to_string(index.size() + tail.find('\0'));
+    EXPECT_TRUE(
+        HasError(Checkpoint::Open(dir.path()).status(), StatusCode::kCorruption,
+                 dir.Join(kIndexFileName) + ": index: invalid JSON: NUL byte at offset " + at));
+    EXPECT_TRUE(HasError(ParseCheckpointIndex(index + tail).status(), StatusCode::kCorruption,
+                         "index: invalid JSON: NUL byte at offset " + at));
+    EXPECT_EQ(ReadFileOrDie(dir.Join(kIndexFileName)), index + tail);  // left as it was
+  }
+  TempDir dir;
+  WriteHandMadeCheckpoint(dir, index + "\n");
+  EXPECT_TRUE(Checkpoint::Open(dir.path()).ok());
+}
+
 // -------------------------------------------------- index parse / serialize
 
 TEST(CheckpointIndexTest, PlainFileNames) {

@@ -47,6 +47,7 @@ const Expected kCorruptFiles[] = {
      "tensor 'b': data_offsets [8, 12] extend past the end of the 9-byte data buffer"},
     {"bad_not_json.safetensors", kCorrupt, "header: invalid JSON"},
     {"bad_trailing_garbage.safetensors", kCorrupt, "header: invalid JSON"},
+    {"bad_nul_padding.safetensors", kCorrupt, "header: invalid JSON: NUL byte at offset 53"},
     {"bad_not_utf8.safetensors", kCorrupt, "header is not valid UTF-8 (bad byte 0xff"},
     {"bad_overlong_utf8.safetensors", kCorrupt, "header is not valid UTF-8 (bad byte 0xc0"},
     {"bad_surrogate_utf8.safetensors", kCorrupt, "header is not valid UTF-8 (bad byte 0xed"},
@@ -106,6 +107,7 @@ const Expected kCorruptCheckpoints[] = {
     {"bad_index_duplicate_across_shards", kCorrupt,
      "tensor 'model.norm.weight' appears in both 'model-00001-of-00002.safetensors' and "
      "'model-00002-of-00002.safetensors'"},
+    {"bad_index_trailing_nul", kCorrupt, "index: invalid JSON: NUL byte at offset 248"},
     {"bad_no_checkpoint", StatusCode::kNotFound,
      "neither model.safetensors.index.json nor model.safetensors exists"},
 };
