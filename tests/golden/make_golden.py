@@ -234,7 +234,14 @@ def checkpoint_dirs():
         "bad_index_wrong_shard": indexed(dict(weight_map, **{norm[0]: s2})),
         "bad_index_duplicate_across_shards": indexed(
             weight_map, extra_files={s2: safetensors([head, norm])}),
-        "bad_no_checkpoint": {"config.json": b"{}\n"},
+        # No index: the directory's *.safetensors files are the checkpoint.
+        # Hidden files (an interrupted writer's temporary) are not part of it.
+        "good_unindexed": {s1: shard1, s2: shard2,
+                           "." + s1 + ".tmp.4242.0": b"partial", "config.json": b"{}\n"},
+        "bad_unindexed_duplicate": {s1: shard1, s2: shard2,
+                                    "extra.safetensors": safetensors([norm])},
+        "bad_unindexed_missing_shard": {s2: shard2},
+        "bad_no_checkpoint": {"config.json": b"{}\n", "." + s1 + ".tmp.4242.0": shard1},
         # The index as HF writes it, then NULs (a file zero-filled past its end).
         "bad_index_trailing_nul": dict(
             indexed(weight_map),
