@@ -10,6 +10,11 @@ function(ds_module NAME)
     PUBLIC $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/include> $<INSTALL_INTERFACE:include>
     PRIVATE ${PROJECT_SOURCE_DIR}/src)
   target_link_libraries(ds_${NAME} PUBLIC ${M_DEPS} PRIVATE ${M_PRIVATE_DEPS})
+  if(DELTASYNC_SANITIZE)
+    # An installed sanitized library needs the sanitizer runtime in whatever
+    # links it (here every target gets it from add_link_options).
+    target_link_options(ds_${NAME} INTERFACE $<INSTALL_INTERFACE:-fsanitize=${DELTASYNC_SANITIZE}>)
+  endif()
   set_property(GLOBAL APPEND PROPERTY DELTASYNC_INSTALLED_TARGETS ds_${NAME})
 endfunction()
 
