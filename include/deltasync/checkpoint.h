@@ -1,7 +1,8 @@
 // Hugging Face checkpoint directories: a single `model.safetensors`, or
 // shards `model-00001-of-0000N.safetensors` listed by
 // `model.safetensors.index.json` =
-//   {"metadata": {...}, "weight_map": {tensor name: shard file name}}.
+//   {"metadata": {...}, "weight_map": {tensor name: shard file name}},
+// or, without an index, the directory's `*.safetensors` files together.
 #pragma once
 
 #include <cstdint>
@@ -56,17 +57,21 @@ class Checkpoint {
   // `path` is a checkpoint directory, its index file (which stands for the
   // directory), or one .safetensors file. A directory
   // with an index is read through it (even when a model.safetensors sits
-  // beside it: the index is what lists the tensors); otherwise it must hold
-  // model.safetensors, else NotFound naming the directory. Validates that
+  // beside it: the index is what lists the tensors). Validates that
   // every listed shard opens (a missing one is Corruption), that the index
   // lists exactly the tensors each shard holds, and that no name repeats
-  // across shards. Shards the index does not name are ignored.
+  // across shards. Shards the index does not name are ignored. A directory
+  // without an index is its non-hidden regular *.safetensors files, merged
+  // (a name in two files is Corruption naming both; a Hugging Face shard
+  // set "<prefix>-<i>-of-<n>.safetensors" missing a member is Corruption),
+  // and NotFound naming the directory when it has none. docs/format.md,
+  // "Checkpoint directories", has the rules.
   static Result<std::unique_ptr<Checkpoint>> Open(const std::string& path);
   Checkpoint(const Checkpoint&) = delete;
   Checkpoint& operator=(const Checkpoint&) = delete;
 
   const std::string& path() const { return path_; }
-  bool sharded() const { return has_index_; }
+  bool sharded() const { return has_index_; }              // read through an index
   const CheckpointIndex& index() const { return index_; }  // empty if not sharded
   // Opened files, by file name.
   const std::vector<std::unique_ptr<SafetensorsFile>>& files() const { return files_; }
@@ -112,7 +117,9 @@ struct CheckpointWriteOptions {
 // Writes `tensors`, in the given order, into directory `dir` (created if
 // missing). Each file is written atomically; the index is written last, so a
 // reader never finds an index naming a missing shard. Writing the single-file
-// layout removes a stale index, which would otherwise take precedence.
+// layout removes every other non-hidden *.safetensors file (an index-less
+// reader would merge it in) and then a stale index, which would otherwise
+// take precedence.
 // InvalidArgument for invalid views, repeated names or bad options.
 Status WriteCheckpoint(const std::string& dir, const std::vector<TensorView>& tensors,
                        const CheckpointWriteOptions& options = {});

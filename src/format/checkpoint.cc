@@ -5,6 +5,8 @@
 #include <cerrno>
 #include <charconv>
 #include <cstdio>
+#include <map>
+#include <optional>
 #include <set>
 #include <utility>
 
@@ -29,6 +31,82 @@ std::string ShardFileName(size_t ordinal, size_t count) {
   char name[64];
   std::snprintf(name, sizeof(name), "model-%05zu-of-%05zu.safetensors", ordinal, count);
   return name;
+}
+
+// A Hugging Face shard name, "<prefix>-<ordinal>-of-<count>.safetensors"
+// with both numbers written in at least five digits (HF writes %05d) and
+// 1 <= ordinal <= count.
+struct ShardName {
+  std::string prefix;
+  uint64_t ordinal = 0;
+  uint64_t count = 0;
+  size_t digits = 0;  // as the count is written
+};
+
+std::optional<ShardName> ParseShardName(std::string_view name) {
+  static constexpr std::string_view kSuffix = ".safetensors";
+  static constexpr std::string_view kOf = "-of-";
+  if (!name.ends_with(kSuffix)) return std::nullopt;
+  name.remove_suffix(kSuffix.size());
+  // Splits off "-<digits>" (or, with `of`, "-of-<digits>") from the end.
+  auto take_number = [&name](std::string_view separator, uint64_t* value, size_t* digits) -> bool {
+    const size_t at = name.rfind(separator);
+    if (at == name.npos) return false;
+    const std::string_view text = name.substr(at + separator.size());
+    if (text.size() < 5 || text.size() > 18) return false;  // 18 digits fit in 64 bits
+    auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), *value);
+    if (error != std::errc() || end != text.data() + text.size()) return false;
+    *digits = text.size();
+    name = name.substr(0, at);
+    return true;
+  };
+  ShardName shard;
+  size_t ordinal_digits = 0;
+  if (!take_number(kOf, &shard.count, &shard.digits) ||
+      !take_number("-", &shard.ordinal, &ordinal_digits)) {
+    return std::nullopt;
+  }
+  if (shard.ordinal == 0 || shard.ordinal > shard.count) return std::nullopt;
+  shard.prefix = std::string(name);
+  return shard;
+}
+
+// Without an index nothing lists the shards, but Hugging Face shard names
+// do: "model-00001-of-00003.safetensors" promises two more. A set with a
+// member missing is what an interrupted download or sharded write leaves
+// (our writer writes the index last), and reading it would silently drop
+// tensors.
+Status CheckShardSetsComplete(const std::string& dir, const std::vector<std::string>& names) {
+  // (prefix, count) -> the ordinals present, and one name for the message.
+  std::map<std::pair<std::string, uint64_t>, std::pair<std::set<uint64_t>, ShardName>> sets;
+  for (const std::string& name : names) {
+    std::optional<ShardName> shard = ParseShardName(name);
+    if (!shard) continue;
+    auto& set = sets[{shard->prefix, shard->count}];
+    set.first.insert(shard->ordinal);
+    set.second = *shard;
+  }
+  for (const auto& [key, set] : sets) {
+    const auto& [ordinals, example] = set;
+    uint64_t missing = 1;
+    for (uint64_t ordinal : ordinals) {
+      if (ordinal != missing) break;
+      ++missing;
+    }
+    if (missing > example.count) continue;
+    auto padded = [&](uint64_t value) {
+      std::string text = std::to_string(value);
+      if (text.size() < example.digits) text.insert(0, example.digits - text.size(), '0');
+      return text;
+    };
+    const std::string expected =
+        example.prefix + "-" + padded(missing) + "-of-" + padded(example.count) + ".safetensors";
+    return Status::Corruption(dir + ": shard " + QuoteForMessage(expected) + " is missing (" +
+                              std::to_string(ordinals.size()) + " of the " +
+                              std::to_string(example.count) +
+                              " shards are here and there is no index)");
+  }
+  return Status::OK();
 }
 
 Status RequireUtf8(std::string_view text, const char* what) {
@@ -177,17 +255,40 @@ Result<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& path) {
     return Status::InvalidArgument(path + ": neither a directory nor a regular file");
   }
 
+  // Adds a shard's tensors; a name already held by another shard is
+  // Corruption naming both files.
+  auto add_shard = [&](std::unique_ptr<SafetensorsFile> file, const std::string& shard) -> Status {
+    for (const TensorView& tensor : file->tensors()) {
+      auto [it, inserted] = checkpoint->file_of_.emplace(tensor.name, shard);
+      if (!inserted) {
+        return Status::Corruption(path + ": tensor " + QuoteForMessage(tensor.name) +
+                                  " appears in both " + QuoteForMessage(it->second) + " and " +
+                                  QuoteForMessage(shard));
+      }
+      checkpoint->tensors_.emplace(tensor.name, tensor);
+    }
+    checkpoint->files_.push_back(std::move(file));
+    return Status::OK();
+  };
+
   const std::string index_path = JoinPath(path, kIndexFileName);
   Result<std::string> index_text = format_internal::ReadFileLimited(index_path, kMaxIndexBytes);
   if (!index_text.ok()) {
     if (!index_text.status().IsNotFound()) return index_text.status();
-    const std::string single_path = JoinPath(path, kSingleFileName);
-    Status status = add_single_file(single_path);
-    if (status.IsNotFound()) {
-      return Status::NotFound(path + ": neither " + kIndexFileName + " nor " + kSingleFileName +
-                              " exists in this directory");
+    // No index: the checkpoint is the directory's *.safetensors files, as
+    // vLLM and SGLang load such a directory by glob.
+    DS_ASSIGN_OR_RETURN(std::vector<std::string> names,
+                        format_internal::ListSafetensorsFiles(path));
+    if (names.empty()) {
+      return Status::NotFound(path + ": neither " + kIndexFileName +
+                              " nor any *.safetensors file exists in this directory");
     }
-    DS_RETURN_IF_ERROR(status);
+    DS_RETURN_IF_ERROR(CheckShardSetsComplete(path, names));
+    for (const std::string& name : names) {
+      DS_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file,
+                          SafetensorsFile::Open(JoinPath(path, name)));
+      DS_RETURN_IF_ERROR(add_shard(std::move(file), name));
+    }
     return checkpoint;
   }
 
@@ -208,16 +309,7 @@ Result<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& path) {
       }
       return file.status();
     }
-    for (const TensorView& tensor : (*file)->tensors()) {
-      auto [it, inserted] = checkpoint->file_of_.emplace(tensor.name, shard);
-      if (!inserted) {
-        return Status::Corruption(path + ": tensor " + QuoteForMessage(tensor.name) +
-                                  " appears in both " + QuoteForMessage(it->second) + " and " +
-                                  QuoteForMessage(shard));
-      }
-      checkpoint->tensors_.emplace(tensor.name, tensor);
-    }
-    checkpoint->files_.push_back(std::move(*file));
+    DS_RETURN_IF_ERROR(add_shard(std::move(*file), shard));
   }
 
   // Both directions: a shard must not hold what the index does not list (the
@@ -304,6 +396,17 @@ Status WriteCheckpoint(const std::string& dir, const std::vector<TensorView>& te
     }
     DS_RETURN_IF_ERROR(format_internal::CreateDirectories(dir));
     DS_RETURN_IF_ERROR(WriteSafetensors(JoinPath(dir, kSingleFileName), tensors, metadata));
+    // What the directory held before is replaced: a stale index would take
+    // precedence over the new file, and without an index every other
+    // *.safetensors file would be read with it. The other files go first,
+    // while a stale index still stands for them, so an interrupted rewrite
+    // leaves an index naming a missing shard (refused) rather than an
+    // index-less directory that merges old tensors into the new ones.
+    DS_ASSIGN_OR_RETURN(std::vector<std::string> names, format_internal::ListSafetensorsFiles(dir));
+    for (const std::string& name : names) {
+      if (name == kSingleFileName) continue;
+      DS_RETURN_IF_ERROR(format_internal::RemoveFileIfExists(JoinPath(dir, name)));
+    }
     DS_RETURN_IF_ERROR(format_internal::RemoveFileIfExists(index_path));
     return format_internal::SyncDirectory(dir);
   }

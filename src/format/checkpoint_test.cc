@@ -241,6 +241,150 @@ TEST(CheckpointRoundTrip, CreatesMissingDirectories) {
   EXPECT_TRUE(Checkpoint::Open(dir.Join("a/b/c")).ok());
 }
 
+TEST(CheckpointRoundTrip, RewritingAsSingleFileReplacesAnIndexlessDirectory) {
+  TempDir dir;
+  Tensors old_a({{"old_a", 3}});
+  Tensors old_b({{"new", 5}});  // a name the new checkpoint reuses
+  ASSERT_TRUE(WriteSafetensors(dir.Join("a.safetensors"), old_a.views).ok());
+  ASSERT_TRUE(WriteSafetensors(dir.Join("model-00001-of-00001.safetensors"), old_b.views).ok());
+  WriteFileOrDie(dir.Join("config.json"), "{}");
+  Tensors new_tensors({{"new", 2}});
+  ASSERT_TRUE(WriteCheckpoint(dir.path(), new_tensors.views).ok());
+  EXPECT_EQ(dir.List(), (std::vector<std::string>{"config.json", kSingleFileName}));
+  auto checkpoint = Checkpoint::Open(dir.path());
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status().ToString();
+  ExpectCheckpointHolds(**checkpoint, new_tensors.views);
+}
+
+// ------------------------------------------------------ without an index
+// vLLM and SGLang load a directory's *.safetensors by glob when it has no
+// index; so do we.
+
+TEST(CheckpointIndexless, EverySafetensorsFileOfTheDirectoryMerged) {
+  TempDir dir;
+  Tensors a({{"a1", 4}, {"a2", 1}});
+  Tensors b({{"b1", 3}});
+  Tensors c({{"c1", 2}});
+  ASSERT_TRUE(WriteSafetensors(dir.Join("part-b.safetensors"), b.views).ok());
+  ASSERT_TRUE(WriteSafetensors(dir.Join("part-a.safetensors"), a.views).ok());
+  ASSERT_TRUE(WriteSafetensors(dir.Join("elsewhere.bin"), c.views).ok());
+  std::filesystem::create_symlink(dir.Join("elsewhere.bin"), dir.Join("linked.safetensors"));
+  // None of these is part of the checkpoint, though each holds tensors or
+  // would fail to parse: hidden files (our writers' temporaries), names
+  // that merely contain ".safetensors", a directory, a dangling link.
+  Tensors hidden({{"hidden", 1}});
+  ASSERT_TRUE(WriteSafetensors(dir.Join(".model.safetensors.tmp.123.0"), hidden.views).ok());
+  ASSERT_TRUE(WriteSafetensors(dir.Join(".hidden.safetensors"), hidden.views).ok());
+  WriteFileOrDie(dir.Join("model.safetensors.bak"), "junk");
+  WriteFileOrDie(dir.Join("config.json"), "{}");
+  std::filesystem::create_directory(dir.Join("sub.safetensors"));
+  std::filesystem::create_symlink(dir.Join("gone"), dir.Join("dangling.safetensors"));
+
+  auto checkpoint = Checkpoint::Open(dir.path());
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status().ToString();
+  EXPECT_FALSE((*checkpoint)->sharded());
+  EXPECT_TRUE((*checkpoint)->index().weight_map.empty());
+  std::vector<TensorView> all = a.views;
+  all.insert(all.end(), b.views.begin(), b.views.end());
+  all.insert(all.end(), c.views.begin(), c.views.end());
+  ExpectCheckpointHolds(**checkpoint, all);
+  EXPECT_EQ(*(*checkpoint)->FileOf("a2"), "part-a.safetensors");
+  EXPECT_EQ(*(*checkpoint)->FileOf("b1"), "part-b.safetensors");
+  EXPECT_EQ(*(*checkpoint)->FileOf("c1"), "linked.safetensors");
+  std::vector<std::string> files;
+  for (const auto& file : (*checkpoint)->files()) files.push_back(file->path());
+  EXPECT_EQ(files, (std::vector<std::string>{dir.Join("linked.safetensors"),
+                                             dir.Join("part-a.safetensors"),
+                                             dir.Join("part-b.safetensors")}));
+}
+
+TEST(CheckpointIndexless, CompleteShardSetWithoutItsIndex) {
+  TempDir dir;
+  Tensors t({{"x", 6}, {"y", 6}, {"z", 6}});
+  CheckpointWriteOptions sharded;
+  sharded.max_shard_bytes = 6;
+  ASSERT_TRUE(WriteCheckpoint(dir.path(), t.views, sharded).ok());
+  std::filesystem::remove(dir.Join(kIndexFileName));
+  auto checkpoint = Checkpoint::Open(dir.path());
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status().ToString();
+  ExpectCheckpointHolds(**checkpoint, t.views);
+  EXPECT_EQ(*(*checkpoint)->FileOf("z"), "model-00003-of-00003.safetensors");
+}
+
+TEST(CheckpointIndexless, TensorHeldByTwoFilesIsCorruptionNamingBoth) {
+  TempDir dir;
+  Tensors first({{"only_first", 1}, {"shared", 2}});
+  Tensors second({{"shared", 2}, {"only_second", 1}});
+  ASSERT_TRUE(WriteSafetensors(dir.Join("first.safetensors"), first.views).ok());
+  ASSERT_TRUE(WriteSafetensors(dir.Join("second.safetensors"), second.views).ok());
+  EXPECT_TRUE(HasError(Checkpoint::Open(dir.path()).status(), StatusCode::kCorruption,
+                       dir.path() + ": tensor 'shared' appears in both 'first.safetensors' and "
+                                    "'second.safetensors'"));
+  // model.safetensors is no exception once another file sits beside it.
+  std::filesystem::rename(dir.Join("first.safetensors"), dir.Join(kSingleFileName));
+  EXPECT_TRUE(HasError(Checkpoint::Open(dir.path()).status(), StatusCode::kCorruption,
+                       "tensor 'shared' appears in both 'model.safetensors' and "
+                       "'second.safetensors'"));
+}
+
+// What an interrupted download, or a sharded write stopped before its index,
+// leaves: the names promise shards that are not there.
+TEST(CheckpointIndexless, IncompleteShardSetIsCorruptionNamingTheMissingShard) {
+  TempDir dir;
+  Tensors t({{"x", 6}, {"y", 6}, {"z", 6}});
+  CheckpointWriteOptions sharded;
+  sharded.max_shard_bytes = 6;
+  ASSERT_TRUE(WriteCheckpoint(dir.path(), t.views, sharded).ok());
+  std::filesystem::remove(dir.Join(kIndexFileName));
+  std::filesystem::remove(dir.Join("model-00002-of-00003.safetensors"));
+  EXPECT_TRUE(HasError(Checkpoint::Open(dir.path()).status(), StatusCode::kCorruption,
+                       dir.path() + ": shard 'model-00002-of-00003.safetensors' is missing (2 of "
+                                    "the 3 shards are here and there is no index)"));
+  std::filesystem::remove(dir.Join("model-00003-of-00003.safetensors"));
+  EXPECT_TRUE(HasError(Checkpoint::Open(dir.path()).status(), StatusCode::kCorruption,
+                       "shard 'model-00002-of-00003.safetensors' is missing (1 of the 3"));
+  // Sets are told apart by prefix and count; the last shard missing counts.
+  TempDir other;
+  Tensors one({{"p", 1}});
+  Tensors two({{"q", 1}});
+  ASSERT_TRUE(WriteSafetensors(other.Join("model-00001-of-00001.safetensors"), one.views).ok());
+  ASSERT_TRUE(WriteSafetensors(other.Join("extra-000001-of-000002.safetensors"), two.views).ok());
+  EXPECT_TRUE(HasError(Checkpoint::Open(other.path()).status(), StatusCode::kCorruption,
+                       "shard 'extra-000002-of-000002.safetensors' is missing (1 of the 2"));
+  // Names that only look like shards (four digits, ordinal past the count)
+  // are plain files.
+  std::filesystem::rename(other.Join("extra-000001-of-000002.safetensors"),
+                          other.Join("extra-0001-of-0002.safetensors"));
+  Tensors three({{"r", 1}});
+  ASSERT_TRUE(WriteSafetensors(other.Join("odd-00003-of-00002.safetensors"), three.views).ok());
+  auto checkpoint = Checkpoint::Open(other.path());
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status().ToString();
+  EXPECT_EQ((*checkpoint)->tensors().size(), 3u);
+}
+
+TEST(CheckpointIndexless, ACorruptFileFailsTheCheckpointNamingIt) {
+  TempDir dir;
+  Tensors t({{"x", 1}});
+  ASSERT_TRUE(WriteSafetensors(dir.Join("a.safetensors"), t.views).ok());
+  WriteFileOrDie(dir.Join("b.safetensors"), "short");
+  EXPECT_TRUE(HasError(Checkpoint::Open(dir.path()).status(), StatusCode::kCorruption,
+                       dir.Join("b.safetensors") + ": file is 5 bytes, shorter"));
+}
+
+TEST(CheckpointIndexless, TheIndexStaysTheRuleWhenPresent) {
+  TempDir dir;
+  WriteHandMadeCheckpoint(dir,
+                          R"({"weight_map":{"a":"shard.safetensors","b":"shard.safetensors"}})");
+  Tensors unlisted({{"unlisted", 1}});
+  ASSERT_TRUE(WriteSafetensors(dir.Join("unlisted.safetensors"), unlisted.views).ok());
+  WriteFileOrDie(dir.Join("broken.safetensors"), "short");
+  auto checkpoint = Checkpoint::Open(dir.path());
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status().ToString();
+  EXPECT_TRUE((*checkpoint)->sharded());
+  EXPECT_EQ((*checkpoint)->tensors().size(), 2u);
+  EXPECT_EQ((*checkpoint)->files().size(), 1u);
+}
+
 // ------------------------------------------------------------ write errors
 
 TEST(CheckpointWrite, RefusesBadInputBeforeWritingAnything) {
@@ -277,9 +421,12 @@ TEST(CheckpointWrite, RefusesBadInputBeforeWritingAnything) {
 TEST(CheckpointOpen, DirectoryWithoutCheckpointIsNotFoundNamingIt) {
   TempDir dir;
   WriteFileOrDie(dir.Join("config.json"), "{}");
+  // A temporary of our own writer, interrupted, is not a checkpoint.
+  Tensors t({{"x", 1}});
+  ASSERT_TRUE(WriteSafetensors(dir.Join(".model.safetensors.tmp.123.0"), t.views).ok());
   EXPECT_TRUE(HasError(Checkpoint::Open(dir.path()).status(), StatusCode::kNotFound,
-                       dir.path() + ": neither model.safetensors.index.json nor "
-                                    "model.safetensors exists"));
+                       dir.path() + ": neither model.safetensors.index.json nor any "
+                                    "*.safetensors file exists in this directory"));
   EXPECT_TRUE(HasError(Checkpoint::Open(dir.Join("missing")).status(), StatusCode::kNotFound,
                        "missing: no such file or directory"));
 }
@@ -370,6 +517,28 @@ TEST(CheckpointOpen, MalformedIndexFiles) {
     EXPECT_TRUE(HasError(status, StatusCode::kCorruption, c.fragment));
     EXPECT_TRUE(HasError(status, StatusCode::kCorruption, dir.Join(kIndexFileName) + ": "));
   }
+}
+
+// A NUL is not JSON whitespace; nlohmann would stop reading at it and take
+// the index for valid (some tools zero-fill a file they rewrite in place).
+TEST(CheckpointOpen, IndexWithTrailingNulBytes) {
+  const std::string index = R"({"weight_map":{"a":"shard.safetensors","b":"shard.safetensors"}})";
+  using namespace std::string_literals;
+  for (std::string tail : {"\0"s, "\n\0\0\0\0"s, "\0{\"weight_map\":{}}"s}) {
+    SCOPED_TRACE(::testing::PrintToString(tail));
+    TempDir dir;
+    WriteHandMadeCheckpoint(dir, index + tail);
+    const std::string at = std::to_string(index.size() + tail.find('\0'));
+    EXPECT_TRUE(
+        HasError(Checkpoint::Open(dir.path()).status(), StatusCode::kCorruption,
+                 dir.Join(kIndexFileName) + ": index: invalid JSON: NUL byte at offset " + at));
+    EXPECT_TRUE(HasError(ParseCheckpointIndex(index + tail).status(), StatusCode::kCorruption,
+                         "index: invalid JSON: NUL byte at offset " + at));
+    EXPECT_EQ(ReadFileOrDie(dir.Join(kIndexFileName)), index + tail);  // left as it was
+  }
+  TempDir dir;
+  WriteHandMadeCheckpoint(dir, index + "\n");
+  EXPECT_TRUE(Checkpoint::Open(dir.path()).ok());
 }
 
 // -------------------------------------------------- index parse / serialize

@@ -31,6 +31,14 @@ Result<int> OpenRegularFile(const std::string& path, uint64_t* size);
 // make us allocate without bound). Messages name the path.
 Result<std::string> ReadFileLimited(const std::string& path, uint64_t max_bytes);
 
+// The names, sorted bytewise, of the files a checkpoint directory without an
+// index consists of: every entry of `dir` whose name ends in ".safetensors",
+// does not start with '.' (our writers' temporaries are hidden) and is a
+// regular file, a symbolic link counting as what it points to (a dangling one
+// is skipped, as are directories and special files). IOError naming `dir`
+// when it cannot be listed, or naming the entry when it cannot be examined.
+Result<std::vector<std::string>> ListSafetensorsFiles(const std::string& dir);
+
 // fsync on a directory, so that a rename or unlink inside it is durable.
 Status SyncDirectory(const std::string& dir);
 

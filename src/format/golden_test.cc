@@ -47,6 +47,7 @@ const Expected kCorruptFiles[] = {
      "tensor 'b': data_offsets [8, 12] extend past the end of the 9-byte data buffer"},
     {"bad_not_json.safetensors", kCorrupt, "header: invalid JSON"},
     {"bad_trailing_garbage.safetensors", kCorrupt, "header: invalid JSON"},
+    {"bad_nul_padding.safetensors", kCorrupt, "header: invalid JSON: NUL byte at offset 53"},
     {"bad_not_utf8.safetensors", kCorrupt, "header is not valid UTF-8 (bad byte 0xff"},
     {"bad_overlong_utf8.safetensors", kCorrupt, "header is not valid UTF-8 (bad byte 0xc0"},
     {"bad_surrogate_utf8.safetensors", kCorrupt, "header is not valid UTF-8 (bad byte 0xed"},
@@ -106,8 +107,15 @@ const Expected kCorruptCheckpoints[] = {
     {"bad_index_duplicate_across_shards", kCorrupt,
      "tensor 'model.norm.weight' appears in both 'model-00001-of-00002.safetensors' and "
      "'model-00002-of-00002.safetensors'"},
+    {"bad_index_trailing_nul", kCorrupt, "index: invalid JSON: NUL byte at offset 248"},
+    {"bad_unindexed_duplicate", kCorrupt,
+     "tensor 'model.norm.weight' appears in both 'extra.safetensors' and "
+     "'model-00001-of-00002.safetensors'"},
+    {"bad_unindexed_missing_shard", kCorrupt,
+     "shard 'model-00001-of-00002.safetensors' is missing (1 of the 2 shards are here and there "
+     "is no index)"},
     {"bad_no_checkpoint", StatusCode::kNotFound,
-     "neither model.safetensors.index.json nor model.safetensors exists"},
+     "neither model.safetensors.index.json nor any *.safetensors file exists in this directory"},
 };
 
 TEST(GoldenFiles, EachCorruptFileGivesItsError) {
@@ -142,9 +150,10 @@ TEST(GoldenFiles, EveryFileIsTestedAndDocumented) {
   std::set<std::string> tested;
   for (const Expected& e : kCorruptFiles) tested.insert(e.file);
   for (const Expected& e : kCorruptCheckpoints) tested.insert(std::string("checkpoints/") + e.file);
-  for (const char* good : {"good_all_dtypes.safetensors", "good_empty.safetensors",
-                           "good_scalar_and_empty.safetensors", "good_pretty_unsorted.safetensors",
-                           "checkpoints/good_sharded", "checkpoints/good_single"}) {
+  for (const char* good :
+       {"good_all_dtypes.safetensors", "good_empty.safetensors",
+        "good_scalar_and_empty.safetensors", "good_pretty_unsorted.safetensors",
+        "checkpoints/good_sharded", "checkpoints/good_single", "checkpoints/good_unindexed"}) {
     tested.insert(good);
   }
   std::set<std::string> on_disk;
@@ -268,6 +277,16 @@ TEST(GoldenFiles, GoodCheckpoints) {
   ASSERT_EQ((*single)->tensors().size(), 3u);
   for (const auto& [name, tensor] : (*single)->tensors()) {
     EXPECT_EQ(AsChars(tensor.bytes), AsChars((*sharded)->Get(name)->bytes)) << name;
+  }
+
+  auto unindexed = Checkpoint::Open(Golden("checkpoints/good_unindexed"));
+  ASSERT_TRUE(unindexed.ok()) << unindexed.status().ToString();
+  EXPECT_FALSE((*unindexed)->sharded());
+  EXPECT_EQ((*unindexed)->files().size(), 2u);
+  ASSERT_EQ((*unindexed)->tensors().size(), 3u);
+  for (const auto& [name, tensor] : (*unindexed)->tensors()) {
+    EXPECT_EQ(AsChars(tensor.bytes), AsChars((*sharded)->Get(name)->bytes)) << name;
+    EXPECT_EQ(*(*unindexed)->FileOf(name), *(*sharded)->FileOf(name)) << name;
   }
 }
 

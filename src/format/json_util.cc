@@ -138,6 +138,14 @@ size_t FindInvalidUtf8(std::string_view text) {
 }
 
 Result<nlohmann::json> ParseJsonStrict(std::string_view text, int max_depth) {
+  // nlohmann's lexer takes a NUL byte for the end of the input and ignores
+  // everything after it, so "{}\0<anything>" would parse as "{}". No JSON
+  // text holds a raw NUL (inside a string it must be escaped), so any NUL is
+  // refused before parsing.
+  if (const size_t nul = text.find('\0'); nul != text.npos) {
+    return Status::Corruption("invalid JSON: NUL byte at offset " + std::to_string(nul) +
+                              " (only space, tab, CR and LF may follow a JSON value)");
+  }
   StrictDomBuilder builder(max_depth);
   const bool ok = json::sax_parse(text.data(), text.data() + text.size(), &builder,
                                   json::input_format_t::json, /*strict=*/true,

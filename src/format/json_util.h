@@ -23,9 +23,10 @@ size_t FindInvalidUtf8(std::string_view text);
 // Stricter than nlohmann's defaults where our formats need it: a key repeated
 // within one object is an error (nlohmann would silently keep the last one,
 // letting two readers of one file disagree), nesting deeper than `max_depth`
-// is an error (bounds what hostile input can make us build), and nothing is
-// thrown. Errors are Corruption; the message names the problem and, for
-// syntax errors, its position, but not the file: callers add that.
+// is an error (bounds what hostile input can make us build), a NUL byte
+// anywhere is an error (nlohmann would stop reading at it and accept
+// whatever follows), and nothing is thrown. Errors are Corruption; the message names the problem
+// and, for syntax errors, its position, but not the file: callers add that.
 Result<nlohmann::json> ParseJsonStrict(std::string_view text, int max_depth);
 
 // Appends `text` to `out` as a JSON string literal. `text` must be valid

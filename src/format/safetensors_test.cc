@@ -350,6 +350,30 @@ TEST(SafetensorsRejects, NonJsonHeader) {
   }
 }
 
+// docs/format.md allows only JSON whitespace after the object. A NUL is
+// not whitespace, and a parser that stops at it would also skip whatever
+// follows (here a second object that could hide tensors from one reader).
+TEST(SafetensorsRejects, NulBytesInTheHeaderPadding) {
+  TempDir dir;
+  const std::string header = "{" + U8Entry("a", 0, 2) + "}";
+  const std::string at = std::to_string(header.size());
+  using namespace std::string_literals;
+  for (std::string tail : {"\0"s, "\0\0\0\0\0\0\0"s, "\0   "s, "\0{\"b\":1}"s}) {
+    SCOPED_TRACE(::testing::PrintToString(tail));
+    EXPECT_TRUE(HasError(OpenBytes(dir, Image(header + tail, "ab", false)), StatusCode::kCorruption,
+                         "header: invalid JSON: NUL byte at offset " + at +
+                             " (only space, tab, CR and LF may follow a JSON value)"));
+  }
+  // After whitespace padding too: the offset is the NUL's.
+  EXPECT_TRUE(
+      HasError(OpenBytes(dir, Image(header + "  \0"s, "ab", false)), StatusCode::kCorruption,
+               "header: invalid JSON: NUL byte at offset " + std::to_string(header.size() + 2)));
+  // Refusing changes nothing: the file is still there, byte for byte.
+  const std::string bad = Image(header + "\0"s, "ab", false);
+  ASSERT_FALSE(OpenBytes(dir, bad).ok());
+  EXPECT_EQ(ReadFileOrDie(dir.Join("input.safetensors")), bad);
+}
+
 TEST(SafetensorsRejects, NonUtf8Header) {
   TempDir dir;
   // Invalid inside a string, and invalid where JSON allows no byte at all.
@@ -672,6 +696,12 @@ TEST(JsonUtilTest, StrictParserRefusesDuplicatesAndDepth) {
                        "nested deeper than 3 levels"));
   EXPECT_TRUE(HasError(ParseJsonStrict("{\"a\":1} 2", 3).status(), StatusCode::kCorruption,
                        "invalid JSON"));
+  using namespace std::string_literals;
+  for (std::string nul : {"{}\0"s, "{\"a\":1}\0\0"s, "{\"a\":\"x\0y\"}"s, "\0{}"s}) {
+    EXPECT_TRUE(HasError(ParseJsonStrict(nul, 3).status(), StatusCode::kCorruption,
+                         "invalid JSON: NUL byte at offset " + std::to_string(nul.find('\0'))))
+        << ::testing::PrintToString(nul);
+  }
   // Deep hostile nesting is refused without recursion.
   EXPECT_FALSE(ParseJsonStrict(std::string(100000, '['), 64).ok());
   auto parsed = ParseJsonStrict("{\"a\":[1,-2,3.5,\"s\",null,true]}", 3);

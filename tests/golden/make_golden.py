@@ -38,6 +38,12 @@ def pad_header(header):
     return header + b" " * ((-(8 + len(header))) % 8)
 
 
+def nul_pad(header):
+    """NULs (not the spaces the format allows) so that 8 + len(header) is a
+    multiple of 8."""
+    return header + b"\0" * ((-(8 + len(header))) % 8)
+
+
 def image(header, data=b"", declared_length=None, pad=True):
     """A file image: little-endian u64 length, header, data."""
     if pad:
@@ -132,6 +138,10 @@ def corrupt_files():
         "bad_truncated_data.safetensors": image(two_f32, bytes(12))[:-3],
         "bad_not_json.safetensors": raw_header("{not json}"),
         "bad_trailing_garbage.safetensors": raw_header("{} x"),
+        # Padded with NULs instead of spaces (and a second object after the
+        # first NUL, which a parser stopping at NUL would never see).
+        "bad_nul_padding.safetensors": image(
+            nul_pad(one_u8 + b"\0" + compact({"b": entry("U8", [4], 0, 4)})), U8_4, pad=False),
         "bad_not_utf8.safetensors": raw_header(b'{"__metadata__":{"k":"\xff"}}'),
         "bad_overlong_utf8.safetensors": raw_header(b'{"__metadata__":{"k":"\xc0\xaf"}}'),
         "bad_surrogate_utf8.safetensors": raw_header(b'{"__metadata__":{"k":"\xed\xa0\x80"}}'),
@@ -224,7 +234,19 @@ def checkpoint_dirs():
         "bad_index_wrong_shard": indexed(dict(weight_map, **{norm[0]: s2})),
         "bad_index_duplicate_across_shards": indexed(
             weight_map, extra_files={s2: safetensors([head, norm])}),
-        "bad_no_checkpoint": {"config.json": b"{}\n"},
+        # No index: the directory's *.safetensors files are the checkpoint.
+        # Hidden files (an interrupted writer's temporary) are not part of it.
+        "good_unindexed": {s1: shard1, s2: shard2,
+                           "." + s1 + ".tmp.4242.0": b"partial", "config.json": b"{}\n"},
+        "bad_unindexed_duplicate": {s1: shard1, s2: shard2,
+                                    "extra.safetensors": safetensors([norm])},
+        "bad_unindexed_missing_shard": {s2: shard2},
+        "bad_no_checkpoint": {"config.json": b"{}\n", "." + s1 + ".tmp.4242.0": shard1},
+        # The index as HF writes it, then NULs (a file zero-filled past its end).
+        "bad_index_trailing_nul": dict(
+            indexed(weight_map),
+            **{"model.safetensors.index.json":
+               indexed(weight_map)["model.safetensors.index.json"] + b"\0" * 8}),
     }
 
 
