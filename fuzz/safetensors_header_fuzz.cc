@@ -25,6 +25,7 @@
 
 #include "deltasync/checkpoint.h"
 #include "deltasync/safetensors.h"
+#include "fuzz_util.h"
 
 namespace {
 
@@ -130,22 +131,6 @@ void CheckRoundTrip(const SafetensorsFile& file) {
   }
 }
 
-void CheckIndex(const uint8_t* data, size_t size) {
-  Result<deltasync::CheckpointIndex> index =
-      deltasync::ParseCheckpointIndex(std::string_view(reinterpret_cast<const char*>(data), size));
-  if (!index.ok()) return;
-  for (const auto& [tensor, file] : index->weight_map) {
-    Require(deltasync::IsPlainFileName(file), "index file names are plain");
-  }
-  Result<std::string> text = deltasync::SerializeCheckpointIndex(*index);
-  Require(text.ok(), "an accepted index can be serialized");
-  Result<deltasync::CheckpointIndex> again = deltasync::ParseCheckpointIndex(*text);
-  Require(again.ok(), "a serialized index parses");
-  Require(again->metadata == index->metadata && again->metadata_json == index->metadata_json &&
-              again->weight_map == index->weight_map,
-          "index survives a round trip");
-}
-
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -170,6 +155,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     Require((*mapped)->tensors().size() == (*in_memory)->tensors().size(), "same tensors");
   }
 
-  CheckIndex(data, size);
+  (void)deltasync::fuzz_util::CheckIndexRoundTrip(
+      std::string_view(reinterpret_cast<const char*>(data), size));
   return 0;
 }

@@ -17,16 +17,6 @@ namespace {
 
 using nlohmann::json;
 
-// Every file of the local checkpoint, for before/after comparison.
-std::map<std::string, std::string> LocalFiles(const std::string& dir) {
-  std::map<std::string, std::string> files;
-  for (const std::string& name : ListDir(dir)) {
-    if (name == ".weight_sync") continue;
-    files[name] = ReadFile(dir + "/" + name);
-  }
-  return files;
-}
-
 // A store with versions 1 and 2 and a local checkpoint at version 1, pulled
 // durably (the whole version journaled before the checkpoint is touched) or
 // not (each record applied as it is journaled, rolled back on failure).

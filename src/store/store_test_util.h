@@ -69,6 +69,17 @@ inline std::vector<std::string> ListDir(const std::string& dir) {
   return names;
 }
 
+// Every file of the local checkpoint but .weight_sync, for before/after
+// comparison.
+inline std::map<std::string, std::string> LocalFiles(const std::string& dir) {
+  std::map<std::string, std::string> files;
+  for (const std::string& name : ListDir(dir)) {
+    if (name == ".weight_sync") continue;
+    files[name] = ReadFile(dir + "/" + name);
+  }
+  return files;
+}
+
 // A tensor that owns its bytes.
 struct OwnedTensor {
   std::string name;
