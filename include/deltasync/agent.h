@@ -222,9 +222,18 @@ struct EnginePullOutcome {
 // one outcome per engine, in the order given. An engine succeeds only when
 // it answers 200 with "verified": true and, for a given target, "version"
 // equal to it. Malformed URLs fail their own engine without a request.
+// An engine that cannot be reached fails with code "connection" and the
+// reason, e.g. "cannot connect: connection refused" (SummarizeEngineOutcomes
+// puts the URL in front).
 std::vector<EnginePullOutcome> PullOnEngines(const std::vector<std::string>& engines,
                                              std::optional<int64_t> target,
                                              const EnginePullOptions& options);
+
+// OK when every engine URL is one PullOnEngines takes; otherwise
+// InvalidArgument naming the first malformed one and what is wrong with it
+// ("engine URL 'ftp://h:1': scheme must be http or https"), or saying that
+// the list is empty. Lets a caller refuse a sync before it publishes.
+Status CheckEngineUrls(const std::vector<std::string>& engines);
 
 // OK when every outcome is ok; otherwise Aborted naming each failed engine
 // and its reason: "2 of 3 engines failed: http://a:1: ...; http://b:2: ...".
@@ -255,7 +264,8 @@ std::string SyncReportToJson(const SyncReport& report);
 // pull it. Holds the Publisher (and so its snapshot) across syncs.
 class SyncCoordinator {
  public:
-  // InvalidArgument for an empty engine list; Publisher::Create's errors.
+  // InvalidArgument for an empty engine list or a malformed engine URL
+  // (CheckEngineUrls) or a null publisher.
   static Result<std::unique_ptr<SyncCoordinator>> Create(const SyncOptions& options,
                                                          std::unique_ptr<Publisher> publisher);
   ~SyncCoordinator();
