@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "agent/agent_test_util.h"
@@ -21,6 +22,25 @@ using testing_agent::ResponseJson;
 double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
+
+// Runs `step` on a thread of its own until it returns false or the
+// Trickler is destroyed (also when an assertion leaves the test early).
+class Trickler {
+ public:
+  explicit Trickler(std::function<bool()> step)
+      : thread_([this, step = std::move(step)] {
+          while (!stop_.load() && step()) {
+          }
+        }) {}
+  ~Trickler() {
+    stop_ = true;
+    thread_.join();
+  }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
 
 class AgentTest : public ::testing::Test {
  protected:
@@ -536,12 +556,10 @@ TEST_F(AgentTest, SlowHeadsNeitherStarveHealthNorOutliveTheirDeadline) {
     ASSERT_TRUE(
         slow.back()->Send(i % 2 ? "GET /health HTTP/1.1\r\n" : "POST /pull_weights HTTP/1.1\r\n"));
   }
-  std::atomic<bool> trickle{true};
-  std::thread trickler([&] {
-    while (trickle.load()) {
-      for (auto& c : slow) c->Send("X-Slow: 1\r\n");
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
+  Trickler trickler([&] {
+    for (auto& c : slow) c->Send("X-Slow: 1\r\n");
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    return true;
   });
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   for (const char* path : {"/health", "/status", "/health"}) {
@@ -560,8 +578,6 @@ TEST_F(AgentTest, SlowHeadsNeitherStarveHealthNorOutliveTheirDeadline) {
     EXPECT_EQ(ResponseJson(answer)["code"], "request_timeout") << answer;
   }
   EXPECT_LT(SecondsSince(opened), 3.0);
-  trickle = false;
-  trickler.join();
   EXPECT_EQ(checkpoint_->pull_count(), 0u);
 }
 
@@ -572,17 +588,14 @@ TEST_F(AgentTest, SlowBodyGets408AtItsDeadline) {
   RawConnection c(agent_->port());
   ASSERT_TRUE(c.Send("POST /pull_weights HTTP/1.1\r\nHost: x\r\nContent-Length: 40\r\n\r\n{"));
   const auto start = std::chrono::steady_clock::now();
-  std::atomic<bool> trickle{true};
-  std::thread trickler([&] {
-    while (trickle.load() && c.Send(" "))
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  Trickler trickler([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    return c.Send(" ");
   });
   // /health is served by other threads than the body being read.
   EXPECT_EQ(Get("/health").first, 200);
   const std::string answer = c.ReadFor(3);
   const double seconds = SecondsSince(start);
-  trickle = false;
-  trickler.join();
   EXPECT_EQ(answer.rfind("HTTP/1.1 408", 0), 0u) << answer;
   EXPECT_EQ(ResponseJson(answer)["code"], "request_timeout") << answer;
   EXPECT_GT(seconds, 0.4);
