@@ -201,6 +201,15 @@ TEST_F(AgentCliTest, RefusesANonLoopbackAddressWithoutAToken) {
   EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
 }
 
+// The exit status of an agent that must refuse to start; one that listens
+// after all fails the test and is killed.
+int ExitWithoutListening(Child& agent) {
+  const std::string line = agent.ReadLine(20);
+  EXPECT_EQ(line, "") << "the agent must not start";
+  if (!line.empty()) ::kill(agent.pid(), SIGKILL);
+  return agent.Wait();
+}
+
 // One "deltasync: error: ..." line whose prefixes are not repeated.
 void ExpectOneErrorLine(const std::string& err) {
   EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
@@ -215,8 +224,7 @@ TEST_F(AgentCliTest, RefusesAMissingBase) {
     if (args[i] == "--base") args[i + 1] = tmp_.Join("no-such-base");
   }
   Child agent(args);
-  EXPECT_EQ(agent.ReadLine(20), "") << "the agent must not start";
-  EXPECT_EQ(agent.Wait(), 1);
+  EXPECT_EQ(ExitWithoutListening(agent), 1);
   const std::string err = agent.ReadAll(true);
   ExpectOneErrorLine(err);
   EXPECT_NE(err.find("--base '" + tmp_.Join("no-such-base") + "' does not exist"),
@@ -229,8 +237,7 @@ TEST_F(AgentCliTest, RefusesAMissingBase) {
     if (args[i] == "--base") args[i + 1] = tmp_.Join("empty");
   }
   Child empty(args);
-  EXPECT_EQ(empty.ReadLine(20), "");
-  EXPECT_EQ(empty.Wait(), 1);
+  EXPECT_EQ(ExitWithoutListening(empty), 1);
   const std::string empty_err = empty.ReadAll(true);
   ExpectOneErrorLine(empty_err);
   EXPECT_NE(empty_err.find("--base: " + tmp_.Join("empty")), std::string::npos) << empty_err;
@@ -241,8 +248,7 @@ TEST_F(AgentCliTest, AddressInUseSaysSo) {
   const int port = StartAgent(first);
   ASSERT_GT(port, 0);
   Child second(AgentArgs("local_b", "127.0.0.1:" + std::to_string(port)));
-  EXPECT_EQ(second.ReadLine(20), "");
-  EXPECT_EQ(second.Wait(), 1);
+  EXPECT_EQ(ExitWithoutListening(second), 1);
   const std::string err = second.ReadAll(true);
   ExpectOneErrorLine(err);
   EXPECT_NE(
