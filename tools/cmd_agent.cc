@@ -17,6 +17,7 @@
 
 #include "cli_util.h"
 #include "deltasync/agent.h"
+#include "deltasync/checkpoint.h"
 #include "store/store_internal.h"
 
 namespace deltasync::cli {
@@ -163,6 +164,20 @@ void RegisterAgent(CLI::App& app, CommandFn* run) {
       if (ec) return Fail("--local '" + o->local + "': " + ec.message());
       local.local = absolute_local.lexically_normal().string();
       while (local.local.size() > 1 && local.local.back() == '/') local.local.pop_back();
+      // LocalCheckpoint opens the base only when a pull starts from it: a
+      // wrong path would otherwise surface as the first pull's failure.
+      const std::filesystem::file_status base = std::filesystem::status(o->base, ec);
+      if (base.type() == std::filesystem::file_type::not_found) {
+        return Fail("--base '" + o->base + "' does not exist");
+      }
+      if (ec) return Fail("--base '" + o->base + "': " + ec.message());
+      if (!std::filesystem::is_directory(base) && !std::filesystem::is_regular_file(base)) {
+        return Fail("--base '" + o->base + "' is neither a checkpoint directory nor a file");
+      }
+      // Its headers only: a directory that holds no checkpoint is refused too.
+      if (Result<std::unique_ptr<Checkpoint>> opened = Checkpoint::Open(o->base); !opened.ok()) {
+        return Fail(opened.status().WithContext("--base"));
+      }
       local.store = o->store;
       local.base = o->base;
       local.durable = o->durable;

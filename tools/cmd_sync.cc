@@ -51,6 +51,9 @@ void RegisterSync(CLI::App& app, CommandFn* run) {
       for (const std::string& engine : o->engines) {
         if (!engine.empty()) sync.engines.push_back(engine);
       }
+      // Before anything is published: a sync that cannot reach an engine
+      // must not leave a version behind.
+      if (Status s = CheckEngineUrls(sync.engines); !s.ok()) return Fail(s);
       sync.pull.timeout_seconds = o->timeout;
       sync.pull.connect_timeout_seconds = o->connect_timeout;
       sync.pull.retries = o->retries;

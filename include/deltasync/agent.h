@@ -105,6 +105,12 @@ struct AgentOptions {
   std::string token;
   // Requests with a larger body get 413 before the body is read.
   size_t max_body_bytes = kDefaultAgentMaxBodyBytes;
+  // Deadlines, not idle timeouts: a request's head (request line and
+  // header fields) must have arrived this long after its connection was
+  // accepted, and its body this long after that, however the bytes trickle
+  // in; past either the request gets 408 and its connection is closed.
+  double head_timeout_seconds = 10;
+  double body_timeout_seconds = 10;
   // Also run the puller's full Verify (every tensor) after each pull. Pull
   // already verifies every tensor it changed; this re-reads the whole
   // checkpoint, so it is off by default.
@@ -128,16 +134,20 @@ struct AgentOptions {
 //        "tensors_changed", "changed_elements", "from_version", "reset_to",
 //        "versions_applied", "recovered", "reseeded", "reloaded",
 //        "reload_seconds"}
-//   400 invalid_json | invalid_request | invalid_target_version
+//   400 invalid_json | invalid_request | invalid_target_version | bad_request
 //   401 unauthorized    404 version_not_found (N is past the store's latest)
+//   408 request_timeout 409 precondition_failed (the store's versions do not
+//   apply to this host's checkpoint, e.g. another base: retrying cannot help)
 //   413 body_too_large  500 pull_failed | store_unreadable | verify_failed
 //   502 reload_failed (the pull succeeded; the engine did not reload)
 //   503 shutting_down (the agent is stopping; nothing was pulled)
+// docs/format.md ("Agent HTTP API") lists every code any endpoint sends.
 class Agent {
  public:
   // `puller` is required; `reloader` may be null (no reload). InvalidArgument
   // for a null puller, a non-loopback host without a token, a port outside
-  // [0, 65535] or a zero body cap. Nothing is bound yet.
+  // [0, 65535], a zero body cap or a timeout outside (0, 86400]. Nothing is
+  // bound yet.
   static Result<std::unique_ptr<Agent>> Create(const AgentOptions& options,
                                                std::unique_ptr<CheckpointPuller> puller,
                                                std::unique_ptr<EngineReloader> reloader);
@@ -146,8 +156,9 @@ class Agent {
   Agent(const Agent&) = delete;
   Agent& operator=(const Agent&) = delete;
 
-  // Reads the applied version, binds and starts serving on a background
-  // thread; returns once requests are accepted. IOError when the address
+  // Reads the applied version, binds and starts serving on background
+  // threads; returns once requests are accepted. IOError "cannot listen on
+  // HOST:PORT: <reason>" (e.g. "address already in use") when the address
   // cannot be bound; FailedPrecondition when already started.
   Status Start();
   // The bound port (the ephemeral one when options.port was 0); 0 before Start.
@@ -168,8 +179,9 @@ class Agent {
 bool IsLoopbackHost(const std::string& host);
 
 // Reads a token file: its content with surrounding whitespace removed.
-// InvalidArgument when that is empty or holds whitespace or control
-// characters inside; IOError when the file cannot be read.
+// InvalidArgument when that is empty or holds whitespace, control
+// characters or '%' (the agent's HTTP parser percent-decodes header values,
+// so such a token could not match); IOError when the file cannot be read.
 Result<std::string> ReadTokenFile(const std::string& path);
 
 // ---------------------------------------------------------------------------
@@ -210,9 +222,18 @@ struct EnginePullOutcome {
 // one outcome per engine, in the order given. An engine succeeds only when
 // it answers 200 with "verified": true and, for a given target, "version"
 // equal to it. Malformed URLs fail their own engine without a request.
+// An engine that cannot be reached fails with code "connection" and the
+// reason, e.g. "cannot connect: connection refused" (SummarizeEngineOutcomes
+// puts the URL in front).
 std::vector<EnginePullOutcome> PullOnEngines(const std::vector<std::string>& engines,
                                              std::optional<int64_t> target,
                                              const EnginePullOptions& options);
+
+// OK when every engine URL is one PullOnEngines takes; otherwise
+// InvalidArgument naming the first malformed one and what is wrong with it
+// ("engine URL 'ftp://h:1': scheme must be http or https"), or saying that
+// the list is empty. Lets a caller refuse a sync before it publishes.
+Status CheckEngineUrls(const std::vector<std::string>& engines);
 
 // OK when every outcome is ok; otherwise Aborted naming each failed engine
 // and its reason: "2 of 3 engines failed: http://a:1: ...; http://b:2: ...".
@@ -243,7 +264,8 @@ std::string SyncReportToJson(const SyncReport& report);
 // pull it. Holds the Publisher (and so its snapshot) across syncs.
 class SyncCoordinator {
  public:
-  // InvalidArgument for an empty engine list; Publisher::Create's errors.
+  // InvalidArgument for an empty engine list or a malformed engine URL
+  // (CheckEngineUrls) or a null publisher.
   static Result<std::unique_ptr<SyncCoordinator>> Create(const SyncOptions& options,
                                                          std::unique_ptr<Publisher> publisher);
   ~SyncCoordinator();

@@ -201,6 +201,78 @@ TEST_F(AgentCliTest, RefusesANonLoopbackAddressWithoutAToken) {
   EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
 }
 
+// The exit status of an agent that must refuse to start; one that listens
+// after all fails the test and is killed.
+int ExitWithoutListening(Child& agent) {
+  const std::string line = agent.ReadLine(20);
+  EXPECT_EQ(line, "") << "the agent must not start";
+  if (!line.empty()) ::kill(agent.pid(), SIGKILL);
+  return agent.Wait();
+}
+
+// One "deltasync: error: ..." line whose prefixes are not repeated.
+void ExpectOneErrorLine(const std::string& err) {
+  EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
+  EXPECT_EQ(err.rfind("deltasync: error: ", 0), 0u) << err;
+  EXPECT_EQ(err.find("error: error:"), std::string::npos) << err;
+  EXPECT_EQ(err.find("agent: agent:"), std::string::npos) << err;
+}
+
+TEST_F(AgentCliTest, RefusesAMissingBase) {
+  std::vector<std::string> args = AgentArgs("local", "127.0.0.1:0");
+  for (size_t i = 0; i + 1 < args.size(); ++i) {
+    if (args[i] == "--base") args[i + 1] = tmp_.Join("no-such-base");
+  }
+  Child agent(args);
+  EXPECT_EQ(ExitWithoutListening(agent), 1);
+  const std::string err = agent.ReadAll(true);
+  ExpectOneErrorLine(err);
+  EXPECT_NE(err.find("--base '" + tmp_.Join("no-such-base") + "' does not exist"),
+            std::string::npos)
+      << err;
+  EXPECT_FALSE(std::filesystem::exists(tmp_.Join("local"))) << "nothing is created";
+  // A directory that holds no checkpoint is refused as well.
+  std::filesystem::create_directories(tmp_.Join("empty"));
+  for (size_t i = 0; i + 1 < args.size(); ++i) {
+    if (args[i] == "--base") args[i + 1] = tmp_.Join("empty");
+  }
+  Child empty(args);
+  EXPECT_EQ(ExitWithoutListening(empty), 1);
+  const std::string empty_err = empty.ReadAll(true);
+  ExpectOneErrorLine(empty_err);
+  EXPECT_NE(empty_err.find("--base: " + tmp_.Join("empty")), std::string::npos) << empty_err;
+}
+
+TEST_F(AgentCliTest, AddressInUseSaysSo) {
+  Child first(AgentArgs("local_a", "127.0.0.1:0"));
+  const int port = StartAgent(first);
+  ASSERT_GT(port, 0);
+  Child second(AgentArgs("local_b", "127.0.0.1:" + std::to_string(port)));
+  EXPECT_EQ(ExitWithoutListening(second), 1);
+  const std::string err = second.ReadAll(true);
+  ExpectOneErrorLine(err);
+  EXPECT_NE(
+      err.find("cannot listen on 127.0.0.1:" + std::to_string(port) + ": address already in use"),
+      std::string::npos)
+      << err;
+  ::kill(first.pid(), SIGTERM);
+  EXPECT_EQ(first.Wait(), 0);
+}
+
+TEST_F(AgentCliTest, SyncRefusesAMalformedEngineUrlBeforePublishing) {
+  Child sync({DS_CLI_PATH, "sync", "--store", tmp_.Join("store"), "--old", tmp_.Join("base"),
+              "--new", tmp_.Join("next"), "--engines", "127.0.0.1:1,http://h:99999"});
+  EXPECT_EQ(sync.Wait(), 1);
+  const std::string err = sync.ReadAll(true);
+  ExpectOneErrorLine(err);
+  EXPECT_NE(err.find("engine URL 'http://h:99999': port must be a number"), std::string::npos)
+      << err;
+  EXPECT_TRUE(sync.ReadAll(false).empty());
+  EXPECT_TRUE(!std::filesystem::exists(tmp_.Join("store")) ||
+              ListVersionNumbers(tmp_.Join("store")).value().empty())
+      << "nothing may be published";
+}
+
 TEST_F(AgentCliTest, TokenFileIsEnforced) {
   store_test::WriteFile(tmp_.Join("token"), "cli-token\n");
   std::vector<std::string> args = AgentArgs("local", "127.0.0.1:0");
@@ -241,7 +313,10 @@ TEST_F(AgentCliTest, SyncFailsNamingTheDeadEngine) {
   EXPECT_EQ(summary["engines"][1]["engine"], dead);
   EXPECT_EQ(summary["engines"][1]["code"], "connection");
   const std::string err = sync.ReadAll(true);
-  EXPECT_NE(err.find("1 of 2 engines failed: " + dead), std::string::npos) << err;
+  ExpectOneErrorLine(err);
+  EXPECT_NE(err.find("1 of 2 engines failed: " + dead + ": cannot connect: connection refused"),
+            std::string::npos)
+      << err;
   // The live host got the version all the same.
   EXPECT_TRUE(store_test::HoldsModel(tmp_.Join("local"), next_));
   ::kill(agent.pid(), SIGTERM);

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <charconv>
 #include <chrono>
+#include <cmath>
 #include <fstream>
 #include <future>
 #include <mutex>
@@ -17,6 +18,7 @@
 #include <sstream>
 #include <thread>
 
+#include "agent/connection_gate.h"
 #include "agent/http_util.h"
 #include "agent/metrics.h"
 #include "deltasync/agent.h"
@@ -29,7 +31,15 @@ using nlohmann::json;
 namespace {
 
 using agent_internal::AgentMetrics;
+using agent_internal::BearerToken;
+using agent_internal::ChunkedDecoder;
+using agent_internal::ConnectionGate;
 using agent_internal::ConstantTimeEquals;
+using agent_internal::DeadlineStream;
+using agent_internal::GateOptions;
+using agent_internal::LowerThreadPriority;
+using agent_internal::ParsePullBody;
+using agent_internal::PullBody;
 
 double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -55,74 +65,13 @@ json OptionalVersion(const std::optional<int64_t>& v) { return v ? json(*v) : js
 std::string_view CodeForHttpStatus(int http_status) {
   switch (http_status) {
     case 400: return "bad_request";
-    case 401: return "unauthorized";
     case 404: return "not_found";
-    case 405: return "method_not_allowed";
     case 413: return "body_too_large";
     case 414: return "uri_too_long";
-    case 503: return "unavailable";
+    case 415: return "unsupported_content_encoding";
+    case 416: return "range_not_satisfiable";
     default: return http_status >= 500 ? "internal" : "bad_request";
   }
-}
-
-// What /pull_weights was asked for: nullopt = the store's latest.
-struct PullRequest {
-  std::optional<int64_t> target;
-};
-
-struct RequestError {
-  int http_status;
-  std::string code;
-  std::string message;
-};
-
-// Parses a /pull_weights body; on failure fills `error` and returns nullopt.
-std::optional<PullRequest> ParsePullRequest(const std::string& body, RequestError* error) {
-  PullRequest out;
-  if (body.find_first_not_of(" \t\r\n") == std::string::npos) return out;
-  const json parsed = json::parse(body, nullptr, /*allow_exceptions=*/false);
-  if (parsed.is_discarded()) {
-    *error = {400, "invalid_json", "request body is not valid JSON"};
-    return std::nullopt;
-  }
-  if (!parsed.is_object()) {
-    *error = {400, "invalid_request", "request body must be a JSON object"};
-    return std::nullopt;
-  }
-  auto it = parsed.find("target_version");
-  if (it == parsed.end() || it->is_null()) return out;
-  const json& t = *it;
-  auto bad_target = [&](const std::string& why) {
-    *error = {400, "invalid_target_version", "target_version " + why};
-    return std::nullopt;
-  };
-  if (t.is_number_unsigned()) {
-    const uint64_t v = t.get<uint64_t>();
-    if (v > static_cast<uint64_t>(INT64_MAX)) return bad_target("is out of range");
-    out.target = static_cast<int64_t>(v);
-    return out;
-  }
-  if (t.is_number_integer()) {
-    const int64_t v = t.get<int64_t>();
-    if (v < 0) return bad_target("must be >= 0, got " + std::to_string(v));
-    out.target = v;
-    return out;
-  }
-  if (t.is_string()) {
-    const std::string& s = t.get_ref<const std::string&>();
-    if (s == "latest") return out;
-    int64_t v = 0;
-    const char* end = s.data() + s.size();
-    auto [ptr, ec] = std::from_chars(s.data(), end, v);
-    const bool all_digits =
-        !s.empty() && s.size() <= 18 && s.find_first_not_of("0123456789") == std::string::npos;
-    if (!all_digits || ec != std::errc() || ptr != end) {
-      return bad_target("must be a non-negative integer or \"latest\"");
-    }
-    out.target = v;
-    return out;
-  }
-  return bad_target("must be a non-negative integer or \"latest\"");
 }
 
 json PullResultJson(const PullResult& r) {
@@ -140,19 +89,6 @@ json PullResultJson(const PullResult& r) {
               {"reseeded", r.reseeded}};
 }
 
-// The bearer token of an Authorization header value, or "" when it is not one.
-std::string_view BearerToken(std::string_view header) {
-  constexpr std::string_view kScheme = "bearer ";
-  if (header.size() < kScheme.size()) return {};
-  for (size_t i = 0; i < kScheme.size(); ++i) {
-    if (std::tolower(static_cast<unsigned char>(header[i])) != kScheme[i]) return {};
-  }
-  header.remove_prefix(kScheme.size());
-  while (!header.empty() && header.front() == ' ') header.remove_prefix(1);
-  while (!header.empty() && header.back() == ' ') header.remove_suffix(1);
-  return header;
-}
-
 std::string StripBrackets(const std::string& host) {
   if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
     return host.substr(1, host.size() - 2);
@@ -160,17 +96,7 @@ std::string StripBrackets(const std::string& host) {
   return host;
 }
 
-// Raises the calling thread's nice value to `nice` (never lowers it: that
-// needs privileges, and the caller chose its own priority).
-void LowerThreadPriority(int nice) {
-  const auto tid = static_cast<id_t>(::gettid());
-  errno = 0;
-  const int current = ::getpriority(PRIO_PROCESS, tid);
-  if (errno != 0 || current >= nice) return;
-  ::setpriority(PRIO_PROCESS, tid, nice);  // best effort: a failure only costs priority
-}
-
-// httplib's request threads. Each lowers its own priority to `nice` before
+// A pool of request threads (an httplib::ThreadPool). Each lowers its own priority to `nice` before
 // its first request (Linux keeps a nice value per thread, so the pull thread
 // and the puller's worker pool keep theirs) and reports the CPU time each
 // connection cost it.
@@ -204,6 +130,83 @@ class RequestQueue final : public httplib::TaskQueue {
   int nice_;
   AgentMetrics* metrics_;
 };
+
+// What httplib's accept loop hands each new socket to: the connection gate,
+// straight from the accept thread (AgentHttpServer::process_and_close_socket
+// only passes the socket on, so nothing here blocks).
+class InlineQueue final : public httplib::TaskQueue {
+ public:
+  void enqueue(std::function<void()> fn) override { fn(); }
+  void shutdown() override {}
+};
+
+// httplib's server with the connection handling taken over: an accepted
+// socket goes to `on_accept` (the gate) instead of a pool thread that would
+// read it at the client's pace, and Serve parses and answers one request
+// whose head has already arrived.
+class AgentHttpServer final : public httplib::Server {
+ public:
+  std::function<void(int fd)> on_accept;
+
+  // httplib listens with a backlog of 5: a burst of connections (clients,
+  // or an attack the gate would shrug off) overflows it, and the kernel then
+  // drops SYNs, which the clients retry only a second or more later. Linux
+  // takes a second listen() on a listening socket as a new backlog.
+  void RaiseBacklog() {
+    const socket_t sock = svr_sock_;
+    if (sock != INVALID_SOCKET) ::listen(sock, SOMAXCONN);
+  }
+
+  void Serve(httplib::Stream& stream) {
+    bool connection_closed = false;
+    process_request(stream, /*close_connection=*/true, connection_closed,
+                    // Every answer is whole: a Range header is ignored, as
+                    // RFC 9110 allows, rather than cutting a JSON body.
+                    [](httplib::Request& req) { req.ranges.clear(); });
+  }
+
+ private:
+  bool process_and_close_socket(socket_t sock) override {
+    on_accept(sock);
+    return true;
+  }
+};
+
+// The stream of the request the calling request thread serves: handlers
+// read a /pull_weights body from it themselves.
+thread_local DeadlineStream* t_request_stream = nullptr;
+
+constexpr size_t kQuickThreads = 4;  // all but POST: /status, /health, /metrics, refusals
+constexpr size_t kPostThreads = 8;   // POST: a /pull_weights body, then the wait for the pull
+constexpr double kLingerSeconds = 2;
+constexpr double kWriteTimeoutSeconds = 10;
+
+DeadlineStream::Clock::duration Seconds(double s) {
+  return std::chrono::duration_cast<DeadlineStream::Clock::duration>(
+      std::chrono::duration<double>(s));
+}
+
+bool IsKnownPath(const std::string& path) {
+  return path == "/pull_weights" || path == "/status" || path == "/health" || path == "/metrics";
+}
+
+std::string Lower(std::string_view text) {
+  std::string out(text);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+std::string Trim(std::string_view text) {
+  while (!text.empty() && (text.front() == ' ' || text.front() == '\t')) text.remove_prefix(1);
+  while (!text.empty() && (text.back() == ' ' || text.back() == '\t')) text.remove_suffix(1);
+  return std::string(text);
+}
+
+// "host:port", or "[v6]:port".
+std::string HostPort(const std::string& host, int port) {
+  const bool v6 = host.find(':') != std::string::npos;
+  return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
+}
 
 }  // namespace
 
@@ -241,6 +244,12 @@ Result<std::string> ReadTokenFile(const std::string& path) {
                                      "' holds whitespace or control characters");
     }
   }
+  // The HTTP parser percent-decodes header values: "a%41" sent as is would
+  // arrive as "aA" and never match.
+  if (token.find('%') != std::string::npos) {
+    return Status::InvalidArgument("token in '" + path +
+                                   "' holds '%', which HTTP headers arrive percent-decoded with");
+  }
   return token;
 }
 
@@ -251,7 +260,7 @@ struct Agent::State {
   std::unique_ptr<CheckpointPuller> puller;
   std::unique_ptr<EngineReloader> reloader;
 
-  httplib::Server server;
+  AgentHttpServer server;
   std::thread listener;
   std::atomic<int> port{0};
   std::atomic<bool> listener_done{false};
@@ -259,6 +268,13 @@ struct Agent::State {
   std::mutex lifecycle_mu;  // Start and Stop
   bool started = false;
   bool stopped = false;
+
+  // Where connections wait for their request head, then the two pools of
+  // request threads that serve them (docs/format.md, "Threads and
+  // priorities"). Made by Start(), stopped and reset by Stop().
+  std::unique_ptr<ConnectionGate> gate;
+  std::unique_ptr<RequestQueue> quick_threads;
+  std::unique_ptr<RequestQueue> post_threads;
 
   std::mutex pull_mu;  // one pull at a time in this process
   // The one thread pulls run on, made by Start() so that it has the
@@ -292,76 +308,166 @@ struct Agent::State {
 
   void Reject(httplib::Response& res, int http_status, std::string_view code,
               const std::string& message) {
-    metrics.RecordRejected();
+    if (http_status < 500) metrics.RecordRejected();
     SendJson(res, http_status, ErrorBody(code, message));
   }
 
+  // Runs on a request thread for a connection whose head the gate passed.
+  void ServeConnection(int fd) {
+    DeadlineStream stream(fd, DeadlineStream::Clock::now() + Seconds(options.body_timeout_seconds),
+                          Seconds(kWriteTimeoutSeconds));
+    t_request_stream = &stream;
+    server.Serve(stream);
+    t_request_stream = nullptr;
+    gate->Linger(fd);
+  }
+
+  // Every refusal that needs only the head, before any body is read.
   httplib::Server::HandlerResponse PreRoute(const httplib::Request& req, httplib::Response& res) {
+    using httplib::Server;
     if (!options.token.empty()) {
-      const std::string header = req.get_header_value("Authorization");
-      const std::string_view presented = BearerToken(header);
-      if (presented.empty() || !ConstantTimeEquals(presented, options.token)) {
+      // The whole value, not get_header_value's C string, which ends at a NUL.
+      const auto [first, last] = req.headers.equal_range("Authorization");
+      const auto count = std::distance(first, last);
+      const std::optional<std::string_view> presented =
+          count == 1 ? BearerToken(first->second) : std::nullopt;
+      if (!presented || !ConstantTimeEquals(*presented, options.token)) {
         res.set_header("WWW-Authenticate", "Bearer");
         Reject(res, 401, "unauthorized",
-               header.empty() ? "missing Authorization: Bearer <token> header"
-                              : "invalid bearer token");
-        return httplib::Server::HandlerResponse::Handled;
+               count == 0  ? "missing Authorization: Bearer <token> header"
+               : count > 1 ? "more than one Authorization header"
+                           : "invalid bearer token");
+        return Server::HandlerResponse::Handled;
       }
     }
-    if (req.has_header("Transfer-Encoding") &&
-        !(req.method == "POST" && req.path == "/pull_weights")) {
-      // Only /pull_weights reads its body under the cap as it arrives; any
-      // other endpoint would have httplib read it whole first.
-      res.set_header("Connection", "close");
-      Reject(res, 411, "length_required",
-             "a chunked request body is only accepted by /pull_weights");
-      return httplib::Server::HandlerResponse::Handled;
+    const bool pull = req.method == "POST" && req.path == "/pull_weights";
+    // Framing (RFC 9112 section 6): a body's length must be unambiguous.
+    const size_t lengths = req.headers.count("Content-Length");
+    const size_t codings = req.headers.count("Transfer-Encoding");
+    if (lengths > 1) {
+      Reject(res, 400, "bad_request", "more than one Content-Length header");
+      return Server::HandlerResponse::Handled;
     }
-    if (req.has_header("Content-Length")) {
-      const std::string text = req.get_header_value("Content-Length");
+    if (codings > 1) {
+      Reject(res, 400, "bad_request", "more than one Transfer-Encoding header");
+      return Server::HandlerResponse::Handled;
+    }
+    if (lengths > 0 && codings > 0) {
+      Reject(res, 400, "bad_request", "both Content-Length and Transfer-Encoding are set");
+      return Server::HandlerResponse::Handled;
+    }
+    if (codings > 0) {
+      const std::string coding = Lower(Trim(req.get_header_value("Transfer-Encoding")));
+      if (coding != "chunked") {
+        const size_t comma = coding.rfind(',');
+        const std::string final_coding =
+            comma == std::string::npos ? coding : Trim(std::string_view(coding).substr(comma + 1));
+        if (final_coding != "chunked") {
+          Reject(res, 400, "bad_request",
+                 "Transfer-Encoding '" + coding + "' does not end with chunked");
+        } else {
+          Reject(res, 501, "unsupported_transfer_encoding",
+                 "Transfer-Encoding '" + coding +
+                     "' is not supported; send chunked or a Content-Length");
+        }
+        return Server::HandlerResponse::Handled;
+      }
+      if (!pull) {
+        Reject(res, 411, "length_required",
+               "a chunked request body is only accepted by /pull_weights");
+        return Server::HandlerResponse::Handled;
+      }
+    }
+    if (lengths > 0) {
+      const std::string text = req.headers.find("Content-Length")->second;
       uint64_t length = 0;
       auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), length);
-      if (ec != std::errc() || ptr != text.data() + text.size()) {
-        Reject(res, 400, "bad_request", "malformed Content-Length");
-        return httplib::Server::HandlerResponse::Handled;
+      if (text.empty() || ec != std::errc() || ptr != text.data() + text.size()) {
+        Reject(res, 400, "bad_request", "malformed Content-Length '" + text + "'");
+        return Server::HandlerResponse::Handled;
       }
       if (length > options.max_body_bytes) {
         Reject(res, 413, "body_too_large",
                "request body of " + text + " bytes exceeds the limit of " +
                    std::to_string(options.max_body_bytes));
-        return httplib::Server::HandlerResponse::Handled;
+        return Server::HandlerResponse::Handled;
       }
     }
-    return httplib::Server::HandlerResponse::Unhandled;
+    // Only POST /pull_weights reads a body; any other request that could
+    // carry one is answered from its head, so that no request thread waits
+    // for a body nobody reads.
+    if (req.method != "GET" && req.method != "HEAD" && !pull) {
+      if (!IsKnownPath(req.path)) {
+        Reject(res, 404, "not_found", "no such endpoint: " + req.path);
+      } else {
+        const char* allowed = req.path == "/pull_weights" ? "POST" : "GET";
+        res.set_header("Allow", allowed);
+        Reject(res, 405, "method_not_allowed",
+               req.method + " " + req.path + " is not allowed; use " + allowed);
+      }
+      return Server::HandlerResponse::Handled;
+    }
+    if (pull && req.has_header("Content-Encoding") &&
+        Lower(Trim(req.get_header_value("Content-Encoding"))) != "identity") {
+      Reject(res, 415, "unsupported_content_encoding",
+             "Content-Encoding '" + req.get_header_value("Content-Encoding") +
+                 "' is not supported; send the body as is");
+      return Server::HandlerResponse::Handled;
+    }
+    return Server::HandlerResponse::Unhandled;
   }
 
-  // Reads the body itself so that the cap also holds for a chunked body,
-  // which httplib would otherwise read whole before any handler runs.
-  void HandlePullStreamed(httplib::Response& res, const httplib::ContentReader& reader) {
+  // Reads the /pull_weights body from the request's stream (PreRoute has
+  // checked its framing): Content-Length bytes, a chunked body decoded
+  // strictly and under the cap as it arrives, or nothing when neither
+  // header is there (RFC 9112: such a request has no body).
+  void HandlePullRequest(const httplib::Request& req, httplib::Response& res) {
+    DeadlineStream& stream = *t_request_stream;
+    auto timed_out = [&] {
+      Reject(res, 408, "request_timeout",
+             "request body not received within " +
+                 agent_internal::FormatDouble(options.body_timeout_seconds) + " s");
+    };
     std::string body;
-    bool too_large = false;
-    reader([&](const char* data, size_t length) {
-      if (length > options.max_body_bytes - body.size()) {
-        too_large = true;
-        return false;
+    char buf[4096];
+    if (req.has_header("Transfer-Encoding")) {
+      ChunkedDecoder decoder(options.max_body_bytes);
+      while (decoder.state() == ChunkedDecoder::State::kMore) {
+        const ssize_t n = stream.read(buf, sizeof(buf));
+        if (n <= 0) {
+          if (stream.timed_out()) return timed_out();
+          return Reject(res, 400, "bad_request",
+                        "chunked request body ended before its last chunk");
+        }
+        decoder.Feed(std::string_view(buf, static_cast<size_t>(n)), &body);
       }
-      body.append(data, length);
-      return true;
-    });
-    if (too_large) {
-      res.set_header("Connection", "close");
-      return Reject(
-          res, 413, "body_too_large",
-          "request body exceeds the limit of " + std::to_string(options.max_body_bytes) + " bytes");
+      if (decoder.state() == ChunkedDecoder::State::kTooLarge) {
+        return Reject(res, 413, "body_too_large", decoder.error());
+      }
+      if (decoder.state() == ChunkedDecoder::State::kMalformed) {
+        return Reject(res, 400, "bad_request", "malformed chunked body: " + decoder.error());
+      }
+    } else if (req.has_header("Content-Length")) {
+      const uint64_t length = std::stoull(req.get_header_value("Content-Length"));
+      while (body.size() < length) {
+        const ssize_t n = stream.read(
+            buf, static_cast<size_t>(std::min<uint64_t>(sizeof(buf), length - body.size())));
+        if (n <= 0) {
+          if (stream.timed_out()) return timed_out();
+          return Reject(res, 400, "bad_request",
+                        "request body ended after " + std::to_string(body.size()) + " of " +
+                            std::to_string(length) + " bytes");
+        }
+        body.append(buf, static_cast<size_t>(n));
+      }
     }
     HandlePull(body, res);
   }
 
   void HandlePull(const std::string& request_body, httplib::Response& res) {
-    RequestError error{};
-    const std::optional<PullRequest> request = ParsePullRequest(request_body, &error);
-    if (!request) return Reject(res, error.http_status, error.code, error.message);
-    if (request->target) {
+    const PullBody request = ParsePullBody(request_body);
+    if (!request.ok()) return Reject(res, 400, request.error_code, request.error);
+    if (request.target) {
       // Refused before anything is touched: a version the store does not
       // (yet) hold is the caller's mistake, not a pull failure.
       Result<int64_t> latest = puller->LatestVersion();
@@ -369,9 +475,9 @@ struct Agent::State {
         NoteFailure("store_unreadable", latest.status().ToString());
         return SendJson(res, 500, ErrorBody("store_unreadable", latest.status().ToString()));
       }
-      if (*request->target > *latest) {
+      if (*request.target > *latest) {
         return Reject(res, 404, "version_not_found",
-                      "target_version " + std::to_string(*request->target) +
+                      "target_version " + std::to_string(*request.target) +
                           " is past the store's latest version " + std::to_string(*latest));
       }
     }
@@ -385,7 +491,7 @@ struct Agent::State {
     {
       std::lock_guard<std::mutex> lock(status_mu);
       busy = true;
-      pulling_target = request->target ? json(*request->target) : json("latest");
+      pulling_target = request.target ? json(*request.target) : json("latest");
     }
     metrics.SetBusy(true);
     struct IdleOnExit {
@@ -405,7 +511,7 @@ struct Agent::State {
     Status verified;
     std::promise<void> done;
     pull_thread->Submit([&] {
-      pulled = puller->Pull(request->target);
+      pulled = puller->Pull(request.target);
       if (pulled.ok() && options.verify_after_pull) verified = puller->Verify();
       done.set_value();
     });
@@ -417,15 +523,26 @@ struct Agent::State {
       // report what it holds now rather than what it held before.
       Result<std::optional<int64_t>> now = puller->CurrentVersion();
       if (now.ok()) SetApplied(*now);
-      const bool not_found = !pulled.ok() && pulled.status().IsNotFound();
-      const std::string_view code =
-          not_found ? "version_not_found" : (pulled.ok() ? "verify_failed" : "pull_failed");
       const Status& failure = pulled.ok() ? verified : pulled.status();
+      int http_status = 500;
+      std::string_view code = "verify_failed";
+      if (!pulled.ok()) {
+        code = "pull_failed";
+        if (failure.IsNotFound()) {
+          http_status = 404;
+          code = "version_not_found";
+        } else if (failure.code() == StatusCode::kFailedPrecondition) {
+          // The store's chain does not apply to what this host holds (a
+          // wrong base, say): asking again cannot help.
+          http_status = 409;
+          code = "precondition_failed";
+        }
+      }
       NoteFailure(code, failure.ToString());
       json body = ErrorBody(code, failure.ToString());
       body["status"] = StatusCodeName(failure.code());
       body["applied_version"] = now.ok() ? OptionalVersion(*now) : json(nullptr);
-      return SendJson(res, not_found ? 404 : 500, body);
+      return SendJson(res, http_status, body);
     }
     metrics.RecordPullSuccess(pull_seconds, pulled->bytes_read);
     SetApplied(pulled->version);
@@ -484,26 +601,23 @@ struct Agent::State {
       setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
     });
     server.set_payload_max_length(options.max_body_bytes);
-    server.new_task_queue = [this] {
-      return new RequestQueue(CPPHTTPLIB_THREAD_POOL_COUNT, options.request_nice, &metrics);
-    };
-    // One request per connection. Requests are few (a pull per training
-    // step, a scrape now and then), and httplib cannot otherwise close a
-    // connection whose body it refused unread: it would wait out the read
-    // timeout on the leftover bytes, and so would Stop().
-    server.set_keep_alive_max_count(1);
+    // Accepted sockets go to the gate at once, on the accept thread.
+    server.new_task_queue = [] { return new InlineQueue(); };
+    server.on_accept = [this](int fd) { gate->Admit(fd); };
     server.set_pre_routing_handler(
         [this](const httplib::Request& req, httplib::Response& res) { return PreRoute(req, res); });
-    server.Post("/pull_weights", httplib::Server::HandlerWithContentReader(
-                                     [this](const httplib::Request&, httplib::Response& res,
-                                            const httplib::ContentReader& reader) {
-                                       HandlePullStreamed(res, reader);
-                                     }));
-    // A POST without a body does not go through the content reader.
-    server.Post("/pull_weights", httplib::Server::Handler(
-                                     [this](const httplib::Request& req, httplib::Response& res) {
-                                       HandlePull(req.body, res);
-                                     }));
+    // A client that waits for 100 Continue learns of a refusal (a body
+    // over the cap, a missing token) before it sends the body.
+    server.set_expect_100_continue_handler(
+        [this](const httplib::Request& req, httplib::Response& res) {
+          return PreRoute(req, res) == httplib::Server::HandlerResponse::Handled ? res.status : 100;
+        });
+    // The content-reader form keeps httplib from reading the body into
+    // req.body first: HandlePullRequest reads it itself.
+    server.Post("/pull_weights",
+                httplib::Server::HandlerWithContentReader(
+                    [this](const httplib::Request& req, httplib::Response& res,
+                           const httplib::ContentReader&) { HandlePullRequest(req, res); }));
     server.Get("/status",
                [this](const httplib::Request&, httplib::Response& res) { HandleStatus(res); });
     server.Get("/health", [](const httplib::Request&, httplib::Response& res) {
@@ -513,19 +627,13 @@ struct Agent::State {
       res.status = 200;
       res.set_content(metrics.Render(), "text/plain; version=0.0.4; charset=utf-8");
     });
-    auto method_not_allowed = [this](const char* allowed) {
-      return [this, allowed](const httplib::Request& req, httplib::Response& res) {
-        res.set_header("Allow", allowed);
-        Reject(res, 405, "method_not_allowed",
-               req.method + " " + req.path + " is not allowed; use " + allowed);
-      };
-    };
-    server.Get("/pull_weights", method_not_allowed("POST"));
-    for (const char* path : {"/status", "/health", "/metrics"}) {
-      server.Post(path, method_not_allowed("GET"));
-    }
-    // Refusals httplib makes itself (unknown path, a body over the cap sent
-    // chunked, a malformed request) get the same JSON error shape.
+    server.Get("/pull_weights", [this](const httplib::Request& req, httplib::Response& res) {
+      res.set_header("Allow", "POST");
+      Reject(res, 405, "method_not_allowed",
+             req.method + " " + req.path + " is not allowed; use POST");
+    });
+    // Refusals httplib makes itself (unknown path, a malformed request
+    // line, a URI too long) get the same JSON error shape.
     server.set_error_handler(httplib::Server::HandlerWithResponse(
         [this](const httplib::Request& req, httplib::Response& res) {
           if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
@@ -536,6 +644,16 @@ struct Agent::State {
           SendJson(res, res.status, ErrorBody(CodeForHttpStatus(res.status), message));
           return httplib::Server::HandlerResponse::Handled;
         }));
+  }
+
+  // Stops and drops the gate and the request threads (after the listener).
+  void StopConnections() {
+    if (gate) gate->Stop();
+    if (quick_threads) quick_threads->shutdown();
+    if (post_threads) post_threads->shutdown();
+    quick_threads.reset();
+    post_threads.reset();
+    gate.reset();
   }
 };
 
@@ -558,6 +676,12 @@ Result<std::unique_ptr<Agent>> Agent::Create(const AgentOptions& options,
   }
   if (options.max_body_bytes == 0) {
     return Status::InvalidArgument("agent body size limit must be positive");
+  }
+  for (double t : {options.head_timeout_seconds, options.body_timeout_seconds}) {
+    if (!std::isfinite(t) || t <= 0 || t > 86400) {
+      return Status::InvalidArgument("agent request timeouts must be in (0, 86400] seconds, not " +
+                                     agent_internal::FormatDouble(t));
+    }
   }
   if (options.token.empty() && !IsLoopbackHost(options.host)) {
     return Status::InvalidArgument("refusing to listen on non-loopback address '" + options.host +
@@ -589,10 +713,32 @@ Status Agent::Start() {
     port = -1;
   }
   if (port <= 0) {
-    return Status::IOError("cannot listen on " + s.options.host + ":" +
-                           std::to_string(s.options.port));
+    // httplib says only that it failed: ask the system why, the same way.
+    const std::string reason = agent_internal::ListenFailureReason(s.options.host, s.options.port);
+    return Status::IOError("cannot listen on " + HostPort(s.options.host, s.options.port) +
+                           (reason.empty() ? std::string() : ": " + reason));
   }
   s.port = port;
+  s.server.RaiseBacklog();
+  GateOptions gate;
+  gate.head_timeout_seconds = s.options.head_timeout_seconds;
+  gate.linger_seconds = kLingerSeconds;
+  gate.nice = s.options.request_nice;
+  s.gate = std::make_unique<ConnectionGate>(
+      gate,
+      [&s](int fd, bool post) {
+        (post ? s.post_threads : s.quick_threads)->enqueue([&s, fd] { s.ServeConnection(fd); });
+      },
+      [&s](int http_status) {
+        if (http_status < 500) s.metrics.RecordRejected();
+      });
+  s.quick_threads =
+      std::make_unique<RequestQueue>(kQuickThreads, s.options.request_nice, &s.metrics);
+  s.post_threads = std::make_unique<RequestQueue>(kPostThreads, s.options.request_nice, &s.metrics);
+  if (Status started = s.gate->Start(); !started.ok()) {
+    s.StopConnections();
+    return started.WithContext("agent connection gate");
+  }
   s.pull_thread = std::make_unique<ThreadPool>(1);
   s.listener = std::thread([&s] {
     s.server.listen_after_bind();
@@ -605,8 +751,9 @@ Status Agent::Start() {
   s.started = true;
   if (s.listener_done.load()) {
     s.listener.join();
+    s.StopConnections();
     s.stopped = true;
-    return Status::IOError("agent listener on " + s.options.host + ":" + std::to_string(port) +
+    return Status::IOError("agent listener on " + HostPort(s.options.host, port) +
                            " stopped at once");
   }
   return Status::OK();
@@ -620,11 +767,13 @@ void Agent::Stop() {
   if (s.stopped) return;
   s.stopping = true;
   if (s.started) {
-    // httplib's stop closes the listening socket; listen_after_bind then
-    // drains the worker pool, so every accepted request gets its answer.
+    // httplib's stop closes the listening socket and ends the accept loop.
     s.server.stop();
     if (s.listener.joinable()) s.listener.join();
   }
+  // Then the gate hands on the requests whose heads are in and the request
+  // threads answer every request they were given.
+  s.StopConnections();
   // After the request threads: a request waiting on a pull gets its answer.
   s.pull_thread.reset();
   s.stopped = true;

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "agent/agent_test_util.h"
@@ -9,11 +10,37 @@
 namespace deltasync {
 namespace {
 
+using namespace std::string_literals;
 using nlohmann::json;
 using testing_agent::FakeCheckpoint;
 using testing_agent::FakePuller;
 using testing_agent::FakeReload;
 using testing_agent::FakeReloader;
+using testing_agent::RawConnection;
+using testing_agent::ResponseJson;
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Runs `step` on a thread of its own until it returns false or the
+// Trickler is destroyed (also when an assertion leaves the test early).
+class Trickler {
+ public:
+  explicit Trickler(std::function<bool()> step)
+      : thread_([this, step = std::move(step)] {
+          while (!stop_.load() && step()) {
+          }
+        }) {}
+  ~Trickler() {
+    stop_ = true;
+    thread_.join();
+  }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
 
 class AgentTest : public ::testing::Test {
  protected:
@@ -155,9 +182,8 @@ TEST_F(AgentTest, HugeBodyIsRefusedWith413) {
   auto [status, body] = Pull(huge);
   EXPECT_EQ(status, 413);
   EXPECT_EQ(body["code"], "body_too_large");
-  // Sent chunked (no Content-Length), the body is cut off while reading.
-  // The whole request fits in one socket read, so the server consumed it
-  // all and its response cannot be lost to a reset.
+  // Sent chunked (no Content-Length), the body is refused once a chunk
+  // size would take it past the cap.
   const std::string chunk(2000, ' ');
   char size_line[16];
   std::snprintf(size_line, sizeof(size_line), "%zx\r\n", chunk.size());
@@ -420,6 +446,8 @@ TEST(AgentCreateTest, BindFailureIsAnError) {
   Status started = (*agent)->Start();
   EXPECT_FALSE(started.ok());
   EXPECT_EQ(started.code(), StatusCode::kIOError);
+  EXPECT_EQ(started.message(),
+            "cannot listen on 127.0.0.1:" + std::to_string(port) + ": address already in use");
 }
 
 TEST_F(AgentTest, PullsAreSerializedAndStatusAnswersWhileBusy) {
@@ -512,6 +540,285 @@ TEST_F(AgentTest, ReloadRunsAfterEachSuccessfulPull) {
   EXPECT_EQ(status["last_error"]["code"], "reload_failed");
 }
 
+TEST_F(AgentTest, SlowHeadsNeitherStarveHealthNorOutliveTheirDeadline) {
+  AgentOptions options;
+  options.head_timeout_seconds = 1.5;
+  StartAgent(options);
+  client_->set_read_timeout(2, 0);
+  // More connections than there are request threads, each sending a header
+  // line every 100 ms: never idle long enough for a per-read timeout.
+  constexpr int kSlow = 24;
+  const auto opened = std::chrono::steady_clock::now();
+  std::vector<std::unique_ptr<RawConnection>> slow;
+  for (int i = 0; i < kSlow; ++i) {
+    slow.push_back(std::make_unique<RawConnection>(agent_->port()));
+    ASSERT_TRUE(slow.back()->connected());
+    ASSERT_TRUE(
+        slow.back()->Send(i % 2 ? "GET /health HTTP/1.1\r\n" : "POST /pull_weights HTTP/1.1\r\n"));
+  }
+  Trickler trickler([&] {
+    for (auto& c : slow) c->Send("X-Slow: 1\r\n");
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    return true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  for (const char* path : {"/health", "/status", "/health"}) {
+    const auto start = std::chrono::steady_clock::now();
+    auto [status, body] = Get(path);
+    EXPECT_EQ(status, 200) << path;
+    EXPECT_LT(SecondsSince(start), 0.5) << path;
+  }
+  // That was under load: every slow connection was still being held.
+  ASSERT_LT(SecondsSince(opened), 1.4) << "the machine is too slow for this test's timing";
+  // Each slow connection is answered 408 at its head deadline.
+  for (auto& c : slow) {
+    const std::string answer = c->ReadFor(3);
+    EXPECT_GT(SecondsSince(opened), 1.4);
+    EXPECT_EQ(answer.rfind("HTTP/1.1 408", 0), 0u) << answer;
+    EXPECT_EQ(ResponseJson(answer)["code"], "request_timeout") << answer;
+  }
+  EXPECT_LT(SecondsSince(opened), 3.0);
+  EXPECT_EQ(checkpoint_->pull_count(), 0u);
+}
+
+TEST_F(AgentTest, SlowBodyGets408AtItsDeadline) {
+  AgentOptions options;
+  options.body_timeout_seconds = 0.5;
+  StartAgent(options);
+  RawConnection c(agent_->port());
+  ASSERT_TRUE(c.Send("POST /pull_weights HTTP/1.1\r\nHost: x\r\nContent-Length: 40\r\n\r\n{"));
+  const auto start = std::chrono::steady_clock::now();
+  Trickler trickler([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    return c.Send(" ");
+  });
+  // /health is served by other threads than the body being read.
+  EXPECT_EQ(Get("/health").first, 200);
+  const std::string answer = c.ReadFor(3);
+  const double seconds = SecondsSince(start);
+  EXPECT_EQ(answer.rfind("HTTP/1.1 408", 0), 0u) << answer;
+  EXPECT_EQ(ResponseJson(answer)["code"], "request_timeout") << answer;
+  EXPECT_GT(seconds, 0.4);
+  EXPECT_LT(seconds, 1.5);
+  EXPECT_EQ(checkpoint_->pull_count(), 0u);
+}
+
+TEST_F(AgentTest, RefusedLargeBodyStillGetsItsAnswer) {
+  AgentOptions options;
+  options.max_body_bytes = 1024;
+  StartAgent(options);
+  // More than the socket buffers hold (the sender's grows to 4 MiB): the
+  // agent answers before the body is through, and the client reads the
+  // answer only once it has sent everything.
+  const std::string body(8 << 20, ' ');
+  httplib::Result res = client_->Post("/pull_weights", body, "application/json");
+  ASSERT_TRUE(res) << httplib::to_string(res.error());
+  EXPECT_EQ(res->status, 413);
+  const json answer = json::parse(res->body, nullptr, false);
+  EXPECT_EQ(answer["code"], "body_too_large") << res->body;
+  EXPECT_NE(answer["error"].get<std::string>().find("limit of 1024"), std::string::npos);
+  // The same sent chunked: refused once the first chunk's size is read.
+  RawConnection c(agent_->port());
+  char size_line[32];
+  std::snprintf(size_line, sizeof(size_line), "%zx\r\n", body.size());
+  ASSERT_TRUE(
+      c.Send("POST /pull_weights HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" +
+             std::string(size_line) + body + "\r\n0\r\n\r\n"));
+  const std::string chunked = c.ReadFor(5);
+  EXPECT_EQ(chunked.rfind("HTTP/1.1 413", 0), 0u) << chunked.substr(0, 200);
+  EXPECT_EQ(ResponseJson(chunked)["code"], "body_too_large");
+  EXPECT_EQ(checkpoint_->pull_count(), 0u);
+}
+
+TEST_F(AgentTest, AmbiguousOrBrokenFramingIs400AndPullsNothing) {
+  StartAgent();
+  const std::string post = "POST /pull_weights HTTP/1.1\r\nHost: x\r\n";
+  struct Case {
+    const char* what;
+    std::string request;
+    int status;
+    const char* code;
+  };
+  const std::vector<Case> cases = {
+      {"chunk size that is not hex", post + "Transfer-Encoding: chunked\r\n\r\nzz\r\n\r\n", 400,
+       "bad_request"},
+      {"chunk data longer than its size",
+       post + "Transfer-Encoding: chunked\r\n\r\n2\r\n{}XX\r\n0\r\n\r\n", 400, "bad_request"},
+      {"two Content-Length", post + "Content-Length: 2\r\nContent-Length: 2\r\n\r\n{}", 400,
+       "bad_request"},
+      {"Content-Length and Transfer-Encoding",
+       post + "Content-Length: 13\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n", 400,
+       "bad_request"},
+      {"coding other than chunked", post + "Transfer-Encoding: gzip\r\n\r\n{}", 400, "bad_request"},
+      {"coding before chunked", post + "Transfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n", 501,
+       "unsupported_transfer_encoding"},
+      {"percent-encoded length", post + "Content-Length: %32\r\n\r\n{}", 400, "bad_request"},
+      {"space before the colon", post + "Content-Length : 2\r\n\r\n{}", 400, "bad_request"},
+      {"bare LF", "POST /pull_weights HTTP/1.1\r\nHost: x\nContent-Length: 2\r\n\r\n{}", 400,
+       "bad_request"},
+      {"folded field", post + "X-A: 1\r\n Content-Length: 2\r\n\r\n{}", 400, "bad_request"},
+      {"compressed body", post + "Content-Encoding: gzip\r\nContent-Length: 2\r\n\r\n{}", 415,
+       "unsupported_content_encoding"},
+  };
+  for (const Case& c : cases) {
+    const std::string answer = RawRequest(c.request);
+    EXPECT_EQ(answer.rfind("HTTP/1.1 " + std::to_string(c.status), 0), 0u)
+        << c.what << ": " << answer;
+    const json body = ResponseJson(answer);
+    EXPECT_EQ(body["code"], c.code) << c.what << ": " << answer;
+    EXPECT_TRUE(body["error"].is_string()) << c.what;
+  }
+  // Bodies that end (the client closes) before they are whole.
+  for (const std::string& cut : {post + "Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n",
+                                 post + "Content-Length: 20\r\n\r\n{}"}) {
+    RawConnection conn(agent_->port());
+    ASSERT_TRUE(conn.Send(cut));
+    conn.ShutdownWrite();
+    const std::string answer = conn.ReadFor(5);
+    EXPECT_EQ(answer.rfind("HTTP/1.1 400", 0), 0u) << answer;
+    EXPECT_EQ(ResponseJson(answer)["code"], "bad_request") << answer;
+  }
+  EXPECT_EQ(checkpoint_->pull_count(), 0u);
+  // A well-formed chunked body (with an extension and a trailer) pulls.
+  const std::string json_body = R"({"target_version": 2})";
+  char size_line[16];
+  std::snprintf(size_line, sizeof(size_line), "%zx;ext=1\r\n", json_body.size());
+  const std::string answer = RawRequest(post + "Transfer-Encoding: chunked\r\n\r\n" + size_line +
+                                        json_body + "\r\n0\r\nX-Trailer: t\r\n\r\n");
+  EXPECT_EQ(answer.rfind("HTTP/1.1 200", 0), 0u) << answer;
+  EXPECT_EQ(ResponseJson(answer)["version"], 2);
+  EXPECT_EQ(checkpoint_->pull_count(), 1u);
+}
+
+TEST_F(AgentTest, TokenMustMatchWhole) {
+  AgentOptions options;
+  options.token = "tok";
+  StartAgent(options);
+  auto request = [](const std::string& authorization) {
+    return "POST /pull_weights HTTP/1.1\r\nHost: x\r\n" + authorization +
+           "Content-Length: 2\r\n\r\n{}";
+  };
+  struct Case {
+    const char* what;
+    std::string authorization;
+    int status;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"NUL after the token", "Authorization: Bearer tok\0extra\r\n"s, 400},
+           {"escaped NUL after the token", "Authorization: Bearer tok%00extra\r\n", 401},
+           {"a second, wrong token", "Authorization: Bearer tok\r\nAuthorization: Bearer x\r\n",
+            401},
+           {"control character", "Authorization: Bearer tok\x01\r\n", 400},
+       }) {
+    const std::string answer = RawRequest(request(c.authorization));
+    EXPECT_EQ(answer.rfind("HTTP/1.1 " + std::to_string(c.status), 0), 0u)
+        << c.what << ": " << answer;
+  }
+  EXPECT_EQ(checkpoint_->pull_count(), 0u);
+  const std::string ok = RawRequest(request("Authorization: Bearer tok\r\n"));
+  EXPECT_EQ(ok.rfind("HTTP/1.1 200", 0), 0u) << ok;
+  EXPECT_EQ(checkpoint_->pull_count(), 1u);
+}
+
+TEST_F(AgentTest, PreconditionFailureIs409) {
+  checkpoint_->current = 2;
+  checkpoint_->next_pull_error = Status::FailedPrecondition(
+      "weight_v000003: the local checkpoint is not this version's base; rolled back to version 2");
+  StartAgent();
+  auto [status, body] = Pull(R"({"target_version": 3})");
+  EXPECT_EQ(status, 409);
+  EXPECT_EQ(body["code"], "precondition_failed");
+  EXPECT_EQ(body["status"], "FailedPrecondition");
+  EXPECT_NE(body["error"].get<std::string>().find("not this version's base"), std::string::npos);
+  EXPECT_EQ(body["applied_version"], 2);
+  EXPECT_EQ(Get("/status").second["last_error"]["code"], "precondition_failed");
+  // A pull that ran and failed, not a refused request.
+  EXPECT_EQ(Metric("deltasync_agent_pulls_total"), 1);
+  EXPECT_EQ(Metric("deltasync_agent_pull_failures_total"), 1);
+  EXPECT_EQ(Metric("deltasync_agent_rejected_requests_total"), 0);
+}
+
+TEST_F(AgentTest, PullsTotalCountsEveryPullThatRan) {
+  StartAgent();
+  ASSERT_EQ(Pull(R"({"target_version": 2})").first, 200);
+  auto [again, again_body] = Pull(R"({"target_version": 2})");
+  ASSERT_EQ(again, 200);
+  EXPECT_EQ(again_body["applied"], false);
+  checkpoint_->next_pull_error = Status::IOError("disk full");
+  ASSERT_EQ(Pull(R"({"target_version": 3})").first, 500);
+  ASSERT_EQ(Pull("{oops").first, 400);
+  ASSERT_EQ(Pull(R"({"target_version": 9})").first, 404);
+  EXPECT_EQ(Metric("deltasync_agent_pulls_total"), 3);  // applied, no-op, failed
+  EXPECT_EQ(Metric("deltasync_agent_pull_failures_total"), 1);
+  EXPECT_EQ(Metric("deltasync_agent_rejected_requests_total"), 2);
+  EXPECT_EQ(Metric("deltasync_agent_apply_seconds_count"), 2);
+}
+
+TEST_F(AgentTest, OnlyPullWeightsWaitsForABody) {
+  AgentOptions options;
+  options.max_body_bytes = 100;
+  StartAgent(options);
+  // Bodies announced but never sent: answered from the head at once.
+  struct Case {
+    std::string request;
+    int status;
+    const char* code;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"PUT /health HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n", 405,
+            "method_not_allowed"},
+           {"POST /status HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n", 405,
+            "method_not_allowed"},
+           {"POST /nope HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n", 404, "not_found"},
+           {"DELETE /pull_weights HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n", 405,
+            "method_not_allowed"},
+           // Told before it sends the body that it is too large.
+           {"POST /pull_weights HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+            "Content-Length: 1000\r\n\r\n",
+            413, "body_too_large"},
+       }) {
+    RawConnection conn(agent_->port());
+    ASSERT_TRUE(conn.Send(c.request));
+    const auto start = std::chrono::steady_clock::now();
+    const std::string answer = conn.ReadFor(5);
+    EXPECT_LT(SecondsSince(start), 1.0) << c.request;
+    EXPECT_EQ(answer.rfind("HTTP/1.1 " + std::to_string(c.status), 0), 0u) << answer;
+    EXPECT_EQ(ResponseJson(answer)["code"], c.code) << answer;
+  }
+  // A Range header does not cut a JSON answer.
+  httplib::Headers range = {{"Range", "bytes=0-1"}};
+  httplib::Result res = client_->Get("/health", range);
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  EXPECT_EQ(json::parse(res->body, nullptr, false)["status"], "ok") << res->body;
+  EXPECT_EQ(checkpoint_->pull_count(), 0u);
+}
+
+TEST_F(AgentTest, StopAnswersConnectionsStillSendingTheirHead) {
+  StartAgent();
+  RawConnection c(agent_->port());
+  ASSERT_TRUE(c.Send("GET /health HTTP/1.1\r\n"));
+  // Until the agent holds the connection (it answers a complete request).
+  ASSERT_EQ(Get("/health").first, 200);
+  client_.reset();
+  agent_->Stop();
+  const std::string answer = c.ReadFor(2);
+  EXPECT_EQ(answer.rfind("HTTP/1.1 503", 0), 0u) << answer;
+  EXPECT_EQ(ResponseJson(answer)["code"], "shutting_down") << answer;
+}
+
+TEST(AgentCreateTest, RequestTimeoutsMustBePositive) {
+  for (double bad : {0.0, -1.0, std::nan(""), 1e9}) {
+    AgentOptions options;
+    options.body_timeout_seconds = bad;
+    Result<std::unique_ptr<Agent>> agent = Agent::Create(
+        options, std::make_unique<FakePuller>(std::make_shared<FakeCheckpoint>()), nullptr);
+    ASSERT_FALSE(agent.ok()) << bad;
+    EXPECT_EQ(agent.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(agent.status().message().find("timeouts"), std::string::npos);
+  }
+}
+
 TEST(TokenFileTest, ReadsAndTrims) {
   const std::string dir = ::testing::TempDir();
   const std::string path = dir + "/agent_token_test.txt";
@@ -523,6 +830,9 @@ TEST(TokenFileTest, ReadsAndTrims) {
   EXPECT_EQ(ReadTokenFile(path).status().code(), StatusCode::kInvalidArgument);
   { std::ofstream(path) << "two words"; }
   EXPECT_EQ(ReadTokenFile(path).status().code(), StatusCode::kInvalidArgument);
+  { std::ofstream(path) << "a%41b"; }
+  EXPECT_EQ(ReadTokenFile(path).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(ReadTokenFile(path).status().message().find("'%'"), std::string::npos);
   EXPECT_EQ(ReadTokenFile(dir + "/no-such-token-file").status().code(), StatusCode::kIOError);
   std::remove(path.c_str());
 }

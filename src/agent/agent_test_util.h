@@ -14,6 +14,7 @@
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <thread>
@@ -44,6 +45,67 @@ inline std::string RawHttpRequest(int port, const std::string& request, int time
   }
   ::close(fd);
   return out;
+}
+
+// A loopback connection the test writes and reads at its own pace (a slow
+// client, a client that stops half way).
+class RawConnection {
+ public:
+  explicit RawConnection(int port) : fd_(::socket(AF_INET, SOCK_STREAM, 0)) {
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    connected_ = fd_ >= 0 && ::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  }
+  ~RawConnection() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  RawConnection(const RawConnection&) = delete;
+  RawConnection& operator=(const RawConnection&) = delete;
+
+  bool connected() const { return connected_; }
+  // Sends all of `bytes` (blocking); false once the connection is broken.
+  bool Send(const std::string& bytes) {
+    size_t sent = 0;
+    while (sent < bytes.size()) {
+      const ssize_t n = ::send(fd_, bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
+      if (n <= 0) return false;
+      sent += static_cast<size_t>(n);
+    }
+    return true;
+  }
+  // Tells the peer nothing more will come (it reads end of file).
+  void ShutdownWrite() { ::shutdown(fd_, SHUT_WR); }
+  // Reads until the peer closes or `seconds` pass.
+  std::string ReadFor(double seconds) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    std::string out;
+    char buf[4096];
+    for (;;) {
+      const auto left = std::chrono::duration_cast<std::chrono::microseconds>(
+          deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) break;
+      timeval tv{static_cast<time_t>(left.count() / 1000000),
+                 static_cast<suseconds_t>(left.count() % 1000000)};
+      ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+      const ssize_t n = ::recv(fd_, buf, sizeof(buf), 0);
+      if (n <= 0) break;
+      out.append(buf, static_cast<size_t>(n));
+    }
+    return out;
+  }
+
+ private:
+  int fd_;
+  bool connected_ = false;
+};
+
+// The JSON body of a raw HTTP response (after the blank line), or null.
+inline nlohmann::json ResponseJson(const std::string& response) {
+  const size_t at = response.find("\r\n\r\n");
+  if (at == std::string::npos) return nullptr;
+  return nlohmann::json::parse(response.substr(at + 4), nullptr, /*allow_exceptions=*/false);
 }
 
 // What a FakePuller did and will do; the test keeps a handle after the

@@ -112,8 +112,12 @@ EnginePullOutcome PullOnEngine(const std::string& engine, std::optional<int64_t>
   const auto start = std::chrono::steady_clock::now();
   Result<HttpUrl> url = ParseHttpUrl(engine);
   if (!url.ok()) {
+    // The summary names the engine: say only what is wrong with its URL.
+    const std::string message = url.status().message();
+    const std::string named = "URL '" + engine + "': ";
     out.error_code = "invalid_url";
-    out.error = url.status().message();
+    out.error =
+        "malformed URL: " + (message.rfind(named, 0) == 0 ? message.substr(named.size()) : message);
     return out;
   }
   httplib::Client client(url->scheme_host_port);
@@ -151,6 +155,12 @@ EnginePullOutcome PullOnEngine(const std::string& engine, std::optional<int64_t>
         out.error_code = "timeout";
         out.error = "could not connect within " +
                     agent_internal::FormatDouble(options.connect_timeout_seconds) + " s";
+      } else if (err == httplib::Error::Connection) {
+        // httplib keeps no errno: connect once more to learn why.
+        const std::string reason = agent_internal::ConnectFailureReason(
+            url->host, url->port, options.connect_timeout_seconds);
+        out.error_code = "connection";
+        out.error = "cannot connect: " + (reason.empty() ? httplib::to_string(err) : reason);
       } else {
         out.error_code = "connection";
         out.error = "request failed: " + httplib::to_string(err);
@@ -172,6 +182,15 @@ EnginePullOutcome PullOnEngine(const std::string& engine, std::optional<int64_t>
 }
 
 }  // namespace
+
+Status CheckEngineUrls(const std::vector<std::string>& engines) {
+  if (engines.empty()) return Status::InvalidArgument("sync needs at least one engine");
+  for (const std::string& engine : engines) {
+    Result<HttpUrl> url = ParseHttpUrl(engine);
+    if (!url.ok()) return Status::InvalidArgument("engine " + url.status().message());
+  }
+  return Status::OK();
+}
 
 std::vector<EnginePullOutcome> PullOnEngines(const std::vector<std::string>& engines,
                                              std::optional<int64_t> target,

@@ -139,6 +139,43 @@ TEST(CoordinatorTest, FailureNamesTheFailedEngine) {
   EXPECT_EQ(msg.find(good.url() + ":"), std::string::npos) << msg;
 }
 
+TEST(CoordinatorTest, UnreachableEngineErrorSaysWhy) {
+  const std::string dead =
+      "http://127.0.0.1:" + std::to_string(testing_agent::UnusedLoopbackPort());
+  EnginePullOptions options = FastOptions();
+  options.retries = 0;
+  std::vector<EnginePullOutcome> out = PullOnEngines({dead}, 1, options);
+  ASSERT_FALSE(out[0].ok);
+  EXPECT_EQ(out[0].error_code, "connection");
+  EXPECT_EQ(out[0].error, "cannot connect: connection refused");
+  const Status summary = SummarizeEngineOutcomes(out);
+  EXPECT_EQ(summary.message(),
+            "1 of 1 engines failed: " + dead + ": cannot connect: connection refused");
+}
+
+TEST(CoordinatorTest, PreconditionFailureIsFinal) {
+  // A real agent whose pull finds that the store's versions do not apply
+  // to what its host holds: a 4xx, so one attempt.
+  auto checkpoint = std::make_shared<testing_agent::FakeCheckpoint>();
+  checkpoint->current = 1;
+  checkpoint->next_pull_error =
+      Status::FailedPrecondition("version 000002 applies to version 000005, not 000001");
+  Result<std::unique_ptr<Agent>> agent = Agent::Create(
+      AgentOptions{}, std::make_unique<testing_agent::FakePuller>(checkpoint), nullptr);
+  ASSERT_TRUE(agent.ok());
+  ASSERT_TRUE((*agent)->Start().ok());
+  const std::string url = "http://127.0.0.1:" + std::to_string((*agent)->port());
+  EnginePullOptions options = FastOptions();
+  options.retries = 3;
+  std::vector<EnginePullOutcome> out = PullOnEngines({url}, 2, options);
+  ASSERT_FALSE(out[0].ok);
+  EXPECT_EQ(out[0].http_status, 409);
+  EXPECT_EQ(out[0].error_code, "precondition_failed");
+  EXPECT_EQ(out[0].attempts, 1);
+  EXPECT_EQ(checkpoint->pull_count(), 1u);
+  EXPECT_NE(out[0].error.find("applies to version 000005"), std::string::npos) << out[0].error;
+}
+
 TEST(CoordinatorTest, RetriesOn5xxThenSucceeds) {
   ScriptedAgent flaky({ScriptedAgent::Error(503, "unavailable", "busy"),
                        ScriptedAgent::Error(502, "reload_failed", "engine down"),
@@ -241,6 +278,19 @@ TEST(CoordinatorTest, MalformedUrlFailsOnlyItsEngine) {
   EXPECT_EQ(out[0].attempts, 0);
   EXPECT_TRUE(out[1].ok);
   EXPECT_FALSE(out[2].ok);
+  // The summary names the URL once.
+  EXPECT_NE(SummarizeEngineOutcomes(out).message().find(
+                "ftp://x:1: malformed URL: scheme must be http or https"),
+            std::string::npos)
+      << SummarizeEngineOutcomes(out).message();
+}
+
+TEST(CoordinatorTest, CheckEngineUrlsNamesTheFirstBadOne) {
+  EXPECT_TRUE(CheckEngineUrls({"127.0.0.1:1", "https://h/x"}).ok());
+  const Status bad = CheckEngineUrls({"127.0.0.1:1", "http://h:99999", "ftp://x"});
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad.message(), "engine URL 'http://h:99999': port must be a number in 1..65535");
+  EXPECT_EQ(CheckEngineUrls({}).code(), StatusCode::kInvalidArgument);
 }
 
 TEST(CoordinatorTest, PathPrefixIsKept) {

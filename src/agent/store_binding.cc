@@ -93,7 +93,7 @@ SyncCoordinator::~SyncCoordinator() = default;
 
 Result<std::unique_ptr<SyncCoordinator>> SyncCoordinator::Create(
     const SyncOptions& options, std::unique_ptr<Publisher> publisher) {
-  if (options.engines.empty()) return Status::InvalidArgument("sync needs at least one engine");
+  DS_RETURN_IF_ERROR(CheckEngineUrls(options.engines));
   if (publisher == nullptr) return Status::InvalidArgument("sync needs a publisher");
   auto state = std::make_unique<State>();
   state->options = options;
