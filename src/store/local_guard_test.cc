@@ -216,6 +216,28 @@ TEST(LocalGuard, ADeltaThatLostItsDeltaMetadataIsNotInstalledAsAFullVersion) {
   }
 }
 
+TEST(LocalGuard, ADeltaIndexThatLostItsShardsIsRefused) {
+  Fixture f;
+  auto publisher = f.MakePublisher(f.PublisherOpts(Encoding::kXor));
+  PublishSteps(publisher.get(), f.base_model, 2);
+  for (int v : {1, 2}) std::filesystem::remove(f.VersionPath(v) + "/" + kVersionManifestFileName);
+  auto local = f.OpenLocal();
+  DS_ASSERT_OK(local->Pull(1));
+  const auto before = Snapshot(f.local);
+  // An emptied weight_map reads as "nothing changed": the shards beside it
+  // say otherwise.
+  const std::string path = f.VersionPath(2) + "/" + kIndexFileName;
+  nlohmann::json index = nlohmann::json::parse(ReadFile(path));
+  index["weight_map"] = nlohmann::json::object();
+  WriteFile(path, index.dump(2));
+  Result<PullResult> r = local->Pull(2);
+  ASSERT_TRUE(r.status().IsCorruption()) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("which its weight_map does not name"), std::string::npos)
+      << r.status().ToString();
+  EXPECT_EQ(Snapshot(f.local), before);
+  EXPECT_EQ(**local->CurrentVersion(), 1);
+}
+
 TEST(LocalGuard, AFullVersionOfTheModelStillResetsTheCheckpoint) {
   Fixture f;
   auto publisher = f.MakePublisher(f.PublisherOpts());

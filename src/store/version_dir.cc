@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <set>
+#include <string>
+#include <vector>
 
 #include "deltasync/checkpoint.h"
 #include "deltasync/store.h"
@@ -197,6 +200,19 @@ Result<VersionInfo> ReadVersionInfo(const std::string& version_dir) {
                                    " (known: xxh3-128, blake3, adler32, xxh3-64)");
       }
       info.checksum = *algo;
+      // A delta's index lists the changed tensors, so a shard it does not
+      // name would be changes silently skipped (an index whose weight_map
+      // lost entries reads as a delta that changed less, or nothing).
+      std::set<std::string> named;
+      for (const auto& [tensor, file] : index->weight_map) named.insert(file);
+      DS_ASSIGN_OR_RETURN(std::vector<std::string> files,
+                          store_internal::ListRegularFiles(version_dir));
+      for (const std::string& file : files) {
+        if (file.ends_with(".safetensors") && !named.count(file)) {
+          return Status::Corruption(index_path + ": the version holds " + file +
+                                    ", which its weight_map does not name");
+        }
+      }
     }
   }
 
