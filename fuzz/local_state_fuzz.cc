@@ -70,14 +70,16 @@ void SaveInterrupted(FuzzStore& s, const char* point, int hit, bool durable, con
 }
 
 FuzzStore& Store() {
-  static FuzzStore* store = [] {
-    auto* s = new FuzzStore("ds_local_state_fuzz", {Encoding::kSparse, Encoding::kXor});
-    s->SaveLocalAt(1, "v1");
-    SaveInterrupted(*s, "apply:record", 3, /*durable=*/false, "streamed");
-    SaveInterrupted(*s, "apply:done", 1, /*durable=*/true, "durable");
-    return s;
+  // Static (not leaked) so that its scratch directory goes at exit.
+  static FuzzStore store("ds_local_state_fuzz", {Encoding::kSparse, Encoding::kXor});
+  static const bool saved = [] {
+    store.SaveLocalAt(1, "v1");
+    SaveInterrupted(store, "apply:record", 3, /*durable=*/false, "streamed");
+    SaveInterrupted(store, "apply:done", 1, /*durable=*/true, "durable");
+    return true;
   }();
-  return *store;
+  (void)saved;
+  return store;
 }
 
 // The committed version the state claims, as our reader would take it:

@@ -54,8 +54,8 @@ struct Fixture {
 };
 
 Fixture& GetFixture() {
-  static Fixture* fixture = new Fixture();
-  return *fixture;
+  static Fixture fixture;  // static (not leaked): its scratch directory goes at exit
+  return fixture;
 }
 
 bool SameTensor(const ManifestTensor& a, const ManifestTensor& b) {
