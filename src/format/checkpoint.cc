@@ -87,7 +87,10 @@ Status CheckShardSetsComplete(const std::string& dir, const std::vector<std::str
     set.second = *shard;
   }
   for (const auto& [key, set] : sets) {
-    const auto& [ordinals, example] = set;
+    // Plain references, not a structured binding: the lambda below captures
+    // them (clang 14 refuses to capture bindings).
+    const std::set<uint64_t>& ordinals = set.first;
+    const ShardName& example = set.second;
     uint64_t missing = 1;
     for (uint64_t ordinal : ordinals) {
       if (ordinal != missing) break;

@@ -290,7 +290,7 @@ class Campaign {
     // A reset copies a full version without reading its tensors (docs/format.md,
     // "Pulling"): damage to one is not the pull's to find. Verify, with the
     // sidecar's checksums, must find it; without a sidecar nothing records them.
-    const bool copied_damage = IsFull(victim) && from < victim && victim <= at;
+    const bool copied_damage = !sidecars_ && IsFull(victim) && from < victim && victim <= at;
     std::string wrong;
     if (pulled.ok()) {
       if (pulled->version != target || at != target) fail("a pull reported another version");

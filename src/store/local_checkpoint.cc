@@ -801,12 +801,42 @@ Status LocalCheckpoint::State::Materialize(const std::string& source, int64_t ve
   } else {
     DS_RETURN_IF_ERROR(CheckFullLayout(**source_checkpoint, where, *st));
   }
-  source_checkpoint->reset();
-  DS_ASSIGN_OR_RETURN(const std::string resolved_source, store_internal::ResolvedPath(source));
-  DS_ASSIGN_OR_RETURN(std::vector<std::string> names, store_internal::ListRegularFiles(source));
   DS_ASSIGN_OR_RETURN(std::optional<VersionManifest> manifest,
                       version == 0 ? Result<std::optional<VersionManifest>>(std::nullopt)
                                    : ReadVersionManifest(source));
+  // A full version's sidecar records every tensor's digest: the version is
+  // checked against it before anything is replaced, as a delta is verified
+  // (its pages are then hot for the copy).
+  std::map<std::string, std::string> full_digests;
+  if (manifest && !manifest->is_delta) {
+    for (const auto& [name, t] : manifest->tensors) {
+      std::optional<store_internal::ExpectedDigests> strong =
+          store_internal::StrongDigestsOf(*manifest, t);
+      full_digests[name] = strong ? TaggedDigest(strong->algo, strong->checksum)
+                                  : TaggedDigest(manifest->checksum, t.checksum);
+    }
+    std::vector<const std::pair<const std::string, std::string>*> entries;
+    for (const auto& entry : full_digests) entries.push_back(&entry);
+    std::vector<Status> outcome(entries.size());
+    pool->ParallelFor(entries.size(), [&](size_t i) {
+      const auto& [name, tagged] = *entries[i];
+      Result<TensorView> t = (*source_checkpoint)->Get(name);
+      Result<ParsedDigest> d = ParseTaggedDigest(tagged);
+      if (!t.ok() || !d.ok()) {
+        outcome[i] = Status::Corruption(where + ": tensor " + QuoteForMessage(name) + " of its " +
+                                        kVersionManifestFileName + " is not in its shards");
+      } else if (const std::string actual = ChecksumHex(d->algo, t->bytes); actual != d->hex) {
+        outcome[i] = Status::Corruption(where + ": tensor " + QuoteForMessage(name) + " has " +
+                                        std::string(ChecksumAlgoName(d->algo)) + " " + actual +
+                                        ", its " + kVersionManifestFileName + " records " + d->hex +
+                                        "; nothing was replaced");
+      }
+    });
+    for (const Status& o : outcome) DS_RETURN_IF_ERROR(o);
+  }
+  source_checkpoint->reset();
+  DS_ASSIGN_OR_RETURN(const std::string resolved_source, store_internal::ResolvedPath(source));
+  DS_ASSIGN_OR_RETURN(std::vector<std::string> names, store_internal::ListRegularFiles(source));
   CrashPoint("reset:begin");
   json keep = st->doc;
   *st = LocalState();
@@ -843,11 +873,7 @@ Status LocalCheckpoint::State::Materialize(const std::string& source, int64_t ve
   st->version = version;
   st->origin_dir = resolved_source;
   st->origin_version = version;
-  if (manifest && !manifest->is_delta) {
-    for (const auto& [name, t] : manifest->tensors) {
-      st->checksums[name] = TaggedDigest(manifest->checksum, t.checksum);
-    }
-  }
+  for (auto& [name, digest] : full_digests) st->checksums[name] = std::move(digest);
   // What the store says the base holds, checked above: verifying against
   // it catches a base that changed after the copy, which a byte comparison
   // with the base itself never would.

@@ -251,6 +251,29 @@ TEST(LocalGuard, AFullVersionOfTheModelStillResetsTheCheckpoint) {
   EXPECT_TRUE(HoldsModel(f.local, models[2]));
 }
 
+TEST(LocalGuard, AFullVersionWhoseBytesDisagreeWithItsSidecarReplacesNothing) {
+  Fixture f;
+  auto publisher = f.MakePublisher(f.PublisherOpts());
+  std::vector<Model> models = PublishSteps(publisher.get(), f.base_model, 1);
+  models.push_back(Step(models.back(), 9));
+  DS_ASSERT_OK(publisher->Publish(Views(models.back()), /*full=*/true));
+  auto local = f.OpenLocal();
+  DS_ASSERT_OK(local->Pull(1));
+  const auto before = Snapshot(f.local);
+  const std::string tensor = "model.layers.0.mlp.up_proj.weight";
+  const std::string file = FileHolding(f.VersionPath(2), tensor);
+  FlipByte(file, TensorOffsetInFile(file, tensor) + 7);
+  Result<PullResult> r = local->Pull(2);
+  ASSERT_TRUE(r.status().IsCorruption()) << r.status().ToString();
+  EXPECT_NE(r.status().message().find(tensor), std::string::npos) << r.status().ToString();
+  EXPECT_EQ(Snapshot(f.local), before);
+  EXPECT_EQ(**local->CurrentVersion(), 1);
+  // Repaired, the same pull goes through.
+  FlipByte(file, TensorOffsetInFile(file, tensor) + 7);
+  DS_ASSERT_OK(local->Pull(2));
+  EXPECT_TRUE(HoldsModel(f.local, models[2]));
+}
+
 TEST(LocalGuard, AWrongBaseIsRefusedBeforeAnythingIsCopied) {
   Fixture f;
   auto publisher = f.MakePublisher(f.PublisherOpts());
