@@ -791,6 +791,11 @@ TEST_F(AgentTest, OnlyPullWeightsWaitsForABody) {
   ASSERT_TRUE(res);
   EXPECT_EQ(res->status, 200);
   EXPECT_EQ(json::parse(res->body, nullptr, false)["status"], "ok") << res->body;
+  // A malformed one is refused, in the same JSON shape.
+  const std::string bad_range =
+      RawRequest("GET /health HTTP/1.1\r\nHost: x\r\nRange: bytes=x\r\n\r\n");
+  EXPECT_EQ(bad_range.rfind("HTTP/1.1 416", 0), 0u) << bad_range;
+  EXPECT_EQ(ResponseJson(bad_range)["code"], "range_not_satisfiable") << bad_range;
   EXPECT_EQ(checkpoint_->pull_count(), 0u);
 }
 
