@@ -157,8 +157,15 @@ void CheckVersionInfo(const Fixture& f, const Result<CheckpointIndex>& index) {
       if (a.ok()) algo = *a;
     }
     const std::optional<int64_t> base = version_of("base_version");
+    // A delta's directory holds no shard its weight_map does not name.
+    bool every_shard_named = true;
+    for (const auto& [file, tensors] : f.holds) {
+      bool named = false;
+      for (const auto& [tensor, in] : index->weight_map) named = named || in == file;
+      every_shard_named = every_shard_named && named;
+    }
     expected = e.ok() && base && *base < 2 && compression != nullptr &&
-               *compression == zstd_or_none && algo.has_value();
+               *compression == zstd_or_none && algo.has_value() && every_shard_named;
   }
   Require(info.ok() == expected, "ReadVersionInfo accepts exactly the metadata the format allows");
   if (!info.ok()) return;
