@@ -201,9 +201,9 @@ void RegisterInspect(CLI::App& app, CommandFn* run) {
       Result<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(opts->path);
       if (!ckpt.ok()) {
         if (ckpt.status().IsCorruption() && std::filesystem::is_regular_file(opts->path, ec)) {
-          std::string_view why = ckpt.status().message();
-          if (why.starts_with(opts->path + ": ")) why.remove_prefix(opts->path.size() + 2);
-          return Fail(opts->path + " is not a safetensors file: " + std::string(why));
+          std::string why = ckpt.status().message();  // status() is a copy: keep its text
+          if (why.starts_with(opts->path + ": ")) why.erase(0, opts->path.size() + 2);
+          return Fail(opts->path + " is not a safetensors file: " + why);
         }
         return Fail(ckpt.status());
       }
