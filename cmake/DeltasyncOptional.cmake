@@ -84,20 +84,28 @@ macro(ds_probe_cuda out)
   endif()
 endmacro()
 
+# NCCL's unique id travels through Gloo's rendezvous stores, so the nccl
+# communicator needs Gloo's headers and library as well (not the gloo
+# communicator itself: DELTASYNC_WITH_GLOO may be OFF).
 macro(ds_probe_nccl out)
   set(${out} OFF)
   find_package(CUDAToolkit QUIET)
   find_path(DS_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/local/cuda/include)
   find_library(DS_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} /usr/local/cuda/lib64)
-  if(CUDAToolkit_FOUND AND DS_NCCL_INCLUDE_DIR AND DS_NCCL_LIBRARY)
+  ds_probe_gloo(ds_nccl_gloo_found)
+  if(CUDAToolkit_FOUND AND CUDA_cudart_LIBRARY AND DS_NCCL_INCLUDE_DIR AND DS_NCCL_LIBRARY
+     AND ds_nccl_gloo_found)
     set(${out} ON)
   endif()
 endmacro()
 
+# hiredis is optional: Gloo's RedisStore needs it, a file rendezvous does not.
 macro(ds_probe_gloo out)
   set(${out} OFF)
   find_path(DS_GLOO_INCLUDE_DIR gloo/context.h)
   find_library(DS_GLOO_LIBRARY gloo)
+  find_path(DS_HIREDIS_INCLUDE_DIR hiredis/hiredis.h)
+  find_library(DS_HIREDIS_LIBRARY hiredis)
   if(DS_GLOO_INCLUDE_DIR AND DS_GLOO_LIBRARY)
     set(${out} ON)
   endif()
@@ -115,6 +123,6 @@ endmacro()
 # The components and the module each belongs to. NCCL and Gloo are the two
 # communicators of one module, the online transport (CONTRIBUTING.md).
 ds_optional(CUDA DIR src/cuda WHAT "CUDA kernels" PROBE ds_probe_cuda)
-ds_optional(NCCL DIR src/stream WHAT "NCCL communicator" PROBE ds_probe_nccl)
+ds_optional(NCCL DIR src/stream WHAT "NCCL communicator (CUDA, NCCL and Gloo)" PROBE ds_probe_nccl)
 ds_optional(GLOO DIR src/stream WHAT "Gloo communicator" PROBE ds_probe_gloo)
 ds_optional(PYTHON DIR python WHAT "Python bindings (pybind11)" PROBE ds_probe_python)

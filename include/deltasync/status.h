@@ -28,6 +28,8 @@ enum class StatusCode : int {
   kFailedPrecondition = 8,  // the system is not in a state that allows it
   kAborted = 9,             // cancelled or interrupted
   kInternal = 10,           // a broken invariant: a bug, never bad input
+  kDeadlineExceeded = 11,   // a peer did not answer within the operation's timeout
+  kUnavailable = 12,        // a peer or service cannot be reached (connection lost)
 };
 
 // The name of a code, e.g. "Corruption". Never empty.
@@ -57,6 +59,10 @@ class [[nodiscard]] Status {
   }
   static Status Aborted(std::string msg) { return {StatusCode::kAborted, std::move(msg)}; }
   static Status Internal(std::string msg) { return {StatusCode::kInternal, std::move(msg)}; }
+  static Status DeadlineExceeded(std::string msg) {
+    return {StatusCode::kDeadlineExceeded, std::move(msg)};
+  }
+  static Status Unavailable(std::string msg) { return {StatusCode::kUnavailable, std::move(msg)}; }
   // IOError from errno, formatted "<context>: <strerror(errnum)>".
   static Status FromErrno(int errnum, std::string_view context);
 

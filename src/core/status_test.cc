@@ -30,6 +30,13 @@ TEST(StatusTest, CodesAreStable) {
   EXPECT_EQ(static_cast<int>(StatusCode::kIOError), 4);
   EXPECT_EQ(static_cast<int>(StatusCode::kOutOfRange), 5);
   EXPECT_EQ(static_cast<int>(StatusCode::kUnsupported), 6);
+  EXPECT_EQ(static_cast<int>(StatusCode::kInternal), 10);
+  EXPECT_EQ(static_cast<int>(StatusCode::kDeadlineExceeded), 11);
+  EXPECT_EQ(static_cast<int>(StatusCode::kUnavailable), 12);
+  EXPECT_EQ(StatusCodeName(StatusCode::kDeadlineExceeded), "DeadlineExceeded");
+  EXPECT_EQ(StatusCodeName(StatusCode::kUnavailable), "Unavailable");
+  EXPECT_EQ(Status::Unavailable("x").code(), StatusCode::kUnavailable);
+  EXPECT_EQ(Status::DeadlineExceeded("x").code(), StatusCode::kDeadlineExceeded);
   EXPECT_EQ(StatusCodeName(StatusCode::kOutOfRange), "OutOfRange");
 }
 

@@ -1,0 +1,490 @@
+// The gloo communicator: host memory over Gloo's TCP transport.
+//
+// Gloo's own collectives are not used: they report a failure by the peer's
+// address (not its rank), cannot tell a message of the wrong size (a short
+// one completes silently, a long one kills the receiving process from
+// Gloo's event thread), and have no gatherv. Every operation here is built
+// from framed point-to-point messages instead (docs/format.md,
+// "Communicator messages (gloo)"): a fixed header, checked before the payload is
+// posted, so that the payload's receive buffer always has the payload's
+// size.
+#include <signal.h>
+
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <gloo/common/error.h>
+#include <gloo/config.h>
+#include <gloo/context.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/device.h>
+#include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+
+#include "stream/communicator_internal.h"
+#include "stream/communicator_rendezvous.h"
+
+namespace deltasync::stream_internal {
+
+namespace {
+
+// Every message goes through one slot: the header's operation code, not
+// the slot, tells operations apart, so that two ranks calling different
+// operations get an error naming both instead of waiting on different
+// slots until the timeout.
+constexpr uint64_t kMessageSlot = 0x00dc000000000000ull;
+
+constexpr uint32_t kMagic = 0x314d4344;  // "DCM1"
+constexpr size_t kHeaderBytes = 32;
+
+enum class MessageOp : uint8_t {
+  kSend = 1,
+  kBroadcast = 2,
+  kGather = 3,
+  kAllGather = 4,
+  kBarrier = 5,
+};
+
+std::string_view OpName(uint8_t op) {
+  switch (static_cast<MessageOp>(op)) {
+    case MessageOp::kSend: return "send";
+    case MessageOp::kBroadcast: return "broadcast";
+    case MessageOp::kGather: return "gather";
+    case MessageOp::kAllGather: return "all-gather";
+    case MessageOp::kBarrier: return "barrier";
+  }
+  return "unknown";
+}
+
+void PutU32(uint8_t* p, uint32_t v) {
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+void PutU64(uint8_t* p, uint64_t v) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+uint32_t GetU32(const uint8_t* p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(p[i]) << (8 * i);
+  return v;
+}
+uint64_t GetU64(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  return v;
+}
+
+// The header's fields (docs/format.md, "Communicator messages (gloo)").
+struct Header {
+  uint8_t op = 0;
+  uint32_t root = 0;
+  uint64_t sequence = 0;
+  uint64_t nbytes = 0;
+};
+
+void EncodeHeader(const Header& h, uint8_t* out) {
+  std::memset(out, 0, kHeaderBytes);
+  PutU32(out, kMagic);
+  out[4] = h.op;
+  PutU32(out + 8, h.root);
+  PutU64(out + 16, h.sequence);
+  PutU64(out + 24, h.nbytes);
+}
+
+// False when the bytes are no header at all.
+bool DecodeHeader(const uint8_t* in, Header* h) {
+  if (GetU32(in) != kMagic) return false;
+  for (size_t i : {5, 6, 7, 12, 13, 14, 15}) {
+    if (in[i] != 0) return false;
+  }
+  h->op = in[4];
+  h->root = GetU32(in + 8);
+  h->sequence = GetU64(in + 16);
+  h->nbytes = GetU64(in + 24);
+  return true;
+}
+
+// Writing to a socket whose peer has died raises SIGPIPE, whose default
+// action ends the process: Gloo writes with plain writev and expects its
+// user to ignore the signal (Python, say, does at startup). A process
+// that handles SIGPIPE itself keeps its handler.
+void IgnoreSigpipeOnce() {
+  static const bool done = [] {
+    struct sigaction old = {};
+    if (sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL) {
+      signal(SIGPIPE, SIG_IGN);
+    }
+    return true;
+  }();
+  (void)done;
+}
+
+class GlooCommunicator final : public Communicator {
+ public:
+  GlooCommunicator(const CommunicatorOptions& options, uint64_t generation)
+      : options_(options),
+        generation_(generation),
+        member_(DescribeMember(options.group, generation, options.rank, options.size)),
+        sent_(options.size, 0),
+        received_(options.size, 0) {}
+
+  ~GlooCommunicator() override {
+    // The context's pairs refer to the device; the context goes first.
+    context_.reset();
+    device_.reset();
+  }
+
+  std::string_view name() const override { return "gloo"; }
+  int rank() const override { return options_.rank; }
+  int size() const override { return options_.size; }
+  uint64_t generation() const override { return generation_; }
+  CommunicatorCapabilities capabilities() const override {
+    CommunicatorCapabilities c;
+    c.host_buffers = true;
+    c.point_to_point = true;
+    c.detects_dead_peer = true;
+    c.checks_sizes = true;
+    return c;
+  }
+  std::chrono::milliseconds timeout() const override { return options_.timeout; }
+  Status health() const override { return broken_; }
+
+  // Makes the connections to every other member, through `store`.
+  Status Connect(RendezvousStore& store, const Deadline& deadline);
+
+  Status Send(int peer, std::span<const uint8_t> data) override {
+    const std::string_view call = "gloo send";
+    DS_RETURN_IF_ERROR(Usable(call));
+    DS_RETURN_IF_ERROR(CheckPeer(call, size(), rank(), peer));
+    const Deadline deadline(options_.timeout);
+    Outgoing out;
+    DS_RETURN_IF_ERROR(Post(&out, peer, MessageOp::kSend, 0, data, call));
+    return Finish(&out, deadline, call);
+  }
+
+  Status Recv(int peer, std::span<uint8_t> data) override {
+    const std::string_view call = "gloo recv";
+    DS_RETURN_IF_ERROR(Usable(call));
+    DS_RETURN_IF_ERROR(CheckPeer(call, size(), rank(), peer));
+    const Deadline deadline(options_.timeout);
+    Incoming in;
+    DS_RETURN_IF_ERROR(PostHeader(&in, peer, call));
+    DS_RETURN_IF_ERROR(Receive(&in, MessageOp::kSend, 0, data, deadline, call));
+    return FinishPayload(&in, deadline, call);
+  }
+
+  Status Broadcast(int root, std::span<uint8_t> data) override {
+    const std::string_view call = "gloo broadcast";
+    DS_RETURN_IF_ERROR(Usable(call));
+    DS_RETURN_IF_ERROR(CheckRoot(call, size(), root));
+    const Deadline deadline(options_.timeout);
+    return TreeBroadcast(MessageOp::kBroadcast, root, data, deadline, call);
+  }
+
+  Status Barrier() override {
+    const std::string_view call = "gloo barrier";
+    DS_RETURN_IF_ERROR(Usable(call));
+    const Deadline deadline(options_.timeout);
+    DS_RETURN_IF_ERROR(GatherTo(MessageOp::kBarrier, 0, {}, {}, deadline, call));
+    return TreeBroadcast(MessageOp::kBarrier, 0, {}, deadline, call);
+  }
+
+  Status Gather(int root, std::span<const uint8_t> record, std::span<uint8_t> out) override {
+    const std::string_view call = "gloo gather";
+    DS_RETURN_IF_ERROR(Usable(call));
+    DS_RETURN_IF_ERROR(CheckRoot(call, size(), root));
+    if (rank() == root) {
+      DS_RETURN_IF_ERROR(CheckSize(call, "out", record.size() * size(), out.size()));
+    }
+    const Deadline deadline(options_.timeout);
+    return GatherTo(MessageOp::kGather, root, record, out, deadline, call);
+  }
+
+  Status AllGather(std::span<const uint8_t> record, std::span<uint8_t> out) override {
+    const std::string_view call = "gloo all-gather";
+    DS_RETURN_IF_ERROR(Usable(call));
+    DS_RETURN_IF_ERROR(CheckSize(call, "out", record.size() * size(), out.size()));
+    const Deadline deadline(options_.timeout);
+    DS_RETURN_IF_ERROR(GatherTo(MessageOp::kAllGather, 0, record, out, deadline, call));
+    return TreeBroadcast(MessageOp::kAllGather, 0, out, deadline, call);
+  }
+
+ private:
+  // One message to a peer: its header and payload, posted, until both are
+  // sent. Destroying it withdraws whatever Gloo still has of it.
+  struct Outgoing {
+    int peer = -1;
+    uint8_t header[kHeaderBytes] = {};
+    std::unique_ptr<::gloo::transport::UnboundBuffer> header_buf;
+    std::unique_ptr<::gloo::transport::UnboundBuffer> payload_buf;
+  };
+  // One message from a peer: the header posted first; the payload once the
+  // header has been checked.
+  struct Incoming {
+    int peer = -1;
+    uint8_t header[kHeaderBytes] = {};
+    std::unique_ptr<::gloo::transport::UnboundBuffer> header_buf;
+    std::unique_ptr<::gloo::transport::UnboundBuffer> payload_buf;
+  };
+
+  Status Usable(std::string_view call) const {
+    if (!broken_.ok()) return BrokenError(call, member_, broken_);
+    return Status::OK();
+  }
+
+  // Records the first error and closes every connection, so that no byte
+  // lands in a caller's buffer after the call returns and so that the
+  // peers' pending and later calls fail at once.
+  Status Fail(Status status) {
+    if (broken_.ok()) broken_ = status;
+    if (context_) {
+      try {
+        context_->closeConnections();
+      } catch (const std::exception&) {
+        // Already closed or failed: nothing more can arrive either way.
+      }
+    }
+    return status;
+  }
+
+  // A Gloo exception from an operation with `peer`, as the Status the
+  // file comment of communicator.h promises.
+  Status Translate(const std::exception& e, std::string_view call, int peer,
+                   const Deadline& deadline) {
+    const std::string text = GlooErrorText(e.what());
+    const std::string where =
+        std::string(call) + " (" + member_ + "): peer rank " + std::to_string(peer) + ": ";
+    if (dynamic_cast<const ::gloo::IoException*>(&e) != nullptr) {
+      if (text.find("Timed out") != std::string::npos) {
+        return Fail(Status::DeadlineExceeded(where + "no answer within " +
+                                             std::to_string(deadline.budget().count()) + " ms"));
+      }
+      return Fail(Status::Unavailable(where + "connection lost (" + text + ")"));
+    }
+    return Fail(Status::Internal(where + "gloo failed: " + text));
+  }
+
+  Status Post(Outgoing* out, int peer, MessageOp op, int root, std::span<const uint8_t> data,
+              std::string_view call) {
+    out->peer = peer;
+    Header h;
+    h.op = static_cast<uint8_t>(op);
+    h.root = static_cast<uint32_t>(root);
+    h.sequence = sent_[peer]++;
+    h.nbytes = data.size();
+    EncodeHeader(h, out->header);
+    try {
+      out->header_buf = context_->createUnboundBuffer(out->header, kHeaderBytes);
+      out->header_buf->send(peer, kMessageSlot);
+      if (!data.empty()) {
+        // Gloo's buffers are not const, but a send only reads.
+        out->payload_buf =
+            context_->createUnboundBuffer(const_cast<uint8_t*>(data.data()), data.size());
+        out->payload_buf->send(peer, kMessageSlot);
+      }
+    } catch (const std::exception& e) {
+      return Translate(e, call, peer, Deadline(options_.timeout));
+    }
+    return Status::OK();
+  }
+
+  Status Finish(Outgoing* out, const Deadline& deadline, std::string_view call) {
+    try {
+      out->header_buf->waitSend(deadline.remaining());
+      if (out->payload_buf) out->payload_buf->waitSend(deadline.remaining());
+    } catch (const std::exception& e) {
+      return Translate(e, call, out->peer, deadline);
+    }
+    return Status::OK();
+  }
+
+  Status PostHeader(Incoming* in, int peer, std::string_view call) {
+    in->peer = peer;
+    try {
+      in->header_buf = context_->createUnboundBuffer(in->header, kHeaderBytes);
+      in->header_buf->recv(peer, kMessageSlot);
+    } catch (const std::exception& e) {
+      return Translate(e, call, peer, Deadline(options_.timeout));
+    }
+    return Status::OK();
+  }
+
+  // Waits for the header of `in`, checks it against what this rank's call
+  // expects, and posts the payload's receive into `data`.
+  Status Receive(Incoming* in, MessageOp op, int root, std::span<uint8_t> data,
+                 const Deadline& deadline, std::string_view call) {
+    const int peer = in->peer;
+    try {
+      in->header_buf->waitRecv(deadline.remaining());
+    } catch (const std::exception& e) {
+      return Translate(e, call, peer, deadline);
+    }
+    const std::string where =
+        std::string(call) + " (" + member_ + "): peer rank " + std::to_string(peer) + " ";
+    Header h;
+    if (!DecodeHeader(in->header, &h)) {
+      return Fail(Status::Corruption(where + "sent a message that is not a deltasync one"));
+    }
+    if (h.op != static_cast<uint8_t>(op)) {
+      return Fail(Status::InvalidArgument(
+          where + "sent a " + std::string(OpName(h.op)) + " message; this rank expects a " +
+          std::string(OpName(static_cast<uint8_t>(op))) + " (the two ranks' calls differ)"));
+    }
+    if (op != MessageOp::kSend && h.root != static_cast<uint32_t>(root)) {
+      return Fail(Status::InvalidArgument(where + "has root rank " + std::to_string(h.root) +
+                                          "; this rank has root rank " + std::to_string(root)));
+    }
+    if (h.sequence != received_[peer]) {
+      return Fail(Status::InvalidArgument(
+          where + "sent its message " + std::to_string(h.sequence) + " to this rank; this rank " +
+          "expects message " + std::to_string(received_[peer]) + " (the two ranks' calls differ)"));
+    }
+    if (h.nbytes != data.size()) {
+      return Fail(Status::InvalidArgument(where + "sent " + std::to_string(h.nbytes) +
+                                          " bytes; this rank expects " +
+                                          std::to_string(data.size())));
+    }
+    ++received_[peer];
+    if (data.empty()) return Status::OK();
+    try {
+      in->payload_buf = context_->createUnboundBuffer(data.data(), data.size());
+      in->payload_buf->recv(peer, kMessageSlot);
+    } catch (const std::exception& e) {
+      return Translate(e, call, peer, deadline);
+    }
+    return Status::OK();
+  }
+
+  Status FinishPayload(Incoming* in, const Deadline& deadline, std::string_view call) {
+    if (!in->payload_buf) return Status::OK();
+    try {
+      in->payload_buf->waitRecv(deadline.remaining());
+    } catch (const std::exception& e) {
+      return Translate(e, call, in->peer, deadline);
+    }
+    return Status::OK();
+  }
+
+  // Along a binomial tree rooted at `root`: in virtual ranks (root is 0),
+  // rank v receives from v with its lowest set bit cleared and then sends
+  // to v + 2^k for every 2^k below that bit (below the group's size rounded
+  // up to a power of two, for the root).
+  Status TreeBroadcast(MessageOp op, int root, std::span<uint8_t> data, const Deadline& deadline,
+                       std::string_view call) {
+    const int n = size();
+    if (n == 1) return Status::OK();
+    const int vrank = (rank() - root + n) % n;
+    int reach = 1;
+    while (reach < n) reach *= 2;
+    if (vrank != 0) {
+      const int low = vrank & -vrank;
+      const int parent = (vrank - low + root) % n;
+      Incoming in;
+      DS_RETURN_IF_ERROR(PostHeader(&in, parent, call));
+      DS_RETURN_IF_ERROR(Receive(&in, op, root, data, deadline, call));
+      DS_RETURN_IF_ERROR(FinishPayload(&in, deadline, call));
+      reach = low;
+    }
+    // A deque: Gloo holds pointers into each posted message's header.
+    std::deque<Outgoing> outs;
+    for (int step = reach / 2; step >= 1; step /= 2) {
+      if (vrank + step >= n) continue;
+      outs.emplace_back();
+      const int child = (vrank + step + root) % n;
+      DS_RETURN_IF_ERROR(Post(&outs.back(), child, op, root, data, call));
+    }
+    for (Outgoing& out : outs) DS_RETURN_IF_ERROR(Finish(&out, deadline, call));
+    return Status::OK();
+  }
+
+  // Every rank's `record` into `out` on root, in rank order. The root posts
+  // every header receive at once and then takes the ranks in order.
+  Status GatherTo(MessageOp op, int root, std::span<const uint8_t> record, std::span<uint8_t> out,
+                  const Deadline& deadline, std::string_view call) {
+    const int n = size();
+    const size_t bytes = record.size();
+    if (rank() != root) {
+      Outgoing msg;
+      DS_RETURN_IF_ERROR(Post(&msg, root, op, root, record, call));
+      return Finish(&msg, deadline, call);
+    }
+    if (bytes > 0) std::memcpy(out.data() + root * bytes, record.data(), bytes);
+    if (n == 1) return Status::OK();
+    std::vector<Incoming> ins(n);
+    for (int p = 0; p < n; ++p) {
+      if (p != root) DS_RETURN_IF_ERROR(PostHeader(&ins[p], p, call));
+    }
+    for (int p = 0; p < n; ++p) {
+      if (p == root) continue;
+      DS_RETURN_IF_ERROR(Receive(&ins[p], op, root, out.subspan(p * bytes, bytes), deadline, call));
+    }
+    for (int p = 0; p < n; ++p) {
+      if (p != root) DS_RETURN_IF_ERROR(FinishPayload(&ins[p], deadline, call));
+    }
+    return Status::OK();
+  }
+
+  const CommunicatorOptions options_;
+  const uint64_t generation_;
+  const std::string member_;
+  std::shared_ptr<::gloo::transport::Device> device_;
+  std::shared_ptr<::gloo::rendezvous::Context> context_;
+  // Messages sent to and accepted from each peer so far: the sequence
+  // numbers the next headers carry.
+  std::vector<uint64_t> sent_;
+  std::vector<uint64_t> received_;
+  Status broken_;
+};
+
+Status GlooCommunicator::Connect(RendezvousStore& store, const Deadline& deadline) {
+  const std::string where = "gloo: forming " + member_ + " through " + store.spec();
+  IgnoreSigpipeOnce();
+  try {
+    ::gloo::transport::tcp::attr attr;
+    attr.hostname = options_.hostname;
+    device_ = ::gloo::transport::tcp::CreateDevice(attr);
+  } catch (const std::exception& e) {
+    return Status::Unavailable(where + ": cannot listen on \"" + options_.hostname +
+                               "\": " + GlooErrorText(e.what()));
+  }
+  std::string waiting_for;
+  auto view = store.GlooView(GenerationPrefix(options_.group, generation_), deadline, &waiting_for);
+  try {
+    context_ = std::make_shared<::gloo::rendezvous::Context>(rank(), size());
+    // Bounds each connection's wait, which connectFullMesh makes per peer.
+    context_->setTimeout(deadline.remaining());
+    context_->connectFullMesh(*view, device_);
+    context_->setTimeout(options_.timeout);
+  } catch (const std::exception& e) {
+    context_.reset();
+    const std::string text = GlooErrorText(e.what());
+    const std::optional<int> peer = RankOfMeshKey(waiting_for);
+    const std::string who = peer ? "rank " + std::to_string(*peer) : "a member";
+    if (text.find("Wait timeout") != std::string::npos) {
+      return Status::DeadlineExceeded(where + ": " + who + " did not join within " +
+                                      std::to_string(deadline.budget().count()) + " ms");
+    }
+    return Status::Unavailable(where + ": connecting to " + who + ": " + text);
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Communicator>> CreateGlooCommunicator(const CommunicatorOptions& options) {
+  const Deadline deadline(options.connect_timeout);
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<RendezvousStore> store,
+                      RendezvousStore::Open(options.rendezvous, options.connect_timeout));
+  DS_ASSIGN_OR_RETURN(uint64_t generation, JoinGeneration(*store, options, deadline));
+  auto comm = std::make_unique<GlooCommunicator>(options, generation);
+  if (options.size > 1) DS_RETURN_IF_ERROR(comm->Connect(*store, deadline));
+  return std::unique_ptr<Communicator>(std::move(comm));
+}
+
+}  // namespace deltasync::stream_internal

@@ -1,0 +1,380 @@
+// The rendezvous stores and the generation protocol (communicator_rendezvous.h).
+#include <unistd.h>
+
+#include <cerrno>
+#include <charconv>
+#include <exception>
+#include <filesystem>
+#include <system_error>
+#include <thread>
+#include <utility>
+
+#include <gloo/common/error.h>
+#include <gloo/config.h>
+#include <gloo/rendezvous/file_store.h>
+#include <gloo/rendezvous/prefix_store.h>
+#include <gloo/rendezvous/store.h>
+#if GLOO_USE_REDIS && DS_HAVE_HIREDIS
+#define DS_GLOO_REDIS 1
+#define HIREDIS_NESTED_INCLUDE
+#include <gloo/rendezvous/redis_store.h>
+#else
+#define DS_GLOO_REDIS 0
+#endif
+
+#include "stream/communicator_rendezvous.h"
+
+namespace deltasync::stream_internal {
+
+namespace {
+
+// How often a wait looks at the store again. A formation takes a few
+// waits, so 5 ms costs nothing and keeps a group on one host quick to form.
+constexpr auto kPollInterval = std::chrono::milliseconds(5);
+
+// Runs `f`, turning whatever it throws into a Status with `code`.
+template <typename F>
+Status Guarded(StatusCode code, const std::string& what, F&& f) {
+  try {
+    f();
+    return Status::OK();
+  } catch (const std::exception& e) {  // Gloo's IoException and EnforceNotMet among them
+    return Status(code, what + ": " + GlooErrorText(e.what()));
+  }
+}
+
+// Gloo's FileStore with its existence check reachable.
+class FileStoreWithCheck final : public ::gloo::rendezvous::FileStore {
+ public:
+  using FileStore::FileStore;
+  bool Has(const std::string& key) { return check({key}); }
+};
+
+#if DS_GLOO_REDIS
+// Gloo's RedisStore, with a command timeout: hiredis otherwise blocks for
+// ever on a server that stopped answering.
+class RedisStoreWithTimeout final : public ::gloo::rendezvous::RedisStore {
+ public:
+  RedisStoreWithTimeout(const std::string& host, int port, std::chrono::milliseconds timeout)
+      : RedisStore(host, port) {
+    struct timeval tv = {};
+    tv.tv_sec = timeout.count() / 1000;
+    tv.tv_usec = (timeout.count() % 1000) * 1000;
+    if (redisSetTimeout(redis_, tv) != REDIS_OK) {
+      GLOO_THROW_IO_EXCEPTION("setting the command timeout: ", redis_->errstr);
+    }
+  }
+  bool Has(const std::string& key) { return check({key}); }
+};
+#endif
+
+}  // namespace
+
+// The store proper, and the code its failures are reported with (a file
+// store's are the file system's: IOError; a server's: Unavailable).
+struct RendezvousStore::Backend {
+  virtual ~Backend() = default;
+  virtual ::gloo::rendezvous::Store& store() = 0;
+  // May throw, as Gloo's stores do.
+  virtual bool Has(const std::string& key) = 0;
+  StatusCode failure = StatusCode::kIOError;
+};
+
+namespace {
+
+class FileBackend final : public RendezvousStore::Backend {
+ public:
+  explicit FileBackend(const std::string& dir) : store_(dir) {}
+  ::gloo::rendezvous::Store& store() override { return store_; }
+  bool Has(const std::string& key) override { return store_.Has(key); }
+
+ private:
+  FileStoreWithCheck store_;
+};
+
+#if DS_GLOO_REDIS
+class RedisBackend final : public RendezvousStore::Backend {
+ public:
+  RedisBackend(const std::string& host, int port, std::chrono::milliseconds timeout)
+      : store_(host, port, timeout) {
+    failure = StatusCode::kUnavailable;
+  }
+  ::gloo::rendezvous::Store& store() override { return store_; }
+  bool Has(const std::string& key) override { return store_.Has(key); }
+
+ private:
+  RedisStoreWithTimeout store_;
+};
+#endif
+
+// The store connectFullMesh sees: every wait bounded by one deadline.
+// connectFullMesh waits for each peer's key with the context's timeout in
+// turn, and gets others through waits of Gloo's default 30 s, so without
+// this a formation could take a multiple of any single bound.
+class DeadlineView final : public ::gloo::rendezvous::Store {
+ public:
+  DeadlineView(RendezvousStore::Backend& backend, const Deadline& deadline,
+               std::string* waiting_for)
+      : backend_(backend), deadline_(deadline), waiting_for_(waiting_for) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override {
+    backend_.store().set(key, data);
+  }
+
+  std::vector<char> get(const std::string& key) override {
+    wait({key});
+    return backend_.store().get(key);
+  }
+
+  void wait(const std::vector<std::string>& keys) override { WaitAll(keys); }
+
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds&) override {
+    WaitAll(keys);
+  }
+
+ private:
+  void WaitAll(const std::vector<std::string>& keys) {
+    for (const std::string& key : keys) {
+      if (waiting_for_ != nullptr) *waiting_for_ = key;
+      while (!backend_.Has(key)) {
+        if (deadline_.expired()) {
+          GLOO_THROW_IO_EXCEPTION("Wait timeout for key ", key);
+        }
+        std::this_thread::sleep_for(kPollInterval);
+      }
+    }
+  }
+
+  RendezvousStore::Backend& backend_;
+  const Deadline deadline_;
+  std::string* const waiting_for_;
+};
+
+// Gloo's PrefixStore over a DeadlineView it owns (the view is a base so
+// that it is built before the PrefixStore that refers to it).
+struct DeadlineViewHolder {
+  DeadlineViewHolder(RendezvousStore::Backend& backend, const Deadline& deadline,
+                     std::string* waiting_for)
+      : view(backend, deadline, waiting_for) {}
+  DeadlineView view;
+};
+
+class PrefixedDeadlineView final : private DeadlineViewHolder,
+                                   public ::gloo::rendezvous::PrefixStore {
+ public:
+  PrefixedDeadlineView(RendezvousStore::Backend& backend, const std::string& prefix,
+                       const Deadline& deadline, std::string* waiting_for)
+      : DeadlineViewHolder(backend, deadline, waiting_for), PrefixStore(prefix, view) {}
+};
+
+std::string GenerationKey(const std::string& group, uint64_t g) {
+  return group + "/generation/" + std::to_string(g);
+}
+
+std::string JoinedKey(const std::string& group, uint64_t g, int rank) {
+  return GenerationPrefix(group, g) + "/joined/" + std::to_string(rank);
+}
+
+// "<host>:<pid>": who wrote a marker, for whoever reads the store.
+std::vector<char> MarkerValue() {
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) != 0) host[0] = '?';
+  const std::string text = std::string(host) + ":" + std::to_string(getpid());
+  return std::vector<char>(text.begin(), text.end());
+}
+
+// The highest generation announced in `group`, or nullopt for none.
+// Announcements are contiguous from 0 (rank 0 announces the one after the
+// highest), so a doubling search then a bisection finds it in O(log g)
+// lookups. `hint` is a generation known to be announced.
+Result<std::optional<uint64_t>> HighestAnnounced(RendezvousStore& store, const std::string& group,
+                                                 std::optional<uint64_t> hint) {
+  uint64_t lo = 0;  // announced
+  if (hint) {
+    lo = *hint;
+  } else {
+    DS_ASSIGN_OR_RETURN(bool any, store.Exists(GenerationKey(group, 0)));
+    if (!any) return std::optional<uint64_t>();
+  }
+  uint64_t step = 1;
+  uint64_t hi = lo + step;  // probed: not announced once the loop ends
+  for (;;) {
+    DS_ASSIGN_OR_RETURN(bool there, store.Exists(GenerationKey(group, hi)));
+    if (!there) break;
+    lo = hi;
+    step *= 2;
+    hi = lo + step;
+  }
+  while (hi - lo > 1) {
+    const uint64_t mid = lo + (hi - lo) / 2;
+    DS_ASSIGN_OR_RETURN(bool there, store.Exists(GenerationKey(group, mid)));
+    (there ? lo : hi) = mid;
+  }
+  return std::optional<uint64_t>(lo);
+}
+
+}  // namespace
+
+std::string GlooErrorText(std::string_view what) {
+  if (what.starts_with("[")) {
+    const size_t end = what.find("] ");
+    if (end != std::string_view::npos) what.remove_prefix(end + 2);
+  }
+  return std::string(what);
+}
+
+std::string GenerationPrefix(const std::string& group, uint64_t generation) {
+  return group + "/" + std::to_string(generation);
+}
+
+std::optional<int> RankOfMeshKey(const std::string& key) {
+  std::string_view digits = key;
+  const size_t slash = digits.rfind('/');
+  if (slash != std::string_view::npos) digits.remove_prefix(slash + 1);
+  if (digits.starts_with("rank_")) digits.remove_prefix(5);
+  int rank = 0;
+  auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), rank);
+  if (ec != std::errc() || end != digits.data() + digits.size() || digits.empty()) {
+    return std::nullopt;
+  }
+  return rank;
+}
+
+RendezvousStore::RendezvousStore(std::string spec, std::unique_ptr<Backend> backend)
+    : spec_(std::move(spec)), backend_(std::move(backend)) {}
+
+RendezvousStore::~RendezvousStore() = default;
+
+Result<std::unique_ptr<RendezvousStore>> RendezvousStore::Open(
+    const Rendezvous& where, std::chrono::milliseconds io_timeout) {
+  const std::string spec = RendezvousSpec(where);
+  std::unique_ptr<Backend> backend;
+  if (where.kind == Rendezvous::Kind::kFile) {
+    std::error_code ec;
+    std::filesystem::create_directories(where.path, ec);
+    if (ec) {
+      return Status::IOError("rendezvous " + spec + ": creating the directory: " + ec.message());
+    }
+    DS_RETURN_IF_ERROR(Guarded(StatusCode::kIOError, "rendezvous " + spec,
+                               [&] { backend = std::make_unique<FileBackend>(where.path); }));
+  } else {
+#if DS_GLOO_REDIS
+    DS_RETURN_IF_ERROR(Guarded(StatusCode::kUnavailable, "rendezvous " + spec, [&] {
+      backend = std::make_unique<RedisBackend>(where.host, where.port, io_timeout);
+    }));
+#else
+    (void)io_timeout;
+    return Status::Unsupported("rendezvous " + spec +
+                               ": this build's Gloo has no RedisStore (built without hiredis)");
+#endif
+  }
+  return std::unique_ptr<RendezvousStore>(new RendezvousStore(spec, std::move(backend)));
+}
+
+Status RendezvousStore::Set(const std::string& key, std::span<const char> value) {
+  DS_ASSIGN_OR_RETURN(bool there, Exists(key));
+  if (there) {
+    return Status::AlreadyExists("rendezvous " + spec_ + ": key " + key + " is already set");
+  }
+  const std::vector<char> data(value.begin(), value.end());
+  return Guarded(backend_->failure, "rendezvous " + spec_ + ": setting " + key,
+                 [&] { backend_->store().set(key, data); });
+}
+
+Result<bool> RendezvousStore::Exists(const std::string& key) {
+  bool there = false;
+  DS_RETURN_IF_ERROR(Guarded(backend_->failure, "rendezvous " + spec_ + ": looking up " + key,
+                             [&] { there = backend_->Has(key); }));
+  return there;
+}
+
+Status RendezvousStore::Wait(const std::string& key, const Deadline& deadline) {
+  for (;;) {
+    DS_ASSIGN_OR_RETURN(bool there, Exists(key));
+    if (there) return Status::OK();
+    if (deadline.expired()) {
+      return Status::DeadlineExceeded("rendezvous " + spec_ + ": key " + key + " not set within " +
+                                      std::to_string(deadline.budget().count()) + " ms");
+    }
+    std::this_thread::sleep_for(kPollInterval);
+  }
+}
+
+Result<std::vector<char>> RendezvousStore::Get(const std::string& key, const Deadline& deadline) {
+  DS_RETURN_IF_ERROR(Wait(key, deadline));
+  std::vector<char> value;
+  DS_RETURN_IF_ERROR(Guarded(backend_->failure, "rendezvous " + spec_ + ": reading " + key,
+                             [&] { value = backend_->store().get(key); }));
+  return value;
+}
+
+std::unique_ptr<::gloo::rendezvous::Store> RendezvousStore::GlooView(std::string prefix,
+                                                                     const Deadline& deadline,
+                                                                     std::string* waiting_for) {
+  return std::make_unique<PrefixedDeadlineView>(*backend_, prefix, deadline, waiting_for);
+}
+
+Result<uint64_t> JoinGeneration(RendezvousStore& store, const CommunicatorOptions& options,
+                                const Deadline& deadline) {
+  const std::string& group = options.group;
+  const std::vector<char> marker = MarkerValue();
+  const std::string who = "rendezvous " + store.spec() + ": group \"" + group + "\" rank " +
+                          std::to_string(options.rank);
+  if (options.generation) {
+    const uint64_t g = *options.generation;
+    Status s = store.Set(JoinedKey(group, g, options.rank), marker);
+    if (s.code() == StatusCode::kAlreadyExists) {
+      return Status::AlreadyExists(who + " already joined generation " + std::to_string(g) +
+                                   " (a generation is formed once: pass a new one)");
+    }
+    DS_RETURN_IF_ERROR(s);
+    return g;
+  }
+
+  if (options.rank == 0) {
+    // The generation after the highest announced; another rank 0 racing
+    // for it (a misconfiguration) only makes this one take the next.
+    std::optional<uint64_t> hint;
+    for (;;) {
+      DS_ASSIGN_OR_RETURN(std::optional<uint64_t> highest, HighestAnnounced(store, group, hint));
+      const uint64_t g = highest ? *highest + 1 : 0;
+      const std::string text = std::to_string(g);
+      Status s =
+          store.Set(GenerationKey(group, g), std::span<const char>(text.data(), text.size()));
+      if (s.ok()) {
+        DS_RETURN_IF_ERROR(store.Set(JoinedKey(group, g, 0), marker));
+        return g;
+      }
+      if (s.code() != StatusCode::kAlreadyExists) return s;
+      if (deadline.expired()) {
+        return Status::DeadlineExceeded(who + ": could not announce a generation within " +
+                                        std::to_string(deadline.budget().count()) + " ms");
+      }
+      hint = g;
+    }
+  }
+
+  std::optional<uint64_t> hint;
+  for (;;) {
+    DS_ASSIGN_OR_RETURN(std::optional<uint64_t> highest, HighestAnnounced(store, group, hint));
+    if (highest) {
+      hint = highest;
+      const std::string joined = JoinedKey(group, *highest, options.rank);
+      DS_ASSIGN_OR_RETURN(bool already, store.Exists(joined));
+      if (!already) {
+        Status s = store.Set(joined, marker);
+        if (s.ok()) return *highest;
+        if (s.code() != StatusCode::kAlreadyExists) return s;
+      }
+    }
+    if (deadline.expired()) {
+      return Status::DeadlineExceeded(
+          who + ": rank 0 announced no generation to join " +
+          (highest ? "after " + std::to_string(*highest) : std::string("at all")) + " within " +
+          std::to_string(deadline.budget().count()) + " ms");
+    }
+    std::this_thread::sleep_for(kPollInterval);
+  }
+}
+
+}  // namespace deltasync::stream_internal
