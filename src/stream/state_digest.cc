@@ -8,11 +8,15 @@
 // GCC 12's AVX-512 intrinsics start some results from an undefined vector
 // and warn about it once inlined (GCC bug 105593); the warnings point into
 // the header, so they are silenced for its lines.
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 #pragma GCC diagnostic pop
+#else
+#include <immintrin.h>
+#endif
 #endif
 
 namespace deltasync::stream {
