@@ -243,6 +243,16 @@ DS_TARGET_AVX512 inline void Step512(Avx512State& s, __m512i v, __mmask8 mask) {
   s.kb = _mm512_add_epi64(s.kb, _mm512_set1_epi64(static_cast<int64_t>(8 * kMulB)));
 }
 
+// The lanes' sum mod 2^64 (_mm512_reduce_add_epi64 adds as signed integers,
+// which overflow).
+DS_TARGET_AVX512 inline uint64_t Sum512(__m512i v) {
+  alignas(64) uint64_t lanes[8];
+  _mm512_store_si512(lanes, v);
+  uint64_t sum = 0;
+  for (uint64_t lane : lanes) sum += lane;
+  return sum;
+}
+
 template <uint32_t W>
 DS_TARGET_AVX512 StateDigest DigestAvx512(const uint8_t* p, uint64_t n, uint64_t first) {
   const uint64_t t = PositionKey(first, W);
@@ -260,8 +270,7 @@ DS_TARGET_AVX512 StateDigest DigestAvx512(const uint8_t* p, uint64_t n, uint64_t
     const __mmask8 mask = static_cast<__mmask8>((1u << (n - whole)) - 1);
     Step512(s, Load8MaskedAvx512<W>(p + whole * W, mask), mask);
   }
-  return {static_cast<uint64_t>(_mm512_reduce_add_epi64(s.acc_a)),
-          static_cast<uint64_t>(_mm512_reduce_add_epi64(s.acc_b))};
+  return {Sum512(s.acc_a), Sum512(s.acc_b)};
 }
 
 #endif  // __x86_64__
