@@ -29,9 +29,11 @@ if(NOT rc EQUAL 0)
 endif()
 
 # Optional components, the directory each module lives in, and the words
-# configure used for them before (probing even an absent module).
+# configure used for them before (probing even an absent module). `stream`
+# holds the NCCL and Gloo communicators but is built without them, so it is
+# not an optional module: present, it must be reported built.
 set(optional_dirs CUDA=src/cuda NCCL=src/stream GLOO=src/stream PYTHON=python)
-set(optional_modules cuda stream python)
+set(optional_modules cuda python)
 
 # The modules the tree holds: src/<m>/CMakeLists.txt.
 file(GLOB present RELATIVE ${SOURCE_DIR}/src ${SOURCE_DIR}/src/*/CMakeLists.txt)

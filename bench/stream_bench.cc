@@ -1,0 +1,94 @@
+// The state digest's full compute (src/stream/state_digest.h) against a
+// plain memcpy of the same bytes, per kernel and element width. Both report
+// bytes_per_second over the tensor bytes, so the ratio is read straight off
+// the output. A receiver recomputes it over everything it holds every K-th
+// sync, and a trainer over its shards at seeding.
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "deltasync/thread_pool.h"
+#include "stream/state_digest.h"
+
+namespace deltasync::stream {
+namespace {
+
+constexpr size_t kBytes = size_t{64} << 20;
+
+const std::vector<uint8_t>& Data() {
+  static const std::vector<uint8_t>* data = [] {
+    auto* d = new std::vector<uint8_t>(kBytes);
+    uint64_t z = 42;
+    for (size_t i = 0; i < kBytes; i += 8) {
+      z += 0x9E3779B97F4A7C15ull;
+      uint64_t x = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+      x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+      x ^= x >> 31;
+      std::memcpy(d->data() + i, &x, 8);
+    }
+    return d;
+  }();
+  return *data;
+}
+
+void BM_StateDigestMemcpy(benchmark::State& state) {
+  const std::vector<uint8_t>& data = Data();
+  std::vector<uint8_t> target(kBytes, 1);
+  for (auto _ : state) {
+    std::memcpy(target.data(), data.data(), kBytes);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * kBytes);
+}
+
+void BM_StateDigest(benchmark::State& state, DigestKernel kernel, uint32_t elem_size, int threads) {
+  const std::vector<DigestKernel> available = AvailableDigestKernels();
+  if (std::find(available.begin(), available.end(), kernel) == available.end()) {
+    state.SkipWithError("kernel not available on this CPU");
+    return;
+  }
+  const std::vector<uint8_t>& data = Data();
+  std::unique_ptr<ThreadPool> pool =
+      threads > 1 ? std::make_unique<ThreadPool>(threads - 1) : nullptr;
+  DigestOptions options;
+  options.kernel = kernel;
+  options.pool = pool.get();
+  for (auto _ : state) {
+    Result<StateDigest> d = ComputeStateDigest(data, elem_size, 0, options);
+    if (!d.ok()) {
+      state.SkipWithError(d.status().ToString().c_str());
+      return;
+    }
+    benchmark::DoNotOptimize(d->a);
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * kBytes);
+}
+
+BENCHMARK(BM_StateDigestMemcpy)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_StateDigest, scalar_bf16, DigestKernel::kScalar, 2, 1)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_StateDigest, avx2_bf16, DigestKernel::kAvx2, 2, 1)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_StateDigest, avx512_bf16, DigestKernel::kAvx512, 2, 1)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_StateDigest, avx512_u8, DigestKernel::kAvx512, 1, 1)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_StateDigest, avx512_f32, DigestKernel::kAvx512, 4, 1)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_StateDigest, avx512_f64, DigestKernel::kAvx512, 8, 1)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_StateDigest, best_bf16_2threads, BestDigestKernel(), 2, 2)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
+}  // namespace
+}  // namespace deltasync::stream

@@ -1,0 +1,360 @@
+// Flush frames of the online transport (docs/format.md, "Stream: flush
+// frame"): the buckets of changed values rank 0 streams to each receiver,
+// their writer, their validating reader, and applying an entry in place into
+// a receiver's destination through a map from the tensor's flat coordinates.
+//
+// Every encoding a frame carries gives new values, never differences, so
+// applying an entry does not depend on what the destination held and
+// applying it twice is harmless.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+#include "deltasync/dtype.h"
+#include "deltasync/status.h"
+#include "stream/state_digest.h"
+
+namespace deltasync::stream {
+
+inline constexpr uint16_t kFlushFrameVersion = 1;
+inline constexpr size_t kFlushHeaderBytes = 64;
+inline constexpr size_t kFlushTrailerBytes = 16;
+inline constexpr uint32_t kMaxFlushEntries = uint32_t{1} << 20;
+inline constexpr uint32_t kMaxFlushDigests = uint32_t{1} << 20;
+inline constexpr size_t kMaxTensorNameBytes = 1024;
+inline constexpr uint32_t kMaxTensorDims = 16;
+inline constexpr uint64_t kMaxFlushFrameBytes = uint64_t{1} << 40;
+// All sparse entries of a frame together decompress to at most this.
+inline constexpr uint64_t kMaxSparseDecodedBytes = uint64_t{1} << 30;
+
+enum class FrameKind : uint8_t { kSeed, kDelta };
+
+// Values are the wire codes.
+enum class WireEncoding : uint8_t { kDense = 0, kIndices = 1, kSparse = 2 };
+
+// "dense", "indices" or "sparse" ("unknown" outside the enum).
+std::string_view WireEncodingName(WireEncoding encoding);
+
+// The dtype's code in a frame (docs/format.md): the safetensors dtypes in
+// their listed order, BOOL = 0 to F64 = 14.
+uint8_t DTypeWireCode(DType dtype);
+// The inverse; nullopt for a code past 14.
+std::optional<DType> DTypeFromWireCode(uint8_t code);
+
+struct FlushHeader {
+  uint64_t sync_id = 0;      // at least 1
+  uint32_t flush_index = 0;  // 0, 1, ... within the sync, per receiver
+  FrameKind kind = FrameKind::kDelta;
+  bool last = false;        // the sync's last frame to this receiver
+  bool verify_all = false;  // only with last: recompute every held block's digest
+};
+
+// The tensor an entry belongs to and the element range [first, first +
+// count) of its flat coordinates that the entry covers.
+struct TensorRange {
+  std::string_view name;
+  DType dtype = DType::kU8;
+  std::span<const int64_t> shape;
+  uint64_t first = 0;
+  uint64_t count = 0;
+};
+
+// Builds one frame at a time into a caller's buffer, appending each entry's
+// positions and values straight into it, up to a byte budget. Reusable: its
+// scratch buffers (sparse staging, the zstd context) are kept from frame to
+// frame. Not thread-safe; one writer per thread.
+//
+// Everything it writes, FlushReader accepts: an Add call refuses
+// (InvalidArgument, naming the tensor and the problem) whatever the reader
+// would refuse, and leaves the frame as it was. An Add that returns false
+// did not fit (the budget, or the frame's sparse decode limit) and also
+// left the frame as it was: finish this frame and add it to the next, or,
+// when an empty frame refuses it too, split the range.
+class FlushWriter {
+ public:
+  FlushWriter();
+  ~FlushWriter();
+  FlushWriter(const FlushWriter&) = delete;
+  FlushWriter& operator=(const FlushWriter&) = delete;
+
+  // Starts a frame in *out (cleared; its capacity is kept, so reserve the
+  // budget once to write without reallocating). `budget_bytes` bounds the
+  // finished frame, at least 80 and at most kMaxFlushFrameBytes.
+  // InvalidArgument for sync id 0, verify_all without last, a bad budget or
+  // a null out.
+  Status Begin(const FlushHeader& header, uint64_t budget_bytes, std::vector<uint8_t>* out);
+
+  // Every element of the range, `values` holding count * elem_size bytes.
+  Result<bool> AddDense(const TensorRange& range, std::span<const uint8_t> values);
+  // The elements at `positions` (absolute flat positions, strictly
+  // increasing, inside the range), as int32 (tensors under 2^31 elements) or
+  // int64 positions, and their values (positions.size() * elem_size bytes,
+  // in order). Not in a seed frame.
+  Result<bool> AddIndices(const TensorRange& range, const Positions& positions,
+                          std::span<const uint8_t> values);
+  // The same elements as gap-coded positions and value planes, each one
+  // zstd frame. Not in a seed frame.
+  Result<bool> AddSparse(const TensorRange& range, const Positions& positions,
+                         std::span<const uint8_t> values);
+  // The expected digest of a block of a tensor. A frame holds at most one
+  // record per tensor and block.
+  Result<bool> AddDigest(std::string_view name, const DigestBlock& block,
+                         const StateDigest& digest);
+
+  // Writes the manifest, the header and the trailer: *out holds the frame.
+  // FailedPrecondition without Begin (or after Finish).
+  Status Finish();
+
+  // The size the frame would have if finished now.
+  uint64_t frame_bytes() const;
+  uint32_t entry_count() const { return entry_count_; }
+  uint32_t digest_count() const { return digest_count_; }
+  // zstd level of sparse entries (default 1).
+  void set_zstd_level(int level) { zstd_level_ = level; }
+  // Lowers the frame's sparse decode limit (kMaxSparseDecodedBytes, never
+  // raised): for receivers that keep less scratch, and for tests.
+  void set_sparse_decoded_limit(uint64_t bytes) {
+    sparse_decoded_limit_ = std::min(bytes, kMaxSparseDecodedBytes);
+  }
+
+ private:
+  struct TensorEntries {
+    DType dtype;
+    std::vector<int64_t> shape;
+    std::map<uint64_t, uint64_t> ranges;  // first -> end
+  };
+  Status CheckRange(const TensorRange& range, WireEncoding encoding, uint64_t* numel) const;
+  Status CheckValues(const TensorRange& range, const Positions* positions,
+                     std::span<const uint8_t> values) const;
+  bool Fits(uint64_t payload_end, size_t manifest_add) const;
+  void AppendEntry(const TensorRange& range, WireEncoding encoding, uint64_t n, uint64_t pos_off,
+                   uint64_t pos_bytes, uint64_t val_off, uint64_t val_bytes);
+  Result<size_t> Compress(std::span<const uint8_t> content, uint64_t offset);
+
+  std::vector<uint8_t>* out_ = nullptr;
+  FlushHeader header_;
+  uint64_t budget_ = 0;
+  std::vector<uint8_t> manifest_;  // the entries
+  std::vector<uint8_t> records_;   // the digest records, after the entries
+  uint32_t entry_count_ = 0;
+  uint32_t digest_count_ = 0;
+  uint64_t sparse_decoded_ = 0;
+  std::map<std::string, TensorEntries, std::less<>> tensors_;
+  std::set<std::tuple<std::string, uint64_t, uint64_t, uint64_t, uint64_t>> digest_keys_;
+  std::vector<uint8_t> gaps_;
+  std::vector<uint8_t> planes_;
+  struct ZstdContexts;
+  std::unique_ptr<ZstdContexts> zstd_;
+  int zstd_level_ = 1;
+  uint64_t sparse_decoded_limit_ = kMaxSparseDecodedBytes;
+};
+
+// One entry of a frame that FlushReader accepted. Views into the frame or
+// into the reader's scratch: valid until the reader reads another frame or
+// is destroyed, and as long as the frame's bytes live.
+struct FlushEntry {
+  std::string_view name;
+  DType dtype = DType::kU8;
+  std::vector<int64_t> shape;
+  uint64_t numel = 0;
+  uint64_t first = 0;  // the range [first, first + count)
+  uint64_t count = 0;
+  WireEncoding encoding = WireEncoding::kDense;
+  uint64_t value_count = 0;     // n: values carried
+  uint32_t position_width = 0;  // indices: 4 or 8; otherwise 0
+  // indices: n little-endian positions of position_width bytes; sparse: the
+  // decompressed gap section; dense: empty.
+  std::span<const uint8_t> positions;
+  // n values of DTypeSize(dtype) bytes in position order (sparse: already
+  // gathered back from its planes).
+  std::span<const uint8_t> values;
+};
+
+struct FlushDigest {
+  std::string_view name;
+  DigestBlock block;
+  StateDigest digest;
+};
+
+// Validates whole frames (docs/format.md, "Rules the reader enforces") and
+// only then exposes their entries and digest records. Reusable: its sparse
+// scratch is kept from frame to frame. Not thread-safe.
+class FlushReader {
+ public:
+  FlushReader();
+  ~FlushReader();
+  FlushReader(const FlushReader&) = delete;
+  FlushReader& operator=(const FlushReader&) = delete;
+
+  // Checks `frame` completely: the trailer's xxh3-128 first, then every
+  // field, region and position, decompressing sparse entries into the
+  // reader's scratch. Corruption (Unsupported for another protocol version)
+  // with a one-line message naming the frame's sync id and flush index (once
+  // the checksum has passed) and the entry's index and tensor; nothing is
+  // exposed then. `frame` must outlive the entries' views.
+  Status Read(std::span<const uint8_t> frame);
+
+  // The last frame Read accepted (empty after a refusal).
+  const FlushHeader& header() const { return header_; }
+  std::span<const FlushEntry> entries() const { return entries_; }
+  std::span<const FlushDigest> digests() const { return digests_; }
+
+ private:
+  FlushHeader header_;
+  std::vector<FlushEntry> entries_;
+  std::vector<FlushDigest> digests_;
+  std::vector<uint8_t> decoded_;
+  std::vector<uint8_t> planes_;
+  struct ZstdContexts;
+  std::unique_ptr<ZstdContexts> zstd_;
+};
+
+// The size of the frame whose first 64 bytes are `header`, for a receiver
+// reading frames from a byte stream: checks the magic, the version and that
+// the size is in [80, kMaxFlushFrameBytes]. Nothing else is believed before
+// the whole frame passes FlushReader::Read. Corruption (Unsupported for
+// another version) otherwise.
+Result<uint64_t> PeekFlushFrameBytes(std::span<const uint8_t> header);
+
+// Calls fn(k, position) for each of a read entry's value_count values, in
+// order (dense: first + k).
+template <typename Fn>
+void ForEachPosition(const FlushEntry& entry, Fn&& fn);
+
+// The positions of a read entry, as absolute flat positions.
+std::vector<uint64_t> EntryPositions(const FlushEntry& entry);
+
+// A run of a destination map: tensor elements hf_first + k (0 <= k < count)
+// live at destination element dest_offset + k * dest_stride.
+struct DestinationRun {
+  uint64_t hf_first = 0;
+  uint64_t count = 0;
+  uint64_t dest_offset = 0;
+  uint64_t dest_stride = 1;
+  bool operator==(const DestinationRun&) const = default;
+};
+
+// Where a receiver keeps (part of) one tensor: runs from the tensor's flat
+// coordinates into a destination buffer of elements of the tensor's dtype.
+// The whole tensor is one run; a slice of rows one run; a slice of columns
+// one run per row; a part of a fused parameter is the tensor's run at the
+// part's offset in the fused buffer.
+class DestinationMap {
+ public:
+  // The tensor in a buffer of its own: one run (0, numel, 0, 1); no run for
+  // numel 0.
+  static DestinationMap Whole(uint64_t numel);
+  // Sorts `runs` by hf_first and checks them: numel at most kMaxStreamNumel;
+  // every run of at least one element, a stride of at least 1, inside the
+  // tensor, not overlapping another run in the tensor, and with destination
+  // elements addressable in 64 bits. InvalidArgument naming the run
+  // otherwise. Two tensor elements sent to one destination element are not
+  // detected (strided runs may legitimately interleave).
+  static Result<DestinationMap> Create(uint64_t hf_numel, std::vector<DestinationRun> runs);
+  // The elements of `block`, row r contiguous at destination element
+  // dest_offset + r * dest_row_stride (dest_row_stride >= block.count when
+  // there are several rows). InvalidArgument for an invalid block or one
+  // past the tensor.
+  static Result<DestinationMap> FromBlock(uint64_t hf_numel, const DigestBlock& block,
+                                          uint64_t dest_offset, uint64_t dest_row_stride);
+
+  uint64_t hf_numel() const { return hf_numel_; }
+  // Destination elements a buffer needs: one past the highest one mapped.
+  uint64_t dest_extent() const { return dest_extent_; }
+  // Tensor elements the map holds.
+  uint64_t held() const { return held_; }
+  std::span<const DestinationRun> runs() const { return runs_; }
+  // The held elements as one block (runs that touch merged), or nullopt
+  // when they are not one block. An empty map is the empty block.
+  std::optional<DigestBlock> AsBlock() const;
+
+ private:
+  uint64_t hf_numel_ = 0;
+  uint64_t dest_extent_ = 0;
+  uint64_t held_ = 0;
+  std::vector<DestinationRun> runs_;
+};
+
+// Writes a read entry's values into `dest` through `map`, in place, as byte
+// copies (NaN payloads, -0.0 and every other bit pattern land as sent);
+// positions the map does not hold are skipped. With `digest`, it is updated
+// for every element written: the hash of the bytes replaced subtracted, the
+// new one added, so a running digest of the held elements stays the digest
+// of dest. Returns the number of elements written. InvalidArgument, before
+// writing anything, when the map is for another element count than the
+// entry's tensor or dest is smaller than map.dest_extent() elements. `dest`
+// must not overlap the frame.
+Result<uint64_t> ApplyEntry(const FlushEntry& entry, const DestinationMap& map,
+                            std::span<uint8_t> dest, StateDigest* digest = nullptr);
+
+// The digest of every element `map` holds, read from `dest` (elements of
+// elem_size bytes): what a running digest must equal, recomputed. The same
+// errors as ComputeStateDigest, and InvalidArgument when dest is smaller
+// than map.dest_extent() elements.
+Result<StateDigest> DigestDestination(const DestinationMap& map, std::span<const uint8_t> dest,
+                                      uint32_t elem_size, const DigestOptions& options = {});
+
+// ---------------------------------------------------------------------------
+
+namespace frame_internal {
+
+inline uint64_t LoadLe(const uint8_t* p, uint32_t width) {
+  uint64_t v = 0;
+  for (uint32_t i = 0; i < width; ++i) v |= uint64_t{p[i]} << (8 * i);
+  return v;
+}
+
+}  // namespace frame_internal
+
+template <typename Fn>
+void ForEachPosition(const FlushEntry& entry, Fn&& fn) {
+  const uint64_t n = entry.value_count;
+  switch (entry.encoding) {
+    case WireEncoding::kDense:
+      for (uint64_t k = 0; k < n; ++k) fn(k, entry.first + k);
+      return;
+    case WireEncoding::kIndices: {
+      const uint8_t* p = entry.positions.data();
+      if (entry.position_width == 4) {
+        for (uint64_t k = 0; k < n; ++k) fn(k, frame_internal::LoadLe(p + 4 * k, 4));
+      } else {
+        for (uint64_t k = 0; k < n; ++k) fn(k, frame_internal::LoadLe(p + 8 * k, 8));
+      }
+      return;
+    }
+    case WireEncoding::kSparse: {
+      // The reader checked the section: exactly n minimal gaps.
+      const uint8_t* p = entry.positions.data();
+      uint64_t next = entry.first;  // the smallest position the next gap can give
+      for (uint64_t k = 0; k < n; ++k) {
+        uint64_t gap = *p++;
+        if (gap == 0xFF) {
+          uint64_t extra = 0;
+          for (int shift = 0;; shift += 7) {
+            const uint8_t b = *p++;
+            extra |= uint64_t{b & 0x7Fu} << shift;
+            if ((b & 0x80) == 0) break;
+          }
+          gap = 255 + extra;
+        }
+        const uint64_t position = next + gap;
+        fn(k, position);
+        next = position + 1;
+      }
+      return;
+    }
+  }
+}
+
+}  // namespace deltasync::stream
