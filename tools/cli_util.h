@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 #include <functional>
 #include <string>
+#include <string_view>
 
 #include "deltasync/status.h"
 #include "deltasync/store.h"
@@ -29,6 +30,11 @@ std::string FormatBytes(uint64_t bytes);
 // Binary (KiB/MiB/GiB/TiB) and decimal (KB/MB/GB/TB) suffixes; InvalidArgument
 // for anything else, for zero-free garbage, or on overflow.
 Result<uint64_t> ParseByteSize(const std::string& text);
+
+// The help text of an --encoding option, generated from the encodings'
+// descriptors: "dense | indices | xor | overwrite | sparse (default); the
+// Python receiver reads xor and overwrite", with `default_encoding` marked.
+std::string EncodingHelp(std::string_view default_encoding);
 
 // The options every command that publishes shares: --store, --old, --new,
 // --encoding/-e, --checksum/-c and --full. `receivers` names who holds OLD

@@ -226,8 +226,7 @@ void RegisterBench(CLI::App& app, CommandFn* run) {
   cmd->add_option("--repeat", opts->repeat, "Runs per figure; the best is reported")
       ->capture_default_str();
   cmd->add_option("--encodings", opts->encodings,
-                  "Comma-separated encodings to measure (dense,indices,xor,overwrite,sparse) or "
-                  "all")
+                  "Comma-separated encodings to measure (" + JoinEncodingNames(",") + ") or all")
       ->capture_default_str();
   cmd->add_flag("--json", opts->json, "Print one JSON object instead of the table");
   cmd->add_flag("--e2e", opts->e2e,
