@@ -48,8 +48,13 @@ void AddPublishFlags(CLI::App* cmd, const std::string& receivers, PublishFlags* 
 // InvalidArgument/Unsupported for an unknown encoding or checksum.
 Status ApplyPublishFlags(const PublishFlags& flags, PublisherOptions* options);
 
+// The whole CLI: registers every subcommand, parses argv, runs the chosen
+// one and returns the process exit code. main() of `deltasync`, and of the
+// test build that adds fault injection (tools/crash_pause_test_main.cc).
+int Main(int argc, char** argv);
+
 // Each subcommand registers itself on the root app and stores its body in
-// `run`, which main() calls after a successful parse.
+// `run`, which Main() calls after a successful parse.
 void RegisterChecksum(CLI::App& app, CommandFn* run);
 void RegisterInspect(CLI::App& app, CommandFn* run);
 void RegisterSynth(CLI::App& app, CommandFn* run);
