@@ -15,7 +15,6 @@
 #include <string>
 
 #include "cli_util.h"
-#include "deltasync/synth.h"
 #include "demo_runner.h"
 
 namespace deltasync::cli {

@@ -60,7 +60,6 @@ class StreamRanges {
   Status Add(uint64_t first, std::span<const uint8_t> new_chunk, const ChangeSet& piece);
   Status CheckComplete() const;
   uint64_t numel() const { return numel_; }
-  uint32_t elem_size() const { return es_; }
 
  private:
   uint64_t numel_;
