@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "deltasync/codec.h"
@@ -124,36 +125,24 @@ void BM_CodecEntropyBound(benchmark::State& state) {
 
 BENCHMARK(BM_CodecMemcpy)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_CodecEntropyBound)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK_CAPTURE(BM_CodecEncode, dense, Encoding::kDense)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK_CAPTURE(BM_CodecEncode, indices, Encoding::kIndices)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK_CAPTURE(BM_CodecEncode, xor, Encoding::kXor)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK_CAPTURE(BM_CodecEncode, overwrite, Encoding::kOverwrite)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK_CAPTURE(BM_CodecEncode, sparse, Encoding::kSparse)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK_CAPTURE(BM_CodecDecodeApply, dense, Encoding::kDense)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK_CAPTURE(BM_CodecDecodeApply, indices, Encoding::kIndices)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK_CAPTURE(BM_CodecDecodeApply, xor, Encoding::kXor)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK_CAPTURE(BM_CodecDecodeApply, overwrite, Encoding::kOverwrite)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK_CAPTURE(BM_CodecDecodeApply, sparse, Encoding::kSparse)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
+// Every encoding, from the registry: BM_CodecEncode/<name> for each, then
+// BM_CodecDecodeApply/<name>.
+[[maybe_unused]] const bool kCodecBenchmarksRegistered = [] {
+  struct Kind {
+    const char* name;
+    void (*run)(benchmark::State&, Encoding);
+  };
+  for (const Kind& kind : {Kind{"BM_CodecEncode", &BM_CodecEncode},
+                           Kind{"BM_CodecDecodeApply", &BM_CodecDecodeApply}}) {
+    for (Encoding encoding : AllEncodings()) {
+      const std::string name = std::string(kind.name) + "/" + std::string(EncodingName(encoding));
+      benchmark::RegisterBenchmark(name.c_str(), kind.run, encoding)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    }
+  }
+  return true;
+}();
 
 }  // namespace
 }  // namespace deltasync

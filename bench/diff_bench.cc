@@ -1,8 +1,8 @@
 // Fused diff + snapshot refresh against a plain memcpy of the same bytes.
 //
-// The target (DESIGN.md section 6) is diff time <= 1.25x memcpy time on a
-// large BF16 tensor with ~2% of elements changed at scattered positions,
-// with one and with two threads. Both sides report bytes_per_second over
+// The target (README.md, "Diff and encodings") is diff time <= 1.25x memcpy
+// time on a large BF16 tensor with ~2% of elements changed at scattered
+// positions, with one and with two threads. Both sides report bytes_per_second over
 // the dense tensor bytes, so the ratio is read straight off the output.
 //
 // BM_CountChanged reads both inputs and writes nothing: the floor for the

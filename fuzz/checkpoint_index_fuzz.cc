@@ -146,10 +146,7 @@ void CheckVersionInfo(const Fixture& f, const Result<CheckpointIndex>& index) {
   if (encoding != nullptr && expected) {
     Result<deltasync::Encoding> e = deltasync::ParseEncoding(*encoding);
     if (e.ok()) parsed_encoding = *e;
-    const std::string zstd_or_none =
-        !e.ok()                                                                    ? ""
-        : *e == deltasync::Encoding::kDense || *e == deltasync::Encoding::kIndices ? "none"
-                                                                                   : "zstd";
+    const std::string zstd_or_none(e.ok() ? deltasync::GetEncodingInfo(*e).compression : "");
     const std::string* compression = get("compression_format");
     const std::string* checksum = get("checksum_format");
     if (checksum != nullptr) {

@@ -1,6 +1,6 @@
 // libFuzzer target for the delta decoders, built once per encoding with
-// DS_FUZZ_ENCODING set to its name ("dense", "indices", "xor", "overwrite",
-// "sparse"); without it the second input byte picks the encoding.
+// DS_FUZZ_ENCODING set to its name (fuzz/CMakeLists.txt); without it the
+// second input byte picks the encoding.
 //
 // The first input byte picks the element size (bits 0-1), the mode
 // (bits 2-3), a small decode chunk (bit 4) and the sparse layout (bits 5-6):
@@ -9,8 +9,8 @@
 //    (exact-size heap buffer, so ASan sees it) is a bug.
 //  - round trip: the input describes a tensor pair; encode, decode onto the
 //    old bytes, and abort unless the result is exactly the new bytes. The
-//    encodings that stream (xor, sparse) must also give the same bytes when
-//    fed the changes in ranges.
+//    encodings that stream (EncodingInfo::streams) must also give the same
+//    bytes when fed the changes in ranges.
 //  - mutated: as round trip, then flip a few bytes of the valid encoding
 //    (positions and values from the input) before decoding. This reaches
 //    the decoders' deep paths, which random bytes rarely pass a zstd frame
@@ -149,8 +149,8 @@ void CheckChangesMatchApply(Encoding encoding, std::span<const uint8_t> encoded,
           "chunks list the same values");
 }
 
-// Encodings that stream (xor, sparse) must give Encode's bytes from the
-// tensor's changes handed over `range` elements at a time.
+// Encodings that stream (EncodingInfo::streams) must give Encode's bytes
+// from the tensor's changes handed over `range` elements at a time.
 void CheckStreamedEncoding(Encoding encoding, uint32_t elem_size, const EncodeOptions& options,
                            const std::vector<uint8_t>& old_bytes,
                            const std::vector<uint8_t>& new_bytes, size_t range,
@@ -160,6 +160,8 @@ void CheckStreamedEncoding(Encoding encoding, uint32_t elem_size, const EncodeOp
   std::vector<uint8_t> streamed;
   std::unique_ptr<deltasync::EncodeStream> stream =
       codec.NewEncodeStream(numel, elem_size, options, &streamed);
+  Require((stream != nullptr) == codec.info().streams,
+          "a stream exactly when the encoding streams");
   if (stream == nullptr) return;
   ChangeSet piece;
   deltasync::DiffOptions diff;

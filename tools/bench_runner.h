@@ -1,7 +1,7 @@
-// The measurements behind `deltasync bench` (DESIGN.md section 6): memcpy,
-// the fused diff and every delta encoding, timed side by side on the same
-// in-memory synthetic RL step, because on shared machines only ratios taken
-// in one run mean anything.
+// The measurements behind `deltasync bench` (README.md, "Diff and
+// encodings"): memcpy, the fused diff and every delta encoding, timed side by
+// side on the same in-memory synthetic RL step, because on shared machines
+// only ratios taken in one run mean anything.
 #pragma once
 
 #include <cstddef>

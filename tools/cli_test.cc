@@ -29,6 +29,23 @@ TEST(CliTest, HelpListsCommands) {
   EXPECT_NE(r.out.find("checksum"), std::string::npos);
 }
 
+// The --encoding help is made from the encodings' descriptors: every name,
+// the default marked, and the encodings the Python receiver reads.
+TEST(CliTest, EncodingHelpNamesEveryEncoding) {
+  for (const char* command : {"publish", "sync", "demo"}) {
+    CliRun r = RunCli(std::string(command) + " --help");
+    EXPECT_EQ(r.exit_code, 0) << command << ": " << r.err;
+    EXPECT_NE(r.out.find("dense | indices | xor | overwrite | sparse (default); the Python "
+                         "receiver reads xor and overwrite"),
+              std::string::npos)
+        << command << ":\n"
+        << r.out;
+  }
+  CliRun bench = RunCli("bench --help");
+  EXPECT_NE(bench.out.find("(dense,indices,xor,overwrite,sparse) or all"), std::string::npos)
+      << bench.out;
+}
+
 TEST(CliTest, UnknownSubcommandFails) {
   CliRun r = RunCli("frobnicate");
   EXPECT_NE(r.exit_code, 0);

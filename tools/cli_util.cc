@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <iostream>
+#include <string>
+#include <vector>
 
 #include "deltasync/checksum.h"
 #include "deltasync/codec.h"
@@ -80,14 +82,29 @@ Result<uint64_t> ParseByteSize(const std::string& text) {
       "byte size '" + text + "' has an unknown unit (use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB)");
 }
 
+std::string EncodingHelp(std::string_view default_encoding) {
+  std::string help;
+  std::vector<std::string_view> python;
+  for (Encoding encoding : AllEncodings()) {
+    const EncodingInfo& info = GetEncodingInfo(encoding);
+    if (!help.empty()) help += " | ";
+    help += info.name;
+    if (info.name == default_encoding) help += " (default)";
+    if (info.read_by_python_receiver) python.push_back(info.name);
+  }
+  for (size_t i = 0; i < python.size(); ++i) {
+    help += i == 0 ? "; the Python receiver reads " : i + 1 == python.size() ? " and " : ", ";
+    help += python[i];
+  }
+  return help;
+}
+
 void AddPublishFlags(CLI::App* cmd, const std::string& receivers, PublishFlags* flags) {
   cmd->add_option("--store", flags->store, "Store directory (created if missing)")->required();
   cmd->add_option("--old", flags->old_ckpt, "Checkpoint the " + receivers + " hold now")
       ->required();
   cmd->add_option("--new", flags->new_ckpt, "Checkpoint to publish")->required();
-  cmd->add_option("--encoding,-e", flags->encoding,
-                  "sparse (default) | xor | overwrite (both readable by the Python receiver) | "
-                  "indices | dense")
+  cmd->add_option("--encoding,-e", flags->encoding, EncodingHelp(flags->encoding))
       ->capture_default_str();
   cmd->add_option("--checksum,-c", flags->checksum,
                   "xxh3-128 (default) | xxh3-64 | blake3 | adler32")

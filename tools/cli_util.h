@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 #include <functional>
 #include <string>
+#include <string_view>
 
 #include "deltasync/status.h"
 #include "deltasync/store.h"
@@ -30,6 +31,11 @@ std::string FormatBytes(uint64_t bytes);
 // for anything else, for zero-free garbage, or on overflow.
 Result<uint64_t> ParseByteSize(const std::string& text);
 
+// The help text of an --encoding option, generated from the encodings'
+// descriptors: "dense | indices | xor | overwrite | sparse (default); the
+// Python receiver reads xor and overwrite", with `default_encoding` marked.
+std::string EncodingHelp(std::string_view default_encoding);
+
 // The options every command that publishes shares: --store, --old, --new,
 // --encoding/-e, --checksum/-c and --full. `receivers` names who holds OLD
 // in the help text.
@@ -42,8 +48,13 @@ void AddPublishFlags(CLI::App* cmd, const std::string& receivers, PublishFlags* 
 // InvalidArgument/Unsupported for an unknown encoding or checksum.
 Status ApplyPublishFlags(const PublishFlags& flags, PublisherOptions* options);
 
+// The whole CLI: registers every subcommand, parses argv, runs the chosen
+// one and returns the process exit code. main() of `deltasync`, and of the
+// test build that adds fault injection (tools/crash_pause_test_main.cc).
+int Main(int argc, char** argv);
+
 // Each subcommand registers itself on the root app and stores its body in
-// `run`, which main() calls after a successful parse.
+// `run`, which Main() calls after a successful parse.
 void RegisterChecksum(CLI::App& app, CommandFn* run);
 void RegisterInspect(CLI::App& app, CommandFn* run);
 void RegisterSynth(CLI::App& app, CommandFn* run);

@@ -4,21 +4,16 @@
 // until SIGTERM or SIGINT; then stops accepting, lets an in-flight pull
 // finish and exits 0.
 #include <signal.h>
-#include <unistd.h>
 
-#include <atomic>
 #include <charconv>
-#include <chrono>
-#include <cstdlib>
 #include <filesystem>
 #include <iostream>
-#include <string_view>
-#include <thread>
+#include <memory>
+#include <string>
 
 #include "cli_util.h"
 #include "deltasync/agent.h"
 #include "deltasync/checkpoint.h"
-#include "store/store_internal.h"
 
 namespace deltasync::cli {
 namespace {
@@ -41,32 +36,6 @@ Status ParseListen(const std::string& text, std::string* host, int* port) {
     return Status::InvalidArgument("--listen '" + text + "': port must be a number in 0..65535");
   }
   return Status::OK();
-}
-
-// Fault injection for the end-to-end tests, which must kill a real agent at
-// a known instant of an apply (a timing-based kill would land anywhere or
-// nowhere). With DELTASYNC_TEST_PAUSE_AT=<crash point> (the names passed to
-// store_internal::CrashPoint, e.g. "apply:record") in the environment, the
-// first pull to reach that point prints "deltasync agent: paused at crash
-// point <point>" on stderr and every thread that reaches it stops there
-// until the process is killed. Unset, nothing is installed.
-const char* g_pause_point = nullptr;
-
-void PauseAtCrashPoint(std::string_view point) {
-  if (g_pause_point == nullptr || point != g_pause_point) return;
-  static std::atomic<bool> announced{false};
-  if (!announced.exchange(true)) {
-    const std::string line = "deltasync agent: paused at crash point " + std::string(point) + "\n";
-    (void)!::write(2, line.data(), line.size());
-  }
-  for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
-}
-
-void InstallPauseFromEnvironment() {
-  const char* point = std::getenv("DELTASYNC_TEST_PAUSE_AT");
-  if (point == nullptr || *point == '\0') return;
-  g_pause_point = point;
-  store_internal::SetCrashHookForTesting(&PauseAtCrashPoint);
 }
 
 }  // namespace
@@ -181,7 +150,6 @@ void RegisterAgent(CLI::App& app, CommandFn* run) {
       local.store = o->store;
       local.base = o->base;
       local.durable = o->durable;
-      InstallPauseFromEnvironment();
       Result<std::unique_ptr<CheckpointPuller>> puller = OpenLocalCheckpointPuller(local);
       if (!puller.ok()) return Fail(puller.status());
       Result<std::unique_ptr<Agent>> agent =

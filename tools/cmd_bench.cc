@@ -1,5 +1,6 @@
-// deltasync bench [--json] [...]: the performance report of DESIGN.md
-// section 6, every figure measured side by side in one run.
+// deltasync bench [--json] [...]: the performance report behind README.md's
+// "Diff and encodings" table (figures and targets), every figure measured
+// side by side in one run.
 //
 // Reading the report: every rate is dense bytes of the model (BF16 bytes of
 // all tensors) per second, in GB/s of 1e9 bytes, whatever the operation
@@ -56,7 +57,7 @@ nlohmann::json SparseRatio(const BenchResult& r, Encoding other) {
 }
 
 // sparse's bytes over xor's as the Python peers write it (zstd -1 of the
-// XOR image): the yardstick of the design's 0.7x size target.
+// XOR image): the yardstick of the 0.7x size target (README.md).
 nlohmann::json SparseVsZstd1Xor(const BenchResult& r) {
   const BenchEncodingResult* sparse = r.Find(Encoding::kSparse);
   const BenchEncodingResult* xor_result = r.Find(Encoding::kXor);
@@ -226,8 +227,7 @@ void RegisterBench(CLI::App& app, CommandFn* run) {
   cmd->add_option("--repeat", opts->repeat, "Runs per figure; the best is reported")
       ->capture_default_str();
   cmd->add_option("--encodings", opts->encodings,
-                  "Comma-separated encodings to measure (dense,indices,xor,overwrite,sparse) or "
-                  "all")
+                  "Comma-separated encodings to measure (" + JoinEncodingNames(",") + ") or all")
       ->capture_default_str();
   cmd->add_flag("--json", opts->json, "Print one JSON object instead of the table");
   cmd->add_flag("--e2e", opts->e2e,

@@ -15,7 +15,6 @@
 #include <string>
 
 #include "cli_util.h"
-#include "deltasync/synth.h"
 #include "demo_runner.h"
 
 namespace deltasync::cli {
@@ -330,9 +329,7 @@ void RegisterDemo(CLI::App& app, CommandFn* run) {
   cmd->add_option("--lr", o->demo.lr, "AdamW learning rate")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  cmd->add_option("--encoding,-e", o->encoding,
-                  "sparse (default) | xor | overwrite | indices | dense")
-      ->capture_default_str();
+  cmd->add_option("--encoding,-e", o->encoding, EncodingHelp(o->encoding))->capture_default_str();
   cmd->add_option("--workdir", o->demo.workdir,
                   "Directory for the base, the store and the hosts (must be missing or empty; "
                   "default: a fresh one under $TMPDIR)");

@@ -27,6 +27,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -36,6 +37,10 @@
 namespace deltasync {
 
 // Values are stable: they may be stored (e.g. in flush frames), never reused.
+// They run from 0 without gaps (the codec registry is indexed by them), and
+// an encoding's name is its enumerator's in lower case without the `k` (the
+// build derives the per-encoding fuzz targets from this list; codec_test
+// checks both rules).
 enum class Encoding : uint8_t {
   kDense = 0,
   kIndices = 1,
@@ -44,8 +49,53 @@ enum class Encoding : uint8_t {
   kSparse = 4,
 };
 
-// "dense", "indices", "xor", "overwrite" or "sparse"; the names used in
-// index metadata (`delta_encoding`) and on the command line. "unknown" for a
+// What one encoding is and what it can do: its descriptor, defined beside
+// its codec (src/codec/<name>.cc) and the one place that states these facts.
+// The CLI, the store, the benchmarks and the tests read them from here
+// instead of listing encodings themselves.
+struct EncodingInfo {
+  Encoding encoding;
+  // The name used in index metadata (`delta_encoding`), on the command line
+  // and in messages.
+  std::string_view name;
+  // The index's `compression_format` for a version in this encoding: "zstd"
+  // when the encoding holds zstd frames, "none" otherwise.
+  std::string_view compression;
+  // Encode needs ChangeSet::old_values (DiffOptions::keep_old_values).
+  bool needs_old_values = false;
+  // DecodeApply reads the target's current contents, so the target must hold
+  // exactly the base the delta was made against.
+  bool needs_base = true;
+  // Applying the same bytes twice leaves the same result as applying them
+  // once (not so for XOR-valued encodings: twice reverts).
+  bool idempotent = false;
+  // Codec::NewEncodeStream gives a stream: the encoder takes a tensor's diff
+  // a range at a time.
+  bool streams = false;
+  // The bytes hold every changed element's whole new value: applying them
+  // sets those elements whatever the target held there, and the new values
+  // can be read from the delta without the base. A transport that cannot
+  // promise the exact base at the changed elements needs this (delivering a
+  // delta again needs only `idempotent`). Not so for the encodings that hold
+  // XORs with the base, nor for overwrite, which holds only the bytes that
+  // changed within an element.
+  bool carries_values = false;
+  // The vime/slime Python receiver applies versions in this encoding.
+  bool read_by_python_receiver = false;
+  // zstd's content checksum when EncodeOptions::zstd_checksum is unset
+  // (encodings with zstd frames only).
+  bool zstd_checksum_by_default = false;
+  // The largest tensor, in bytes, the format can address; Encode refuses a
+  // larger one with Unsupported.
+  uint64_t max_tensor_bytes = UINT64_MAX;
+};
+
+// The descriptor of `encoding`. A value outside the enum gets one named
+// "unknown", with an empty compression, no capabilities and
+// max_tensor_bytes 0.
+const EncodingInfo& GetEncodingInfo(Encoding encoding);
+
+// The name of `encoding` (GetEncodingInfo(encoding).name): "unknown" for a
 // value outside the enum.
 std::string_view EncodingName(Encoding encoding);
 
@@ -55,6 +105,12 @@ Result<Encoding> ParseEncoding(std::string_view name);
 
 // Every encoding, in enum order (for CLIs, benchmarks and tests).
 std::span<const Encoding> AllEncodings();
+
+// Every encoding's name in enum order, joined by `separator`, with
+// `last_separator` between the last two: JoinEncodingNames(", ", " or ")
+// is "dense, indices, xor, overwrite or sparse".
+std::string JoinEncodingNames(std::string_view separator, std::string_view last_separator);
+std::string JoinEncodingNames(std::string_view separator);
 
 // How the sparse encoding lays out one tensor. kAuto picks per tensor by
 // density (trying both in the band where either can win).
@@ -77,9 +133,10 @@ struct EncodeOptions {
   // checksum after apply anyway, as the peers' frames (written without one)
   // need.
   std::optional<bool> zstd_checksum;
-  // zstd_checksum, or the encoding's default when it is unset.
+  // zstd_checksum, or the encoding's default when it is unset
+  // (EncodingInfo::zstd_checksum_by_default).
   bool ZstdChecksumFor(Encoding encoding) const {
-    return zstd_checksum.value_or(encoding != Encoding::kXor);
+    return zstd_checksum.value_or(GetEncodingInfo(encoding).zstd_checksum_by_default);
   }
   SparseMode sparse_mode = SparseMode::kAuto;
   // Bytes of zeros-and-XOR (xor) or positions (overwrite) staged per step
@@ -128,23 +185,21 @@ class EncodeStream {
   virtual Status Finish() = 0;
 };
 
-// One encoding: its capabilities and its two directions. Implementations are
+// One encoding: its descriptor and its two directions. Implementations are
 // stateless singletons (GetCodec), safe to use from many threads at once.
 class Codec {
  public:
   virtual ~Codec() = default;
 
-  virtual Encoding encoding() const = 0;
-  std::string_view name() const { return EncodingName(encoding()); }
+  // What this encoding is and can do; the accessors below read it.
+  virtual const EncodingInfo& info() const = 0;
 
-  // Encode needs ChangeSet::old_values (DiffOptions::keep_old_values).
-  virtual bool needs_old_values() const = 0;
-  // DecodeApply reads the target's current contents, so the target must hold
-  // exactly the base the delta was made against. False only for dense.
-  virtual bool needs_base() const = 0;
-  // Applying the same bytes twice leaves the same result as applying them
-  // once. False for xor and sparse (XOR is an involution: twice reverts).
-  virtual bool idempotent() const = 0;
+  Encoding encoding() const { return info().encoding; }
+  std::string_view name() const { return info().name; }
+  // EncodingInfo::needs_old_values, needs_base and idempotent.
+  bool needs_old_values() const { return info().needs_old_values; }
+  bool needs_base() const { return info().needs_base; }
+  bool idempotent() const { return info().idempotent; }
 
   // Appends the encoding of one tensor to *out (existing bytes are kept, so
   // several tensors can be packed into one buffer). `new_bytes` is the
@@ -153,8 +208,8 @@ class Codec {
   // new_bytes.size() (dense reads only new_bytes and ignores `changes`).
   // InvalidArgument when the ChangeSet is inconsistent or lacks old values
   // that this encoding needs; Unsupported when the tensor exceeds what the
-  // format can address (overwrite: 2^32 bytes). On error *out may hold a
-  // partial encoding past its original size.
+  // format can address (EncodingInfo::max_tensor_bytes; overwrite: 2^32).
+  // On error *out may hold a partial encoding past its original size.
   virtual Status Encode(std::span<const uint8_t> new_bytes, const ChangeSet& changes,
                         const EncodeOptions& options, std::vector<uint8_t>* out) const = 0;
 
@@ -185,7 +240,7 @@ class Codec {
                                ChangeSet* out) const = 0;
   // A stream that appends the encoding of a tensor of `numel` elements of
   // `elem_size` bytes to *out (which must outlive it), or null when this
-  // encoding only encodes whole ChangeSets (dense, indices, overwrite).
+  // encoding only encodes whole ChangeSets (EncodingInfo::streams false).
   virtual std::unique_ptr<EncodeStream> NewEncodeStream(uint64_t numel, uint32_t elem_size,
                                                         const EncodeOptions& options,
                                                         std::vector<uint8_t>* out) const {

@@ -31,18 +31,6 @@ struct TensorView {
   Status Validate() const;
 };
 
-// A mutable view, for buffers that are written in place (apply targets).
-struct MutableTensorView {
-  std::string name;
-  DType dtype = DType::kU8;
-  std::vector<int64_t> shape;
-  std::span<uint8_t> bytes;
-
-  int64_t numel() const;
-  size_t nbytes() const { return bytes.size(); }
-  TensorView AsConst() const { return {name, dtype, shape, bytes}; }
-};
-
 // "[2, 3]" style rendering of a shape.
 std::string ShapeToString(const std::vector<int64_t>& shape);
 

@@ -14,7 +14,6 @@
 #include <nlohmann/json.hpp>
 
 #include "agent/agent_test_util.h"
-#include "deltasync/agent.h"
 #include "store/store_test_util.h"
 
 extern char** environ;

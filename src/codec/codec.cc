@@ -10,41 +10,56 @@
 namespace deltasync {
 namespace {
 
-constexpr std::array<Encoding, 5> kAllEncodings = {
-    Encoding::kDense, Encoding::kIndices, Encoding::kXor, Encoding::kOverwrite, Encoding::kSparse};
+using CodecGetter = const Codec& (*)();
+
+// The registry: every encoding's codec, at the index of its Encoding value.
+// The only list of encodings; everything else enumerates it.
+constexpr CodecGetter kCodecs[] = {
+    &codec_internal::DenseCodec,     &codec_internal::IndicesCodec, &codec_internal::XorCodec,
+    &codec_internal::OverwriteCodec, &codec_internal::SparseCodec,
+};
 
 }  // namespace
 
-std::string_view EncodingName(Encoding encoding) {
-  switch (encoding) {
-    case Encoding::kDense: return "dense";
-    case Encoding::kIndices: return "indices";
-    case Encoding::kXor: return "xor";
-    case Encoding::kOverwrite: return "overwrite";
-    case Encoding::kSparse: return "sparse";
-  }
-  return "unknown";
+const Codec& GetCodec(Encoding encoding) {
+  const size_t index = static_cast<size_t>(encoding);
+  if (index >= std::size(kCodecs)) return codec_internal::InvalidCodec();
+  return kCodecs[index]();
+}
+
+const EncodingInfo& GetEncodingInfo(Encoding encoding) { return GetCodec(encoding).info(); }
+
+std::string_view EncodingName(Encoding encoding) { return GetEncodingInfo(encoding).name; }
+
+std::span<const Encoding> AllEncodings() {
+  static const std::array<Encoding, std::size(kCodecs)> all = [] {
+    std::array<Encoding, std::size(kCodecs)> encodings{};
+    for (size_t i = 0; i < encodings.size(); ++i) encodings[i] = kCodecs[i]().encoding();
+    return encodings;
+  }();
+  return all;
 }
 
 Result<Encoding> ParseEncoding(std::string_view name) {
-  for (Encoding encoding : kAllEncodings) {
+  for (Encoding encoding : AllEncodings()) {
     if (EncodingName(encoding) == name) return encoding;
   }
-  return Status::InvalidArgument("unknown delta encoding '" + std::string(name) +
-                                 "' (expected dense, indices, xor, overwrite or sparse)");
+  return Status::InvalidArgument("unknown delta encoding '" + std::string(name) + "' (expected " +
+                                 JoinEncodingNames(", ", " or ") + ")");
 }
 
-std::span<const Encoding> AllEncodings() { return kAllEncodings; }
-
-const Codec& GetCodec(Encoding encoding) {
-  switch (encoding) {
-    case Encoding::kDense: return codec_internal::DenseCodec();
-    case Encoding::kIndices: return codec_internal::IndicesCodec();
-    case Encoding::kXor: return codec_internal::XorCodec();
-    case Encoding::kOverwrite: return codec_internal::OverwriteCodec();
-    case Encoding::kSparse: return codec_internal::SparseCodec();
+std::string JoinEncodingNames(std::string_view separator, std::string_view last_separator) {
+  const std::span<const Encoding> all = AllEncodings();
+  std::string joined;
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (i > 0) joined += i + 1 == all.size() ? last_separator : separator;
+    joined += EncodingName(all[i]);
   }
-  return codec_internal::InvalidCodec();
+  return joined;
+}
+
+std::string JoinEncodingNames(std::string_view separator) {
+  return JoinEncodingNames(separator, separator);
 }
 
 Status Encode(Encoding encoding, std::span<const uint8_t> new_bytes, const ChangeSet& changes,
@@ -68,12 +83,23 @@ namespace {
 
 // Stands in for an Encoding value from outside the enum (a bad cast or a
 // corrupted stored byte): every operation fails instead of guessing.
+constexpr EncodingInfo kInvalidInfo = {
+    .encoding = static_cast<Encoding>(0xFF),
+    .name = "unknown",
+    .compression = "",
+    .needs_old_values = false,
+    .needs_base = true,
+    .idempotent = false,
+    .streams = false,
+    .carries_values = false,
+    .read_by_python_receiver = false,
+    .zstd_checksum_by_default = false,
+    .max_tensor_bytes = 0,
+};
+
 class InvalidCodecImpl final : public Codec {
  public:
-  Encoding encoding() const override { return static_cast<Encoding>(0xFF); }
-  bool needs_old_values() const override { return false; }
-  bool needs_base() const override { return true; }
-  bool idempotent() const override { return false; }
+  const EncodingInfo& info() const override { return kInvalidInfo; }
   Status Encode(std::span<const uint8_t>, const ChangeSet&, const EncodeOptions&,
                 std::vector<uint8_t>*) const override {
     return Status::InvalidArgument("encode: not a known delta encoding");

@@ -60,7 +60,6 @@ class StreamRanges {
   Status Add(uint64_t first, std::span<const uint8_t> new_chunk, const ChangeSet& piece);
   Status CheckComplete() const;
   uint64_t numel() const { return numel_; }
-  uint32_t elem_size() const { return es_; }
 
  private:
   uint64_t numel_;
@@ -231,11 +230,14 @@ Status DecodeChangesViaCopy(const Codec& codec, std::span<const uint8_t> encoded
                             std::span<const uint8_t> base, uint32_t elem_size,
                             const DecodeOptions& options, ChangeSet* out);
 
+// Each encoding's codec, defined in its own file with its descriptor
+// (EncodingInfo); kCodecs in codec.cc lists them by Encoding value.
 const Codec& DenseCodec();
 const Codec& IndicesCodec();
 const Codec& XorCodec();
 const Codec& OverwriteCodec();
 const Codec& SparseCodec();
+// What GetCodec gives for a value outside the enum.
 const Codec& InvalidCodec();
 
 }  // namespace deltasync::codec_internal

@@ -3,7 +3,10 @@
 #include "deltasync/codec.h"
 
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 
+#include <algorithm>
+#include <iterator>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -57,16 +60,20 @@ std::vector<uint8_t> EncodeOrDie(Encoding encoding, const TensorPair& pair,
   return encoded;
 }
 
+// The names and values are stored in files: pinned here, not read back
+// from the registry.
 TEST(EncodingNames, RoundTripAndRejectUnknown) {
   const char* names[] = {"dense", "indices", "xor", "overwrite", "sparse"};
   ASSERT_EQ(AllEncodings().size(), 5u);
   for (size_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(static_cast<size_t>(AllEncodings()[i]), i);
     EXPECT_EQ(EncodingName(AllEncodings()[i]), names[i]);
     Result<Encoding> parsed = ParseEncoding(names[i]);
     ASSERT_TRUE(parsed.ok());
     EXPECT_EQ(*parsed, AllEncodings()[i]);
     EXPECT_EQ(GetCodec(AllEncodings()[i]).encoding(), AllEncodings()[i]);
     EXPECT_EQ(GetCodec(AllEncodings()[i]).name(), names[i]);
+    EXPECT_EQ(&GetEncodingInfo(AllEncodings()[i]), &GetCodec(AllEncodings()[i]).info());
   }
   for (const char* bad : {"XOR", "", "zstd", "sparse "}) {
     Result<Encoding> parsed = ParseEncoding(bad);
@@ -74,11 +81,24 @@ TEST(EncodingNames, RoundTripAndRejectUnknown) {
     EXPECT_TRUE(parsed.status().IsInvalidArgument());
     EXPECT_NE(parsed.status().message().find("overwrite"), std::string::npos);
   }
+  EXPECT_EQ(ParseEncoding("gzip").status().message(),
+            "unknown delta encoding 'gzip' (expected dense, indices, xor, overwrite or sparse)");
+  EXPECT_EQ(JoinEncodingNames(", "), "dense, indices, xor, overwrite, sparse");
+  EXPECT_EQ(JoinEncodingNames(",", " or "), "dense,indices,xor,overwrite or sparse");
+}
+
+// The build makes per-encoding targets (fuzz/) from the Encoding enum's
+// enumerators (src/codec/CMakeLists.txt); an encoding whose name breaks
+// codec.h's naming rule, or a parse that misses one, shows up here.
+TEST(EncodingNames, TheBuildListsEveryEncoding) {
+  EXPECT_EQ(std::string(DS_BUILD_ENCODINGS), JoinEncodingNames(","));
 }
 
 TEST(EncodingNames, OutOfRangeValuesFailCleanly) {
   const Encoding bogus = static_cast<Encoding>(17);
   EXPECT_EQ(EncodingName(bogus), "unknown");
+  EXPECT_EQ(GetEncodingInfo(bogus).compression, "");
+  EXPECT_EQ(GetEncodingInfo(bogus).max_tensor_bytes, 0u);
   std::vector<uint8_t> out;
   std::vector<uint8_t> target(4);
   EXPECT_TRUE(Encode(bogus, target, ChangeSet{}, {}, &out).IsInvalidArgument());
@@ -86,16 +106,114 @@ TEST(EncodingNames, OutOfRangeValuesFailCleanly) {
   EXPECT_TRUE(out.empty());
 }
 
+// Every descriptor against docs/format.md ("Delta encodings"): the table of
+// what each encoding carries, the index's compression_format, the Python
+// receiver's encodings, the content checksum default and overwrite's u32
+// byte positions.
 TEST(Capabilities, MatchTheFormats) {
-  EXPECT_FALSE(GetCodec(Encoding::kDense).needs_base());
-  EXPECT_FALSE(GetCodec(Encoding::kDense).needs_old_values());
-  EXPECT_TRUE(GetCodec(Encoding::kIndices).idempotent());
-  EXPECT_FALSE(GetCodec(Encoding::kIndices).needs_old_values());
-  EXPECT_FALSE(GetCodec(Encoding::kXor).idempotent());
-  EXPECT_TRUE(GetCodec(Encoding::kOverwrite).idempotent());
-  EXPECT_FALSE(GetCodec(Encoding::kSparse).idempotent());
-  for (Encoding e : {Encoding::kIndices, Encoding::kXor, Encoding::kOverwrite, Encoding::kSparse}) {
-    EXPECT_TRUE(GetCodec(e).needs_base()) << EncodingName(e);
+  struct Row {
+    Encoding encoding;
+    const char* compression;
+    bool needs_old_values, needs_base, idempotent, streams, carries_values, python, checksum;
+    uint64_t max_tensor_bytes;
+  };
+  const Row rows[] = {
+      {Encoding::kDense, "none", false, false, true, false, true, false, false, UINT64_MAX},
+      {Encoding::kIndices, "none", false, true, true, false, true, false, false, UINT64_MAX},
+      {Encoding::kXor, "zstd", true, true, false, true, false, true, false, UINT64_MAX},
+      {Encoding::kOverwrite, "zstd", true, true, true, false, false, true, true, uint64_t{1} << 32},
+      {Encoding::kSparse, "zstd", true, true, false, true, false, false, true, UINT64_MAX},
+  };
+  ASSERT_EQ(std::size(rows), AllEncodings().size());
+  for (const Row& row : rows) {
+    const EncodingInfo& info = GetEncodingInfo(row.encoding);
+    SCOPED_TRACE(std::string(info.name));
+    EXPECT_EQ(info.encoding, row.encoding);
+    EXPECT_EQ(info.compression, row.compression);
+    EXPECT_EQ(info.needs_old_values, row.needs_old_values);
+    EXPECT_EQ(info.needs_base, row.needs_base);
+    EXPECT_EQ(info.idempotent, row.idempotent);
+    EXPECT_EQ(info.streams, row.streams);
+    EXPECT_EQ(info.carries_values, row.carries_values);
+    EXPECT_EQ(info.read_by_python_receiver, row.python);
+    EXPECT_EQ(info.zstd_checksum_by_default, row.checksum);
+    EXPECT_EQ(info.max_tensor_bytes, row.max_tensor_bytes);
+    const Codec& codec = GetCodec(row.encoding);
+    EXPECT_EQ(codec.needs_old_values(), row.needs_old_values);
+    EXPECT_EQ(codec.needs_base(), row.needs_base);
+    EXPECT_EQ(codec.idempotent(), row.idempotent);
+  }
+}
+
+// Each descriptor's claims, checked against what its codec does.
+TEST(Capabilities, DescriptorsTellWhatTheCodecsDo) {
+  TensorPair pair = MakePair(3001, 2, 0.05, 8);
+  ChangeSet changes = DiffPair(pair);
+  ASSERT_GT(changes.count(), 0u);
+  ChangeSet no_old = changes;
+  no_old.old_values.clear();
+  // The base with every changed element's bytes inverted: what a target
+  // holds there does not matter to an encoding that carries values.
+  std::vector<uint8_t> scrambled = pair.old_bytes;
+  for (uint64_t i = 0; i < changes.count(); ++i) {
+    for (uint32_t b = 0; b < 2; ++b) scrambled[changes.position(i) * 2 + b] ^= 0xFF;
+  }
+  for (Encoding e : AllEncodings()) {
+    const EncodingInfo& info = GetEncodingInfo(e);
+    SCOPED_TRACE(std::string(info.name));
+    std::vector<uint8_t> out;
+    EXPECT_EQ(GetCodec(e).NewEncodeStream(3001, 2, {}, &out) != nullptr, info.streams);
+    out.clear();
+    Status without_old = Encode(e, pair.new_bytes, no_old, {}, &out);
+    EXPECT_EQ(without_old.IsInvalidArgument(), info.needs_old_values) << without_old.ToString();
+    EXPECT_EQ(without_old.ok(), !info.needs_old_values);
+
+    const std::vector<uint8_t> encoded = EncodeOrDie(e, pair, changes);
+    std::vector<uint8_t> garbage(pair.old_bytes.size(), 0x5A);
+    ASSERT_TRUE(DecodeApply(e, encoded, garbage, 2).ok());
+    EXPECT_EQ(garbage == pair.new_bytes, !info.needs_base);
+    std::vector<uint8_t> target = scrambled;
+    ASSERT_TRUE(DecodeApply(e, encoded, target, 2).ok());
+    EXPECT_EQ(target == pair.new_bytes, info.carries_values);
+
+    // A zstd frame (RFC 8878 magic) in the first bytes exactly when the
+    // index is to say "zstd".
+    const uint8_t magic[4] = {0x28, 0xB5, 0x2F, 0xFD};
+    const auto head = encoded.begin() + std::min<size_t>(encoded.size(), kSparseHeaderBytes + 4);
+    const bool has_frame =
+        std::search(encoded.begin(), head, std::begin(magic), std::end(magic)) != head;
+    EXPECT_EQ(has_frame, info.compression == "zstd");
+  }
+}
+
+// An encoder refuses a tensor beyond what its format addresses before it
+// reads any of it, and takes one of exactly that size. The tensors are
+// address space only (PROT_NONE): a read would fault.
+TEST(Capabilities, EncodersRefuseTensorsBeyondTheirLimit) {
+  for (Encoding e : AllEncodings()) {
+    const EncodingInfo& info = GetEncodingInfo(e);
+    if (info.max_tensor_bytes == UINT64_MAX) continue;
+    SCOPED_TRACE(std::string(info.name));
+    const size_t bytes = static_cast<size_t>(info.max_tensor_bytes) + 8;
+    void* space =
+        ::mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    ASSERT_NE(space, MAP_FAILED);
+    const uint8_t* data = static_cast<const uint8_t*>(space);
+    for (uint64_t size : {info.max_tensor_bytes, info.max_tensor_bytes + 8}) {
+      ChangeSet nothing;  // nothing changed, so no value is read either
+      nothing.elem_size = 8;
+      nothing.numel = size / 8;
+      std::vector<uint8_t> out;
+      Status status = Encode(e, {data, size}, nothing, {}, &out);
+      if (size <= info.max_tensor_bytes) {
+        EXPECT_TRUE(status.ok()) << status.ToString();
+      } else {
+        EXPECT_EQ(status.code(), StatusCode::kUnsupported) << status.ToString();
+        EXPECT_NE(status.message().find(std::to_string(size) + " bytes"), std::string::npos)
+            << status.message();
+      }
+    }
+    ::munmap(space, bytes);
   }
 }
 
@@ -196,9 +314,7 @@ TEST_P(RoundTrip, RestoresNewBytesExactly) {
 
 INSTANTIATE_TEST_SUITE_P(
     AllEncodings, RoundTrip,
-    ::testing::Combine(::testing::Values(Encoding::kDense, Encoding::kIndices, Encoding::kXor,
-                                         Encoding::kOverwrite, Encoding::kSparse),
-                       ::testing::Values(1u, 2u, 4u, 8u),
+    ::testing::Combine(::testing::ValuesIn(AllEncodings()), ::testing::Values(1u, 2u, 4u, 8u),
                        ::testing::Values(Density::kNone, Density::kOne, Density::kOnePercent,
                                          Density::kHalf, Density::kAll)),
     [](const ::testing::TestParamInfo<RoundTripParam>& info) {
@@ -209,7 +325,8 @@ INSTANTIATE_TEST_SUITE_P(
 // A stream refuses ranges that skip, overlap or overrun the tensor, a
 // finish before the whole tensor was seen, and a bad element size.
 TEST(EncodeStream, RejectsBadRanges) {
-  for (Encoding e : {Encoding::kXor, Encoding::kSparse}) {
+  for (Encoding e : AllEncodings()) {
+    if (!GetEncodingInfo(e).streams) continue;
     SCOPED_TRACE(std::string(EncodingName(e)));
     TensorPair pair = MakeCase(100, 2, Density::kHalf, 7);
     std::vector<uint8_t> old_range(pair.old_bytes.begin(), pair.old_bytes.begin() + 100);
@@ -247,16 +364,13 @@ TEST(EncodeStream, RejectsBadRanges) {
       EXPECT_EQ(stream->Finish().code(), StatusCode::kInvalidArgument);
     }
   }
-  for (Encoding e : {Encoding::kDense, Encoding::kIndices, Encoding::kOverwrite}) {
-    std::vector<uint8_t> out;
-    EXPECT_EQ(GetCodec(e).NewEncodeStream(100, 2, {}, &out), nullptr);
-  }
 }
 
 // Streams are independent objects: two of them fed in turn on one thread
 // give what each gives alone.
 TEST(EncodeStream, InterleavedStreamsOnOneThreadStayApart) {
-  for (Encoding e : {Encoding::kXor, Encoding::kSparse}) {
+  for (Encoding e : AllEncodings()) {
+    if (!GetEncodingInfo(e).streams) continue;
     SCOPED_TRACE(std::string(EncodingName(e)));
     const size_t numel = 70001;
     TensorPair a = MakeCase(numel, 2, Density::kOnePercent, 1);
@@ -358,7 +472,9 @@ TEST(Encode, RejectsInconsistentChangeSets) {
     EXPECT_TRUE(status.IsInvalidArgument()) << EncodingName(e) << ": " << status.ToString();
     EXPECT_NE(status.message().find(needle), std::string::npos) << status.message();
   };
-  for (Encoding e : {Encoding::kIndices, Encoding::kXor, Encoding::kOverwrite, Encoding::kSparse}) {
+  // Every encoder but dense, which reads only the new bytes.
+  for (Encoding e : AllEncodings()) {
+    if (e == Encoding::kDense) continue;
     ChangeSet bad = good;
     bad.elem_size = 3;
     expect_invalid(bad, pair.new_bytes, e, "element size");
@@ -376,16 +492,18 @@ TEST(Encode, RejectsInconsistentChangeSets) {
     bad.pos64.push_back(1);
     expect_invalid(bad, pair.new_bytes, e, "both");
   }
-  for (Encoding e : {Encoding::kXor, Encoding::kOverwrite, Encoding::kSparse}) {
-    ChangeSet bad = good;
-    bad.old_values.clear();
-    expect_invalid(bad, pair.new_bytes, e, "keep_old_values");
-  }
-  // Encoders that do not need old values do not ask for them.
+  // Encoders that need old values name the option that keeps them; the
+  // others do not ask for them.
   ChangeSet no_old = good;
   no_old.old_values.clear();
-  std::vector<uint8_t> out;
-  EXPECT_TRUE(Encode(Encoding::kIndices, pair.new_bytes, no_old, {}, &out).ok());
+  for (Encoding e : AllEncodings()) {
+    if (GetEncodingInfo(e).needs_old_values) {
+      expect_invalid(no_old, pair.new_bytes, e, "keep_old_values");
+    } else {
+      std::vector<uint8_t> out;
+      EXPECT_TRUE(Encode(e, pair.new_bytes, no_old, {}, &out).ok()) << EncodingName(e);
+    }
+  }
 }
 
 TEST(DecodeApply, RejectsBadTargets) {

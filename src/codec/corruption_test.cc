@@ -157,9 +157,7 @@ TEST_P(EveryDecoder, BitFlipsFailOrApplyExactly) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Codecs, EveryDecoder,
-                         ::testing::Values(Encoding::kDense, Encoding::kIndices, Encoding::kXor,
-                                           Encoding::kOverwrite, Encoding::kSparse),
+INSTANTIATE_TEST_SUITE_P(Codecs, EveryDecoder, ::testing::ValuesIn(AllEncodings()),
                          [](const ::testing::TestParamInfo<Encoding>& info) {
                            return std::string(EncodingName(info.param));
                          });

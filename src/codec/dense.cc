@@ -7,12 +7,24 @@
 namespace deltasync::codec_internal {
 namespace {
 
+// The descriptor (codec.h, EncodingInfo).
+constexpr EncodingInfo kDenseInfo = {
+    .encoding = Encoding::kDense,
+    .name = "dense",
+    .compression = "none",
+    .needs_old_values = false,
+    .needs_base = false,
+    .idempotent = true,
+    .streams = false,
+    .carries_values = true,
+    .read_by_python_receiver = false,
+    .zstd_checksum_by_default = false,
+    .max_tensor_bytes = UINT64_MAX,
+};
+
 class DenseCodecImpl final : public Codec {
  public:
-  Encoding encoding() const override { return Encoding::kDense; }
-  bool needs_old_values() const override { return false; }
-  bool needs_base() const override { return false; }
-  bool idempotent() const override { return true; }
+  const EncodingInfo& info() const override { return kDenseInfo; }
 
   Status Encode(std::span<const uint8_t> new_bytes, const ChangeSet& /*changes*/,
                 const EncodeOptions& /*options*/, std::vector<uint8_t>* out) const override {

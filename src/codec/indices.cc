@@ -11,6 +11,21 @@
 namespace deltasync::codec_internal {
 namespace {
 
+// The descriptor (codec.h, EncodingInfo).
+constexpr EncodingInfo kIndicesInfo = {
+    .encoding = Encoding::kIndices,
+    .name = "indices",
+    .compression = "none",
+    .needs_old_values = false,
+    .needs_base = true,
+    .idempotent = true,
+    .streams = false,
+    .carries_values = true,
+    .read_by_python_receiver = false,
+    .zstd_checksum_by_default = false,
+    .max_tensor_bytes = UINT64_MAX,
+};
+
 constexpr uint8_t kIndicesMagic[4] = {'D', 'S', 'I', 'X'};
 constexpr uint8_t kIndicesVersion = 1;
 constexpr size_t kIndicesHeaderBytes = 24;
@@ -20,14 +35,12 @@ Status Corrupt(const std::string& what) { return Status::Corruption("indices dec
 
 class IndicesCodecImpl final : public Codec {
  public:
-  Encoding encoding() const override { return Encoding::kIndices; }
-  bool needs_old_values() const override { return false; }
-  bool needs_base() const override { return true; }
-  bool idempotent() const override { return true; }
+  const EncodingInfo& info() const override { return kIndicesInfo; }
 
   Status Encode(std::span<const uint8_t> new_bytes, const ChangeSet& changes,
                 const EncodeOptions& /*options*/, std::vector<uint8_t>* out) const override {
-    DS_RETURN_IF_ERROR(ValidateChangeSet(new_bytes, changes, false, "indices"));
+    DS_RETURN_IF_ERROR(
+        ValidateChangeSet(new_bytes, changes, kIndicesInfo.needs_old_values, kIndicesInfo.name));
     const uint64_t count = changes.count();
     const uint64_t es = changes.elem_size;
     const uint64_t width = changes.numel < kInt32Limit ? 4 : 8;

@@ -18,7 +18,21 @@
 namespace deltasync::codec_internal {
 namespace {
 
-constexpr uint64_t kMaxAddressableBytes = uint64_t{1} << 32;
+// The descriptor (codec.h, EncodingInfo).
+constexpr EncodingInfo kOverwriteInfo = {
+    .encoding = Encoding::kOverwrite,
+    .name = "overwrite",
+    .compression = "zstd",
+    .needs_old_values = true,
+    .needs_base = true,
+    .idempotent = true,
+    .streams = false,
+    .carries_values = false,
+    .read_by_python_receiver = true,
+    .zstd_checksum_by_default = true,
+    // u32 byte positions.
+    .max_tensor_bytes = uint64_t{1} << 32,
+};
 
 Status Corrupt(const std::string& what) { return Status::Corruption("overwrite decode: " + what); }
 
@@ -49,15 +63,13 @@ class StagedWriter {
 
 class OverwriteCodecImpl final : public Codec {
  public:
-  Encoding encoding() const override { return Encoding::kOverwrite; }
-  bool needs_old_values() const override { return true; }
-  bool needs_base() const override { return true; }
-  bool idempotent() const override { return true; }
+  const EncodingInfo& info() const override { return kOverwriteInfo; }
 
   Status Encode(std::span<const uint8_t> new_bytes, const ChangeSet& changes,
                 const EncodeOptions& options, std::vector<uint8_t>* out) const override {
-    DS_RETURN_IF_ERROR(ValidateChangeSet(new_bytes, changes, true, "overwrite"));
-    if (new_bytes.size() > kMaxAddressableBytes) {
+    DS_RETURN_IF_ERROR(ValidateChangeSet(new_bytes, changes, kOverwriteInfo.needs_old_values,
+                                         kOverwriteInfo.name));
+    if (new_bytes.size() > kOverwriteInfo.max_tensor_bytes) {
       return Status::Unsupported(
           "overwrite encode: the format's u32 byte positions cannot "
           "address a tensor of " +

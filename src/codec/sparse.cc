@@ -24,6 +24,21 @@ namespace deltasync {
 namespace codec_internal {
 namespace {
 
+// The descriptor (codec.h, EncodingInfo).
+constexpr EncodingInfo kSparseInfo = {
+    .encoding = Encoding::kSparse,
+    .name = "sparse",
+    .compression = "zstd",
+    .needs_old_values = true,
+    .needs_base = true,
+    .idempotent = false,
+    .streams = true,
+    .carries_values = false,
+    .read_by_python_receiver = false,
+    .zstd_checksum_by_default = true,
+    .max_tensor_bytes = UINT64_MAX,
+};
+
 constexpr uint8_t kSparseMagic[4] = {'D', 'S', 'S', 'P'};
 constexpr uint8_t kSparseVersion = 1;
 // Changes per block (positions) or elements per block (xor-planes). Fixed by
@@ -437,7 +452,7 @@ class SparseEncodeStream final : public EncodeStream {
  public:
   SparseEncodeStream(uint64_t numel, uint32_t elem_size, const EncodeOptions& options,
                      std::vector<uint8_t>* out)
-      : ranges_(numel, elem_size, true, "sparse"),
+      : ranges_(numel, elem_size, kSparseInfo.needs_old_values, kSparseInfo.name),
         options_(options),
         out_(out),
         start_(out->size()) {
@@ -522,10 +537,7 @@ class SparseEncodeStream final : public EncodeStream {
 
 class SparseCodecImpl final : public Codec {
  public:
-  Encoding encoding() const override { return Encoding::kSparse; }
-  bool needs_old_values() const override { return true; }
-  bool needs_base() const override { return true; }
-  bool idempotent() const override { return false; }
+  const EncodingInfo& info() const override { return kSparseInfo; }
 
   Status Encode(std::span<const uint8_t> new_bytes, const ChangeSet& changes,
                 const EncodeOptions& options, std::vector<uint8_t>* out) const override {

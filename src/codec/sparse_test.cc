@@ -31,8 +31,9 @@ size_t EncodedSize(Encoding e, const TensorPair& pair, const ChangeSet& changes,
 
 class Bf16Step : public ::testing::TestWithParam<float> {};
 
-// DESIGN.md section 6: sparse within 1.25x of the entropy bound, at most 0.7x
-// of xor's bytes (as the peers write xor) and 0.3x of int32 indices + values.
+// The size targets (README.md, "Diff and encodings"): sparse within 1.25x of
+// the entropy bound, at most 0.7x of xor's bytes (as the peers write xor) and
+// 0.3x of int32 indices + values.
 // Our own xor encoder writes smaller frames of the same format; sparse must
 // still beat it.
 TEST_P(Bf16Step, SparseMeetsItsSizeTargets) {

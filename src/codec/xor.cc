@@ -14,6 +14,21 @@
 namespace deltasync::codec_internal {
 namespace {
 
+// The descriptor (codec.h, EncodingInfo).
+constexpr EncodingInfo kXorInfo = {
+    .encoding = Encoding::kXor,
+    .name = "xor",
+    .compression = "zstd",
+    .needs_old_values = true,
+    .needs_base = true,
+    .idempotent = false,
+    .streams = true,
+    .carries_values = false,
+    .read_by_python_receiver = true,
+    .zstd_checksum_by_default = false,
+    .max_tensor_bytes = UINT64_MAX,
+};
+
 // A decoded chunk, reused by each thread from tensor to tensor (a decode
 // runs start to end on one thread): a fresh megabyte per tensor costs a page
 // fault per 4 KiB.
@@ -48,7 +63,7 @@ class XorEncodeStream final : public EncodeStream {
  public:
   XorEncodeStream(uint64_t numel, uint32_t elem_size, const EncodeOptions& options,
                   std::vector<uint8_t>* out)
-      : ranges_(numel, elem_size, true, "xor"),
+      : ranges_(numel, elem_size, kXorInfo.needs_old_values, kXorInfo.name),
         stage_buffer_(PooledBuffer::kZeroed),
         stage_(stage_buffer_.bytes()),
         writer_(out) {
@@ -141,10 +156,7 @@ class XorEncodeStream final : public EncodeStream {
 
 class XorCodecImpl final : public Codec {
  public:
-  Encoding encoding() const override { return Encoding::kXor; }
-  bool needs_old_values() const override { return true; }
-  bool needs_base() const override { return true; }
-  bool idempotent() const override { return false; }
+  const EncodingInfo& info() const override { return kXorInfo; }
 
   Status Encode(std::span<const uint8_t> new_bytes, const ChangeSet& changes,
                 const EncodeOptions& options, std::vector<uint8_t>* out) const override {

@@ -118,7 +118,6 @@ class ZstdFrameReader {
   // Corruption unless the frame ends here (checksum verified) and nothing
   // follows it.
   Status ExpectEnd();
-  uint64_t produced() const { return produced_; }
 
  private:
   ZSTD_DCtx* dctx_ = nullptr;

@@ -21,11 +21,6 @@ int64_t TensorView::numel() const {
   return n.ok() ? *n : 0;
 }
 
-int64_t MutableTensorView::numel() const {
-  Result<int64_t> n = ShapeNumel(shape);
-  return n.ok() ? *n : 0;
-}
-
 Status TensorView::Validate() const {
   DS_ASSIGN_OR_RETURN(int64_t n, ShapeNumel(shape));
   const size_t elem = DTypeSize(dtype);

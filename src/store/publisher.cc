@@ -723,7 +723,7 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
   index.metadata["version"] = FormatVersion(version);
   index.metadata["base_version"] = FormatVersion(version - 1);
   index.metadata["delta_encoding"] = std::string(EncodingName(opt.encoding));
-  index.metadata["compression_format"] = std::string(store_internal::CompressionOf(opt.encoding));
+  index.metadata["compression_format"] = std::string(GetEncodingInfo(opt.encoding).compression);
   index.metadata["checksum_format"] = std::string(ChecksumAlgoName(opt.checksum));
   Status status;
   for (size_t k = 0; k < shards.size() && status.ok(); ++k) {

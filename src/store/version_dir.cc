@@ -168,7 +168,7 @@ Result<VersionInfo> ReadVersionInfo(const std::string& version_dir) {
       if (!encoding.ok()) {
         return Status::Unsupported(index_path + ": unknown delta_encoding " +
                                    QuoteForMessage(enc_it->second, 40) +
-                                   " (known: dense, indices, xor, overwrite, sparse)");
+                                   " (known: " + JoinEncodingNames(", ") + ")");
       }
       info.encoding = *encoding;
       DS_ASSIGN_OR_RETURN(info.base_version, ParseVersionField(md, "base_version", index_path));
@@ -181,7 +181,7 @@ Result<VersionInfo> ReadVersionInfo(const std::string& version_dir) {
       if (comp_it == md.end()) {
         return Status::Corruption(index_path + ": metadata lacks \"compression_format\"");
       }
-      const std::string expected(store_internal::CompressionOf(info.encoding));
+      const std::string expected(GetEncodingInfo(info.encoding).compression);
       if (comp_it->second != expected) {
         return Status::Unsupported(index_path + ": compression_format " +
                                    QuoteForMessage(comp_it->second, 40) + " is not supported for " +
@@ -269,10 +269,6 @@ Result<std::vector<VersionInfo>> ListVersions(const std::string& store) {
 }
 
 namespace store_internal {
-
-std::string_view CompressionOf(Encoding encoding) {
-  return encoding == Encoding::kDense || encoding == Encoding::kIndices ? "none" : "zstd";
-}
 
 std::string VersionDir(const std::string& store, int64_t version) {
   return JoinPath(store, VersionDirName(version));

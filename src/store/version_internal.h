@@ -9,10 +9,6 @@
 
 namespace deltasync::store_internal {
 
-// The index's compression_format for an encoding: "zstd" for the encodings
-// that hold zstd frames (xor, overwrite, sparse), "none" for dense and indices.
-std::string_view CompressionOf(Encoding encoding);
-
 // <store>/weight_vNNNNNN.
 std::string VersionDir(const std::string& store, int64_t version);
 

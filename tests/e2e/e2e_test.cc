@@ -293,12 +293,14 @@ class EndToEndTest : public ::testing::Test {
   std::string Url(int port) const { return "http://127.0.0.1:" + std::to_string(port); }
 
   // Starts `deltasync agent` for `host` on an ephemeral loopback port (the
-  // agent binds port 0 and prints the port it got).
+  // agent binds port 0 and prints the port it got). `binary`: the shipped
+  // CLI, or its test build with fault injection (DS_CRASH_PAUSE_CLI_PATH).
   int StartAgent(const std::string& host, const std::vector<std::string>& extra_args = {},
-                 const std::vector<std::string>& extra_env = {}) {
-    std::vector<std::string> args = {DS_CLI_PATH, "agent",      "--store", Store(),
-                                     "--local",   Local(host),  "--base",  TrainerStep(0),
-                                     "--listen",  "127.0.0.1:0"};
+                 const std::vector<std::string>& extra_env = {},
+                 const std::string& binary = DS_CLI_PATH) {
+    std::vector<std::string> args = {binary,     "agent",      "--store", Store(),
+                                     "--local",  Local(host),  "--base",  TrainerStep(0),
+                                     "--listen", "127.0.0.1:0"};
     args.insert(args.end(), extra_args.begin(), extra_args.end());
     AgentProcess agent;
     agent.process = std::make_unique<Process>(args, extra_env);
@@ -359,7 +361,8 @@ TEST_F(EndToEndTest, ThreeAgentsSurviveAKillALagAndALateJoin) {
   WriteChain(6);
   // A stops inside the apply: its pull has rewritten tensors in place and
   // journaled them, but not committed the version.
-  const int port_a = StartAgent("a", {}, {"DELTASYNC_TEST_PAUSE_AT=apply:record"});
+  const int port_a =
+      StartAgent("a", {}, {"DELTASYNC_TEST_PAUSE_AT=apply:record"}, DS_CRASH_PAUSE_CLI_PATH);
   const int port_b = StartAgent("b");
   ASSERT_GT(port_a, 0);
   ASSERT_GT(port_b, 0);
@@ -461,6 +464,43 @@ TEST_F(EndToEndTest, ThreeAgentsSurviveAKillALagAndALateJoin) {
     agent.process->Signal(SIGTERM);
     EXPECT_EQ(agent.process->Wait(), 0) << host << ": " << agent.process->err();
   }
+}
+
+// Fault injection lives in the test build only: given the same pause
+// variable, the test build stops at the crash point and the shipped
+// `deltasync` passes it and completes the pull. The shipped binary does not
+// even hold the variable's name.
+TEST_F(EndToEndTest, OnlyTheTestBuildPausesAtACrashPoint) {
+  WriteChain(1);
+  const std::vector<std::string> pause = {"DELTASYNC_TEST_PAUSE_AT=apply:record"};
+  const int port_shipped = StartAgent("shipped", {}, pause);
+  const int port_test = StartAgent("test", {}, pause, DS_CRASH_PAUSE_CLI_PATH);
+  ASSERT_GT(port_shipped, 0);
+  ASSERT_GT(port_test, 0);
+  for (int port : {port_shipped, port_test}) {
+    HttpAnswer seeded = Pull(port, "0");
+    ASSERT_EQ(seeded.status, 200) << seeded.body.dump();
+  }
+  Publish(0, 1);
+
+  HttpAnswer paused_pull;
+  std::thread request([&] { paused_pull = Pull(port_test, "1"); });
+  const std::optional<std::string> paused =
+      AgentOf("test").WaitForLine(1, "paused at crash point apply:record", 30);
+  AgentOf("test").Signal(SIGKILL);
+  AgentOf("test").Wait();
+  request.join();
+  EXPECT_TRUE(paused.has_value()) << AgentOf("test").err();
+  EXPECT_EQ(paused_pull.status, -1);
+
+  HttpAnswer shipped = Pull(port_shipped, "1");
+  ASSERT_EQ(shipped.status, 200) << shipped.body.dump() << AgentOf("shipped").err();
+  EXPECT_EQ(shipped.body["version"], 1);
+  EXPECT_TRUE(HoldsSameTensors(Local("shipped"), TrainerStep(1)));
+
+  const std::string variable = "DELTASYNC_TEST_PAUSE_AT";
+  EXPECT_EQ(ReadFileOrEmpty(DS_CLI_PATH).find(variable), std::string::npos);
+  EXPECT_NE(ReadFileOrEmpty(DS_CRASH_PAUSE_CLI_PATH).find(variable), std::string::npos);
 }
 
 TEST_F(EndToEndTest, TokenIsRequiredWhenOneIsSet) {

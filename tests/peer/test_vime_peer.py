@@ -2,8 +2,8 @@
 
 Checkpoints are built here by hand (safetensors written byte by byte), and the
 published files are checked with this file's own reader and the zstandard and
-xxhash modules directly, so the peer's format is checked against DESIGN.md
-section 3 rather than against itself.
+xxhash modules directly, so the peer's format is checked against the layout
+docs/format.md describes rather than against itself.
 """
 import fcntl
 import glob

@@ -1,8 +1,8 @@
 #!/usr/bin/python3
 """Independent Python peer of the vime/slime disk delta transport.
 
-Implements the publisher and the receiver of the disk format in DESIGN.md
-section 3 with numpy, zstandard and xxhash only, so that deltasync can be
+Implements the publisher and the receiver of the disk format (docs/format.md,
+"Delta encodings" and "Delta store") with numpy, zstandard and xxhash only, so that deltasync can be
 checked against a second implementation in both directions and timed against
 a vectorized Python baseline. See README.md beside this file for the exact
 behaviours.
