@@ -12,8 +12,7 @@
 #include <cstring>
 
 #include "deltasync/checksum.h"
-#include "format/file_util.h"
-#include "store/store_internal.h"
+#include "io/file.h"
 
 namespace deltasync::store_internal {
 namespace {
@@ -278,7 +277,7 @@ Result<std::unique_ptr<JournalWriter>> JournalWriter::Create(const std::string& 
   Put<int64_t>(header + 8, version);
   Put<int64_t>(header + 16, from_version);
   Put<uint64_t>(header + 24, Hash64(header, 24));
-  DS_RETURN_IF_ERROR(WriteAllAt(writer->fd_, header, kHeaderBytes, 0, path));
+  DS_RETURN_IF_ERROR(io::WriteAllAt(writer->fd_, header, kHeaderBytes, 0, path));
   writer->next_offset_ = kHeaderBytes;
   return writer;
 }
@@ -363,7 +362,7 @@ Status JournalWriter::AppendRecord(std::string_view name, uint64_t numel, uint32
   total += pad + 8;
   std::lock_guard<std::mutex> lock(mu_);
   if (failed_) return Status::IOError(path_ + ": an earlier journal append failed");
-  Status written = WriteAllAtV(fd_, iov, next_offset_, path_);
+  Status written = io::WriteAllAtV(fd_, iov, next_offset_, path_);
   if (!written.ok()) {
     failed_ = true;  // the record may be torn: nothing may follow it
     return written;
@@ -386,10 +385,10 @@ Status JournalWriter::Finish(bool durable) {
   std::memcpy(both, header, 24);
   std::memcpy(both + 24, trailer, 24);
   Put<uint64_t>(trailer + 24, Hash64(both, 48));
-  DS_RETURN_IF_ERROR(WriteAllAt(fd_, trailer, kTrailerBytes, end, path_));
+  DS_RETURN_IF_ERROR(io::WriteAllAt(fd_, trailer, kTrailerBytes, end, path_));
   if (durable) {
     if (::fsync(fd_) != 0) return Status::FromErrno(errno, path_ + ": fsync");
-    DS_RETURN_IF_ERROR(format_internal::SyncDirectory(format_internal::DirName(path_)));
+    DS_RETURN_IF_ERROR(io::SyncDirectory(io::DirName(path_)));
   }
   return Status::OK();
 }

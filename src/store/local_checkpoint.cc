@@ -22,11 +22,15 @@
 #include <utility>
 #include <vector>
 
+#include "core/parallel.h"
 #include "deltasync/checkpoint.h"
 #include "deltasync/diff.h"
 #include "deltasync/store.h"
-#include "format/file_util.h"
+#include "deltasync/timing.h"
 #include "format/json_util.h"
+#include "io/file.h"
+#include "io/mapping.h"
+#include "io/process.h"
 #include "store/chain_state.h"
 #include "store/journal.h"
 #include "store/store_internal.h"
@@ -35,15 +39,16 @@
 namespace deltasync {
 namespace {
 
-using format_internal::JoinPath;
+using core_internal::FirstError;
 using format_internal::QuoteForMessage;
+using io::JoinPath;
+using io::MappedFile;
+using io::PrefaultForWrite;
 using nlohmann::json;
 using store_internal::CrashPoint;
-using store_internal::FirstError;
 using store_internal::Journal;
 using store_internal::JournalRecord;
 using store_internal::JournalWriter;
-using store_internal::MappedFile;
 
 constexpr const char* kSyncDirName = ".weight_sync";
 constexpr const char* kStateFileName = "state.json";
@@ -52,10 +57,6 @@ constexpr const char* kLockFileName = "lock";
 // and would drop anything we kept there.
 constexpr const char* kBaseRecordFileName = "deltasync-base.json";
 constexpr uint64_t kMaxStateBytes = 256ull << 20;
-
-double SecondsSince(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
 
 // A file a checkpoint loader would read as weights.
 bool IsWeightsFileName(const std::string& name) {
@@ -70,8 +71,8 @@ Status CheckSeparatePaths(const LocalCheckpointOptions& o) {
                                                                {&o.store, "store"}};
   for (const auto& [other, what] : others) {
     if (other->empty()) continue;
-    const bool inside = store_internal::IsSameOrInside(o.local, *other);
-    const bool holds = store_internal::IsSameOrInside(*other, o.local);
+    const bool inside = io::IsSameOrInside(o.local, *other);
+    const bool holds = io::IsSameOrInside(*other, o.local);
     if (!inside && !holds) continue;
     const std::string relation = inside && holds ? "is the same directory as"
                                  : inside        ? "lies inside"
@@ -270,24 +271,6 @@ class LocalFiles {
 // enough to stay in L2 between the two.
 constexpr size_t kVerifyPieceBytes = size_t{256} << 10;
 
-// When a tensor's changes are dense enough to dirty nearly every page
-// anyway (at least one per page on average), maps its pages writable in one
-// call instead of taking a write fault per page. Sparser changes are left to
-// fault in, so that pages they do not touch stay clean. Advisory: errors
-// (an older kernel) are ignored.
-void PrefaultForWrite(std::span<uint8_t> bytes, uint64_t changes) {
-#ifdef MADV_POPULATE_WRITE
-  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
-  if (bytes.empty() || changes * page < bytes.size()) return;
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(bytes.data()) & ~(uintptr_t{page} - 1);
-  const uintptr_t end = reinterpret_cast<uintptr_t>(bytes.data()) + bytes.size();
-  (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE);
-#else
-  (void)bytes;
-  (void)changes;
-#endif
-}
-
 // Per-task decode state, reused across tensors (see FreeList).
 struct DecodeScratch {
   ChangeSet changes;
@@ -364,7 +347,7 @@ struct LocalCheckpoint::State {
   std::string base_record_path;
   // Decode state, kept across the versions of one pull (fresh memory costs a
   // page fault and a kernel zeroing per page) and released when it ends.
-  std::unique_ptr<store_internal::FreeList<DecodeScratch>> scratch;
+  std::unique_ptr<core_internal::FreeList<DecodeScratch>> scratch;
 
   Result<LocalState> LoadState();
   Status SaveState(LocalState& st);
@@ -424,7 +407,7 @@ struct LocalCheckpoint::State {
 };
 
 Result<LocalState> LocalCheckpoint::State::LoadState() {
-  Result<std::string> text = format_internal::ReadFileLimited(state_path, kMaxStateBytes);
+  Result<std::string> text = io::ReadFileLimited(state_path, kMaxStateBytes);
   LocalState st;
   if (!text.ok()) {
     if (text.status().IsNotFound()) return st;
@@ -438,13 +421,13 @@ Result<LocalState> LocalCheckpoint::State::LoadState() {
 }
 
 Status LocalCheckpoint::State::SaveState(LocalState& st) {
-  DS_RETURN_IF_ERROR(format_internal::WriteFileAtomically(state_path, SerializeState(st)));
+  DS_RETURN_IF_ERROR(io::WriteFileAtomically(state_path, SerializeState(st)));
   st.exists = true;
   return Status::OK();
 }
 
 std::string LocalCheckpoint::State::RecordedBase() {
-  Result<std::string> text = format_internal::ReadFileLimited(base_record_path, 1 << 20);
+  Result<std::string> text = io::ReadFileLimited(base_record_path, 1 << 20);
   if (!text.ok()) return "";
   Result<json> doc = format_internal::ParseJsonStrict(*text, 2);
   if (!doc.ok() || !doc->is_object()) return "";
@@ -456,8 +439,8 @@ Status LocalCheckpoint::State::RecordBase(const std::string& resolved_base) {
   if (RecordedBase() == resolved_base) return Status::OK();
   json doc = json::object();
   doc["base"] = resolved_base;
-  return format_internal::WriteFileAtomically(
-      base_record_path, doc.dump(1, ' ', false, json::error_handler_t::replace) + "\n");
+  return io::WriteFileAtomically(base_record_path,
+                                 doc.dump(1, ' ', false, json::error_handler_t::replace) + "\n");
 }
 
 Status LocalCheckpoint::State::RecordVouchedBase() {
@@ -466,7 +449,7 @@ Status LocalCheckpoint::State::RecordVouchedBase() {
   if (!base.ok()) return Status::OK();  // not needed by this pull, so not its error
   Result<std::map<std::string, std::string>> vouched = CheckBaseAgainstStore(**base, options.base);
   if (!vouched.ok() || vouched->empty()) return Status::OK();
-  DS_ASSIGN_OR_RETURN(const std::string resolved, store_internal::ResolvedPath(options.base));
+  DS_ASSIGN_OR_RETURN(const std::string resolved, io::ResolvedPath(options.base));
   return RecordBase(resolved);
 }
 
@@ -475,8 +458,8 @@ Status LocalCheckpoint::State::RecordVouchedBase() {
       st->origin_dir.empty()) {
     return;
   }
-  if (store_internal::IsSameOrInside(options.base, st->origin_dir) &&
-      store_internal::IsSameOrInside(st->origin_dir, options.base)) {
+  if (io::IsSameOrInside(options.base, st->origin_dir) &&
+      io::IsSameOrInside(st->origin_dir, options.base)) {
     return;
   }
   st->version.reset();
@@ -484,7 +467,7 @@ Status LocalCheckpoint::State::RecordVouchedBase() {
 
 Status LocalCheckpoint::State::CheckReplaceable(const LocalState& st) {
   if (st.exists || options.replace_unknown_checkpoint) return Status::OK();
-  Result<std::vector<std::string>> names = store_internal::ListRegularFiles(options.local);
+  Result<std::vector<std::string>> names = io::ListRegularFiles(options.local);
   if (!names.ok()) return names.status().IsNotFound() ? Status::OK() : names.status();
   for (const std::string& name : *names) {
     if (!IsWeightsFileName(name)) continue;
@@ -502,7 +485,7 @@ Result<std::map<std::string, std::string>> LocalCheckpoint::State::CheckBaseAgai
   std::map<std::string, std::string> digests;
   if (options.store.empty()) return digests;
   const std::string first = store_internal::VersionDir(options.store, 1);
-  if (!store_internal::IsDirectory(first)) return digests;
+  if (!io::IsDirectory(first)) return digests;
   // A malformed version 1 is reported by the pull that applies it.
   Result<VersionInfo> info = ReadVersionInfo(first);
   if (!info.ok() || !info->is_delta || info->base_version != 0) return digests;
@@ -603,7 +586,7 @@ Status LocalCheckpoint::State::CheckFullLayout(const Checkpoint& full, const std
 }
 
 Status LocalCheckpoint::State::Reseed(LocalState* st, PullResult* result) {
-  DS_RETURN_IF_ERROR(format_internal::RemoveFileIfExists(journal_path));
+  DS_RETURN_IF_ERROR(io::RemoveFileIfExists(journal_path));
   json keep = st->doc;
   *st = LocalState();
   st->doc = std::move(keep);
@@ -645,7 +628,7 @@ Status LocalCheckpoint::State::Recover(LocalState* st, PullResult* result) {
     // Written before the state said applying (the checkpoint is untouched)
     // or left after a commit.
     journal = Status::NotFound("");
-    DS_RETURN_IF_ERROR(format_internal::RemoveFileIfExists(journal_path));
+    DS_RETURN_IF_ERROR(io::RemoveFileIfExists(journal_path));
   }
   if (st->version && rebooted && !st->durable) {
     // Data committed without sync may not have reached the disk before the
@@ -835,8 +818,8 @@ Status LocalCheckpoint::State::Materialize(const std::string& source, int64_t ve
     for (const Status& o : outcome) DS_RETURN_IF_ERROR(o);
   }
   source_checkpoint->reset();
-  DS_ASSIGN_OR_RETURN(const std::string resolved_source, store_internal::ResolvedPath(source));
-  DS_ASSIGN_OR_RETURN(std::vector<std::string> names, store_internal::ListRegularFiles(source));
+  DS_ASSIGN_OR_RETURN(const std::string resolved_source, io::ResolvedPath(source));
+  DS_ASSIGN_OR_RETURN(std::vector<std::string> names, io::ListRegularFiles(source));
   CrashPoint("reset:begin");
   json keep = st->doc;
   *st = LocalState();
@@ -845,28 +828,28 @@ Status LocalCheckpoint::State::Materialize(const std::string& source, int64_t ve
   st->boot_id = store_internal::CurrentBootId();
   st->durable = options.durable;
   DS_RETURN_IF_ERROR(SaveState(*st));
-  DS_RETURN_IF_ERROR(format_internal::RemoveFileIfExists(journal_path));
+  DS_RETURN_IF_ERROR(io::RemoveFileIfExists(journal_path));
   CrashPoint("reset:state");
 
-  std::vector<store_internal::CopyJob> jobs;
+  std::vector<io::CopyJob> jobs;
   std::set<std::string> copied;
   for (const std::string& name : names) {
     if (name == kVersionManifestFileName) continue;  // ours, about the store
     jobs.push_back({JoinPath(source, name), JoinPath(options.local, name)});
     copied.insert(name);
   }
-  DS_ASSIGN_OR_RETURN(uint64_t bytes, store_internal::CopyFiles(jobs, options.durable, pool));
+  DS_ASSIGN_OR_RETURN(uint64_t bytes, io::CopyFiles(jobs, options.durable, pool,
+                                                    [] { CrashPoint("copy:written"); }));
   CrashPoint("reset:copied");
   // Weights of the previous layout would confuse a loader (a stale index
   // wins over a new model.safetensors).
-  DS_ASSIGN_OR_RETURN(std::vector<std::string> local_names,
-                      store_internal::ListRegularFiles(options.local));
+  DS_ASSIGN_OR_RETURN(std::vector<std::string> local_names, io::ListRegularFiles(options.local));
   for (const std::string& name : local_names) {
     if (IsWeightsFileName(name) && !copied.count(name)) {
-      DS_RETURN_IF_ERROR(format_internal::RemoveFileIfExists(JoinPath(options.local, name)));
+      DS_RETURN_IF_ERROR(io::RemoveFileIfExists(JoinPath(options.local, name)));
     }
   }
-  if (options.durable) DS_RETURN_IF_ERROR(format_internal::SyncDirectory(options.local));
+  if (options.durable) DS_RETURN_IF_ERROR(io::SyncDirectory(options.local));
   DS_RETURN_IF_ERROR(LocalFiles::Open(options.local).status());
 
   st->resetting.reset();
@@ -985,7 +968,7 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
   DS_ASSIGN_OR_RETURN(std::unique_ptr<JournalWriter> writer,
                       JournalWriter::Create(journal_path, info.version, info.base_version));
   CrashPoint("journal:created");
-  if (!scratch) scratch = std::make_unique<store_internal::FreeList<DecodeScratch>>();
+  if (!scratch) scratch = std::make_unique<core_internal::FreeList<DecodeScratch>>();
   if (!options.durable) {
     return StreamVersion(info, jobs, local.get(), writer.get(), st, result);
   }
@@ -995,7 +978,7 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
   // old, new) straight from the delta, so memory is the changed elements of
   // the tensors in flight, never a tensor's size.
   const Codec& codec = GetCodec(info.encoding);
-  store_internal::FreeList<DecodeScratch>& pool_of_buffers = *scratch;
+  core_internal::FreeList<DecodeScratch>& pool_of_buffers = *scratch;
   FirstError error;
   std::atomic<uint64_t> changed{0};
   pool->ParallelFor(jobs.size(), [&](size_t j) {
@@ -1033,7 +1016,7 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
   if (!error.failed()) error.Note(writer->Finish(options.durable));
   writer.reset();
   if (error.failed()) {
-    (void)format_internal::RemoveFileIfExists(journal_path);
+    (void)io::RemoveFileIfExists(journal_path);
     return error.status();
   }
   CrashPoint("journal:complete");
@@ -1080,7 +1063,7 @@ Status LocalCheckpoint::State::StreamVersion(const VersionInfo& info,
   CrashPoint("state:applying");
 
   const Codec& codec = GetCodec(info.encoding);
-  store_internal::FreeList<DecodeScratch>& buffers = *scratch;
+  core_internal::FreeList<DecodeScratch>& buffers = *scratch;
   FirstError error;
   std::vector<char> mismatch(jobs.size(), 0);
   std::atomic<uint64_t> changed{0};
@@ -1256,7 +1239,7 @@ Status LocalCheckpoint::State::Commit(
   st->durable = options.durable;
   DS_RETURN_IF_ERROR(SaveState(*st));
   CrashPoint("state:committed");
-  DS_RETURN_IF_ERROR(format_internal::RemoveFileIfExists(journal_path));
+  DS_RETURN_IF_ERROR(io::RemoveFileIfExists(journal_path));
   CrashPoint("journal:removed");
   return Status::OK();
 }
@@ -1278,7 +1261,7 @@ Status LocalCheckpoint::State::RollBack(const std::vector<RecordGroup>& groups, 
   st->version = st->from_version;
   st->from_version.reset();
   DS_RETURN_IF_ERROR(SaveState(*st));
-  return format_internal::RemoveFileIfExists(journal_path);
+  return io::RemoveFileIfExists(journal_path);
 }
 
 Status LocalCheckpoint::State::RollBackJournal(const Journal& journal, LocalFiles* local,
@@ -1315,9 +1298,8 @@ Result<std::unique_ptr<LocalCheckpoint>> LocalCheckpoint::Open(
   DS_RETURN_IF_ERROR(CheckSeparatePaths(options));
   // Nothing is created here: only a pull writes, so that opening a
   // checkpoint to read or verify it leaves no trace.
-  if (options.recover_on_open && store_internal::IsDirectory(state->sync_dir)) {
-    DS_ASSIGN_OR_RETURN(store_internal::FileLock lock,
-                        store_internal::FileLock::Acquire(state->lock_path));
+  if (options.recover_on_open && io::IsDirectory(state->sync_dir)) {
+    DS_ASSIGN_OR_RETURN(io::FileLock lock, io::FileLock::Acquire(state->lock_path));
     DS_ASSIGN_OR_RETURN(LocalState st, state->LoadState());
     PullResult recovery;
     DS_RETURN_IF_ERROR(state->Recover(&st, &recovery));
@@ -1328,18 +1310,16 @@ Result<std::unique_ptr<LocalCheckpoint>> LocalCheckpoint::Open(
 }
 
 Result<std::optional<int64_t>> LocalCheckpoint::CurrentVersion() {
-  DS_ASSIGN_OR_RETURN(store_internal::FileLock lock,
-                      store_internal::FileLock::AcquireSharedIfExists(state_->lock_path));
+  DS_ASSIGN_OR_RETURN(io::FileLock lock, io::FileLock::AcquireSharedIfExists(state_->lock_path));
   DS_ASSIGN_OR_RETURN(LocalState st, state_->LoadState());
   return st.version;
 }
 
 Status LocalCheckpoint::Verify() {
-  if (!store_internal::IsDirectory(state_->options.local)) {
+  if (!io::IsDirectory(state_->options.local)) {
     return Status::NotFound("local checkpoint " + state_->options.local + " does not exist");
   }
-  DS_ASSIGN_OR_RETURN(store_internal::FileLock lock,
-                      store_internal::FileLock::AcquireSharedIfExists(state_->lock_path));
+  DS_ASSIGN_OR_RETURN(io::FileLock lock, io::FileLock::AcquireSharedIfExists(state_->lock_path));
   DS_ASSIGN_OR_RETURN(LocalState st, state_->LoadState());
   return state_->VerifyAll(st);
 }
@@ -1353,21 +1333,20 @@ Result<PullResult> LocalCheckpoint::Pull(std::optional<int64_t> target) {
                                    " is negative");
   }
   if (!opt.pre_read_hook.empty()) {
-    DS_RETURN_IF_ERROR(store_internal::RunHook(
-        opt.pre_read_hook, {opt.store, target ? FormatVersion(*target) : "latest"},
-        "pre-read hook"));
+    DS_RETURN_IF_ERROR(io::RunHook(opt.pre_read_hook,
+                                   {opt.store, target ? FormatVersion(*target) : "latest"},
+                                   "pre-read hook"));
   }
-  if (!opt.store.empty() && !store_internal::IsDirectory(opt.store)) {
+  if (!opt.store.empty() && !io::IsDirectory(opt.store)) {
     return Status::NotFound("store " + opt.store + " does not exist" +
-                            (store_internal::PathExists(opt.store) ? " as a directory" : ""));
+                            (io::PathExists(opt.store) ? " as a directory" : ""));
   }
-  DS_RETURN_IF_ERROR(format_internal::CreateDirectories(s.sync_dir));
-  DS_ASSIGN_OR_RETURN(store_internal::FileLock lock,
-                      store_internal::FileLock::Acquire(s.lock_path));
+  DS_RETURN_IF_ERROR(io::CreateDirectories(s.sync_dir));
+  DS_ASSIGN_OR_RETURN(io::FileLock lock, io::FileLock::Acquire(s.lock_path));
   // Under the lock no writer of ours is running here: what one left behind
   // (a killed reset's copy, a state file's temporary) is garbage.
-  DS_RETURN_IF_ERROR(store_internal::RemoveLeftoverTemporaries(opt.local).status());
-  DS_RETURN_IF_ERROR(store_internal::RemoveLeftoverTemporaries(s.sync_dir).status());
+  DS_RETURN_IF_ERROR(io::RemoveLeftoverTemporaries(opt.local).status());
+  DS_RETURN_IF_ERROR(io::RemoveLeftoverTemporaries(s.sync_dir).status());
   DS_ASSIGN_OR_RETURN(LocalState st, s.LoadState());
   PullResult result;
   result.recovered = std::exchange(s.recovered_on_open, false);

@@ -17,22 +17,26 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "core/parallel.h"
 #include "deltasync/checkpoint.h"
 #include "deltasync/diff.h"
 #include "deltasync/safetensors.h"
 #include "deltasync/store.h"
-#include "format/file_util.h"
+#include "deltasync/timing.h"
 #include "format/json_util.h"
+#include "io/file.h"
+#include "io/mapping.h"
+#include "io/process.h"
 #include "store/store_internal.h"
 #include "store/version_internal.h"
 
 namespace deltasync {
 namespace {
 
-using format_internal::JoinPath;
+using core_internal::FirstError;
 using format_internal::QuoteForMessage;
+using io::JoinPath;
 using store_internal::CrashPoint;
-using store_internal::FirstError;
 using store_internal::IsWeakChecksum;
 using store_internal::kStrongChecksum;
 using store_internal::VersionDir;
@@ -94,7 +98,7 @@ class TempDirGuard {
  public:
   explicit TempDirGuard(std::string path) : path_(std::move(path)) {}
   ~TempDirGuard() {
-    if (!path_.empty()) (void)store_internal::RemoveTree(path_);
+    if (!path_.empty()) (void)io::RemoveTree(path_);
   }
   void Release() { path_.clear(); }
 
@@ -106,10 +110,6 @@ std::string ShardName(size_t i, size_t n) {
   char buf[64];
   std::snprintf(buf, sizeof(buf), "model-%05zu-of-%05zu.safetensors", i, n);
   return buf;
-}
-
-double SecondsSince(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 // Bytes of each tensor handled at a time by the fused diff-and-hash pass:
@@ -534,7 +534,7 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
       base_record ? base_record->algo : std::optional<ChecksumAlgo>();
   const bool check_apart =
       check_algo && *check_algo != opt.checksum && !(weak && *check_algo == kStrongChecksum);
-  store_internal::FreeList<TensorScratch> scratches;
+  core_internal::FreeList<TensorScratch> scratches;
   auto process = [&](size_t i) {
     if (error.failed()) return;
     SnapshotTensor& snap = tensors[i];
@@ -592,8 +592,8 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
     };
     // Mapped in one call each rather than a fault at a time as the pass
     // reads them (only a page-table walk for memory already mapped).
-    store_internal::PrefaultForRead(w.bytes);
-    if (borrowed) store_internal::PrefaultForRead(snap.bytes());
+    io::PrefaultForRead(w.bytes);
+    if (borrowed) io::PrefaultForRead(snap.bytes());
     // One pass computes the base digests (of the bytes before the refresh;
     // skipped when the snapshot's are known), the diff and the new digests.
     Status s = store_internal::DiffAndHashInChunks(w.bytes, snap.bytes(), diff, kFusedChunkBytes,
@@ -636,8 +636,7 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
         if (made.ok()) part = scratch->part = *made;
       }
       if (s.ok()) {
-        s = store_internal::WriteAllAt(part->fd, encoded.data(), encoded.size(), part->size,
-                                       part->data_path);
+        s = io::WriteAllAt(part->fd, encoded.data(), encoded.size(), part->size, part->data_path);
       }
       if (s.ok()) {
         part->tensors.emplace_back(i, encoded.size());
@@ -701,11 +700,11 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
     for (uint64_t at = 0; s.ok() && at < part->size; at += copy_buffer.size()) {
       const auto n_bytes =
           static_cast<size_t>(std::min<uint64_t>(copy_buffer.size(), part->size - at));
-      s = store_internal::ReadAllAt(part->fd, copy_buffer.data(), n_bytes, at, part->data_path);
+      s = io::ReadAllAt(part->fd, copy_buffer.data(), n_bytes, at, part->data_path);
       if (s.ok()) s = (*writer)->Append({copy_buffer.data(), n_bytes});
     }
     if (s.ok()) s = (*writer)->Finish();
-    if (s.ok()) s = format_internal::RemoveFileIfExists(part->data_path);
+    if (s.ok()) s = io::RemoveFileIfExists(part->data_path);
     error.Note(std::move(s));
   });
   for (size_t i = 0; i < n; ++i) {
@@ -758,14 +757,12 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
   }
   if (status.ok()) {
     Result<std::string> index_text = SerializeCheckpointIndex(index);
-    status = index_text.ok()
-                 ? format_internal::WriteFileAtomically(JoinPath(dir, kIndexFileName), *index_text)
-                 : index_text.status();
+    status = index_text.ok() ? io::WriteFileAtomically(JoinPath(dir, kIndexFileName), *index_text)
+                             : index_text.status();
   }
   if (status.ok()) {
-    status =
-        format_internal::WriteFileAtomically(JoinPath(dir, kVersionManifestFileName),
-                                             store_internal::SerializeVersionManifest(manifest));
+    status = io::WriteFileAtomically(JoinPath(dir, kVersionManifestFileName),
+                                     store_internal::SerializeVersionManifest(manifest));
   }
   if (!status.ok()) {
     RestoreSnapshot(&delta);
@@ -850,8 +847,8 @@ Status Publisher::State::WriteFull(const std::vector<const TensorView*>& weights
     t.checksum = (*checksums)[i];
     if (weak) t.strong_checksum = (*strong_checksums)[i];
   }
-  return format_internal::WriteFileAtomically(JoinPath(dir, kVersionManifestFileName),
-                                              store_internal::SerializeVersionManifest(manifest));
+  return io::WriteFileAtomically(JoinPath(dir, kVersionManifestFileName),
+                                 store_internal::SerializeVersionManifest(manifest));
 }
 
 Publisher::Publisher(std::unique_ptr<State> state) : state_(std::move(state)) {}
@@ -891,7 +888,7 @@ Result<std::unique_ptr<Publisher::State>> Publisher::State::Make(
       s.data = s.owned.get();
     }
   }
-  DS_RETURN_IF_ERROR(format_internal::CreateDirectories(options.store));
+  DS_RETURN_IF_ERROR(io::CreateDirectories(options.store));
   DS_ASSIGN_OR_RETURN(std::vector<int64_t> versions, ListVersionNumbers(options.store));
   // The base must be what the newest version holds: a delta made against
   // anything else applies nowhere.
@@ -982,14 +979,14 @@ Result<PublishResult> Publisher::State::Publish(const std::vector<TensorView>& w
   const int64_t version = st.latest + 1;
   if (st.options.full_every > 0 && version % st.options.full_every == 0) full = true;
   const std::string final_dir = VersionDir(store, version);
-  if (store_internal::PathExists(final_dir)) {
+  if (io::PathExists(final_dir)) {
     return Status::AlreadyExists(final_dir + ": already exists; refusing to overwrite a version");
   }
   static std::atomic<uint64_t> counter{0};
   const std::string temp_dir =
       JoinPath(store, ".tmp-" + VersionDirName(version) + "-" + std::to_string(::getpid()) + "-" +
                           std::to_string(counter.fetch_add(1)));
-  (void)store_internal::RemoveTree(temp_dir);
+  (void)io::RemoveTree(temp_dir);
   if (::mkdir(temp_dir.c_str(), 0755) != 0) {
     return Status::FromErrno(errno, temp_dir + ": create");
   }
@@ -1022,15 +1019,14 @@ Result<PublishResult> Publisher::State::Publish(const std::vector<TensorView>& w
     }
   }
   // From here on a failure must put the snapshot back.
-  Status status = format_internal::SyncDirectory(temp_dir);
+  Status status = io::SyncDirectory(temp_dir);
   if (status.ok() && !st.options.post_write_hook.empty()) {
-    status =
-        store_internal::RunHook(st.options.post_write_hook,
-                                {temp_dir, final_dir, FormatVersion(version)}, "post-write hook");
+    status = io::RunHook(st.options.post_write_hook, {temp_dir, final_dir, FormatVersion(version)},
+                         "post-write hook");
   }
   if (status.ok()) {
     CrashPoint("publish:before-rename");
-    status = store_internal::RenameNoReplace(temp_dir, final_dir);
+    status = io::RenameNoReplace(temp_dir, final_dir);
   }
   if (!status.ok()) {
     st.RestoreSnapshot(&delta);
@@ -1040,7 +1036,7 @@ Result<PublishResult> Publisher::State::Publish(const std::vector<TensorView>& w
   // The version is visible; a failed directory sync leaves it visible but
   // maybe not durable, which the caller must hear about, yet the snapshot
   // must follow what readers can now see.
-  Status sync_status = format_internal::SyncDirectory(store);
+  Status sync_status = io::SyncDirectory(store);
   st.latest = version;
 
   // Advance the snapshot.
@@ -1048,7 +1044,7 @@ Result<PublishResult> Publisher::State::Publish(const std::vector<TensorView>& w
     // Nothing to advance: the snapshot is the caller's base.
   } else if (full) {
     std::atomic<uint64_t> changed{0};
-    store_internal::FreeList<TensorScratch> scratches;
+    core_internal::FreeList<TensorScratch> scratches;
     st.pool->ParallelFor(st.tensors.size(), [&](size_t i) {
       SnapshotTensor& s = st.tensors[i];
       const auto elem_size = static_cast<uint32_t>(DTypeSize(s.dtype));
@@ -1081,7 +1077,7 @@ Result<PublishResult> Publisher::State::Publish(const std::vector<TensorView>& w
   }
 
   DS_ASSIGN_OR_RETURN(result.info, ReadVersionInfo(final_dir));
-  result.bytes_written = store_internal::DirectoryBytes(final_dir);
+  result.bytes_written = io::DirectoryBytes(final_dir);
   result.seconds = SecondsSince(t0);
   if (!sync_status.ok()) return sync_status.WithContext("version published but not synced");
   return result;
@@ -1108,7 +1104,7 @@ Result<PublishResult> PublishCheckpointOnce(const PublisherOptions& options,
   // the pool instead of one page at a time as they close.
   ThreadPool* pool = options.pool ? options.pool : &ThreadPool::Default();
   for (const Checkpoint* c : {base.get(), next.get()}) {
-    for (const auto& file : c->files()) store_internal::DropMappedPages(file->data(), pool);
+    for (const auto& file : c->files()) io::DropMappedPages(file->data(), pool);
   }
   return result;
 }
@@ -1140,8 +1136,8 @@ Result<std::vector<int64_t>> PruneStore(const std::string& store, int64_t keep) 
       const std::string trash =
           JoinPath(store, ".trash-" + VersionDirName(v) + "-" + std::to_string(::getpid()) + "-" +
                               std::to_string(counter.fetch_add(1)));
-      DS_RETURN_IF_ERROR(store_internal::RenameNoReplace(versions[i].dir, trash));
-      DS_RETURN_IF_ERROR(store_internal::RemoveTree(trash));
+      DS_RETURN_IF_ERROR(io::RenameNoReplace(versions[i].dir, trash));
+      DS_RETURN_IF_ERROR(io::RemoveTree(trash));
       removed.push_back(v);
     }
   }
@@ -1157,9 +1153,9 @@ Result<std::vector<int64_t>> PruneStore(const std::string& store, int64_t keep) 
       Result<int64_t> v = ParseVersionDirName(rest.substr(0, dash));
       stale = v.ok() && *v <= latest;
     }
-    if (stale) (void)store_internal::RemoveTree(entry.path().string());
+    if (stale) (void)io::RemoveTree(entry.path().string());
   }
-  if (!removed.empty()) DS_RETURN_IF_ERROR(format_internal::SyncDirectory(store));
+  if (!removed.empty()) DS_RETURN_IF_ERROR(io::SyncDirectory(store));
   return removed;
 }
 
