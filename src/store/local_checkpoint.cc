@@ -14,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <map>
 #include <mutex>
@@ -31,6 +32,7 @@
 #include "io/file.h"
 #include "io/mapping.h"
 #include "io/process.h"
+#include "pipeline/applier.h"
 #include "store/chain_state.h"
 #include "store/journal.h"
 #include "store/store_internal.h"
@@ -271,23 +273,6 @@ class LocalFiles {
 // enough to stay in L2 between the two.
 constexpr size_t kVerifyPieceBytes = size_t{256} << 10;
 
-// Per-task decode state, reused across tensors (see FreeList).
-struct DecodeScratch {
-  ChangeSet changes;
-  std::vector<uint8_t> record_head;  // JournalWriter::AppendRecord's head buffer
-};
-
-// Changes per journal record of a streamed apply: few enough that the
-// lines a record's decode reads are still in cache when its new values are
-// written and hashed right after.
-constexpr uint64_t kStreamRecordChanges = uint64_t{16} << 10;
-
-// Bytes of a streamed record written and then hashed together: the lines
-// its decode just read are in L2; a piece this small is hashed from L1
-// (2-4% less CPU for the pull than hashing the record's span after
-// writing all of it, measured here at 1.7% of BF16 elements changed).
-constexpr size_t kStreamHashPieceBytes = size_t{64} << 10;
-
 // One tensor of a version being applied, checked before decoding.
 struct ApplyJob {
   std::string name;
@@ -296,6 +281,85 @@ struct ApplyJob {
   std::string checksum;       // tagged
   std::string base_checksum;  // tagged, or empty
 };
+
+// A version's encodings, for the applier: views into its shards, which
+// ApplyVersion keeps mapped while it applies them.
+class ShardEncodings final : public pipeline::EncodingSource {
+ public:
+  explicit ShardEncodings(const std::vector<ApplyJob>& jobs) : jobs_(jobs) {}
+  Result<std::span<const uint8_t>> EncodingOf(size_t index) override {
+    return jobs_[index].delta.bytes;
+  }
+
+ private:
+  const std::vector<ApplyJob>& jobs_;
+};
+
+// Journals each run of changes the applier decodes, before it is applied.
+// A durable apply journals every record whole (old and new values) before
+// the checkpoint is touched; a streamed one journals undo-only records, each
+// applied right after it is written, and marks the tensors' files touched.
+class JournalRuns final : public pipeline::ApplyObserver {
+ public:
+  JournalRuns(JournalWriter* writer, const std::vector<ApplyJob>& jobs, LocalFiles* streamed_into)
+      : writer_(writer), jobs_(jobs), local_(streamed_into) {}
+
+  void Begin(size_t, size_t index) override {
+    if (local_ != nullptr) local_->Touch(*jobs_[index].target);
+  }
+  Status Changes(size_t lane, size_t index, const ChangeSet& run) override {
+    const ApplyJob& job = jobs_[index];
+    const uint32_t es = static_cast<uint32_t>(DTypeSize(job.target->dtype));
+    return writer_->AppendRecord(job.name, job.target->bytes.size() / es, es, job.checksum,
+                                 job.base_checksum, run, &Head(lane),
+                                 /*undo_only=*/local_ != nullptr);
+  }
+  void Written(size_t, size_t, const ChangeSet&) override { CrashPoint("apply:record"); }
+  void Done(size_t, size_t) override {
+    if (local_ == nullptr) CrashPoint("journal:record");
+  }
+
+ private:
+  // The lane's JournalWriter::AppendRecord head buffer; a deque keeps it in
+  // place while other lanes' are added.
+  std::vector<uint8_t>& Head(size_t lane) {
+    std::lock_guard<std::mutex> lock(mu_);
+    while (heads_.size() <= lane) heads_.emplace_back();
+    return heads_[lane];
+  }
+
+  JournalWriter* writer_;
+  const std::vector<ApplyJob>& jobs_;
+  LocalFiles* local_;
+  std::mutex mu_;
+  std::deque<std::vector<uint8_t>> heads_;
+};
+
+// What the applier takes for each job: `whats` holds each one's error
+// prefix (where + ": tensor '<name>'") and `digests`, when given, each
+// one's parsed expected digest (the result is then verified against it).
+std::vector<pipeline::ApplyTensor> ApplyTensorsOf(const std::vector<ApplyJob>& jobs,
+                                                  Encoding encoding, const std::string& where,
+                                                  const std::vector<ParsedDigest>* digests,
+                                                  std::vector<std::string>* whats) {
+  whats->clear();
+  for (const ApplyJob& job : jobs)
+    whats->push_back(where + ": tensor " + QuoteForMessage(job.name));
+  std::vector<pipeline::ApplyTensor> tensors(jobs.size());
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const ApplyJob& job = jobs[j];
+    pipeline::ApplyTensor& t = tensors[j];
+    t.what = (*whats)[j];
+    t.encoding = encoding;
+    t.target = job.target->bytes;
+    t.elem_size = static_cast<uint32_t>(DTypeSize(job.target->dtype));
+    if (digests != nullptr) {
+      t.algo = (*digests)[j].algo;
+      t.digest = (*digests)[j].hex;
+    }
+  }
+  return tensors;
+}
 
 // A tensor's journal records, in journal order (one unless it is large).
 struct RecordGroup {
@@ -345,9 +409,10 @@ struct LocalCheckpoint::State {
   std::string lock_path;
   std::string journal_path;
   std::string base_record_path;
-  // Decode state, kept across the versions of one pull (fresh memory costs a
-  // page fault and a kernel zeroing per page) and released when it ends.
-  std::unique_ptr<core_internal::FreeList<DecodeScratch>> scratch;
+  // Decodes and applies versions; made by the first apply and kept, with its
+  // per-task decode state, across versions and pulls (fresh memory costs a
+  // page fault and a kernel zeroing per page).
+  std::unique_ptr<pipeline::Applier> applier;
 
   Result<LocalState> LoadState();
   Status SaveState(LocalState& st);
@@ -968,7 +1033,18 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
   DS_ASSIGN_OR_RETURN(std::unique_ptr<JournalWriter> writer,
                       JournalWriter::Create(journal_path, info.version, info.base_version));
   CrashPoint("journal:created");
-  if (!scratch) scratch = std::make_unique<core_internal::FreeList<DecodeScratch>>();
+  if (!applier) {
+    pipeline::ApplierOptions apply;
+    apply.pool = pool;
+    // Durable: decode only, into the journal; the replay applies it. A
+    // tensor's changes go to the journal in records of at most
+    // journal_record_changes, so memory does not grow with the tensor.
+    apply.mode = options.durable ? pipeline::ApplyMode::kDecodeOnly : pipeline::ApplyMode::kApply;
+    apply.run_changes = options.durable
+                            ? options.journal_record_changes
+                            : std::min(options.journal_record_changes, apply.run_changes);
+    applier = std::make_unique<pipeline::Applier>(apply);
+  }
   if (!options.durable) {
     return StreamVersion(info, jobs, local.get(), writer.get(), st, result);
   }
@@ -977,48 +1053,21 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
   // checkpoint is touched (it is only read). The decoder lists (position,
   // old, new) straight from the delta, so memory is the changed elements of
   // the tensors in flight, never a tensor's size.
-  const Codec& codec = GetCodec(info.encoding);
-  core_internal::FreeList<DecodeScratch>& pool_of_buffers = *scratch;
-  FirstError error;
-  std::atomic<uint64_t> changed{0};
-  pool->ParallelFor(jobs.size(), [&](size_t j) {
-    if (error.failed()) return;
-    const ApplyJob& job = jobs[j];
-    const std::span<const uint8_t> old = job.target->bytes;
-    const uint32_t es = static_cast<uint32_t>(DTypeSize(job.target->dtype));
-    std::unique_ptr<DecodeScratch> buf = pool_of_buffers.Take();
-    ChangeSet& changes = buf->changes;
-    std::vector<uint8_t>& record_head = buf->record_head;
-    // A tensor's changes go to the journal in records of at most
-    // journal_record_changes, so memory does not grow with the tensor.
-    Status appended;
-    auto append = [&](const ChangeSet& part) {
-      if (!appended.ok()) return;
-      changed.fetch_add(part.count(), std::memory_order_relaxed);
-      appended = writer->AppendRecord(job.name, old.size() / es, es, job.checksum,
-                                      job.base_checksum, part, &record_head);
-    };
-    DecodeOptions decode;
-    decode.on_changes = append;
-    decode.max_chunk_changes = options.journal_record_changes;
-    Status s = codec.DecodeChanges(job.delta.bytes, old, es, decode, &changes);
-    if (s.ok()) {
-      append(changes);  // the last record of the tensor (maybe empty): every tensor has one
-      s = appended;
-    }
-    pool_of_buffers.Give(std::move(buf));
-    if (!s.ok()) {
-      error.Note(s.WithContext(where + ": tensor " + QuoteForMessage(job.name)));
-      return;
-    }
-    CrashPoint("journal:record");
-  });
-  if (!error.failed()) error.Note(writer->Finish(options.durable));
+  std::vector<std::string> whats;
+  const std::vector<pipeline::ApplyTensor> tensors =
+      ApplyTensorsOf(jobs, info.encoding, where, nullptr, &whats);
+  ShardEncodings source(jobs);
+  JournalRuns journal_runs(writer.get(), jobs, nullptr);
+  std::vector<pipeline::ApplyOutcome> outcomes;
+  Status status = applier->Run(tensors, &source, &journal_runs, &outcomes);
+  if (status.ok()) status = writer->Finish(options.durable);
   writer.reset();
-  if (error.failed()) {
+  if (!status.ok()) {
     (void)io::RemoveFileIfExists(journal_path);
-    return error.status();
+    return status;
   }
+  uint64_t changed = 0;
+  for (const pipeline::ApplyOutcome& o : outcomes) changed += o.changed_elements;
   CrashPoint("journal:complete");
 
   // Past this point the checkpoint may change: the state says so.
@@ -1034,7 +1083,7 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
   local.reset();
   DS_RETURN_IF_ERROR(ReplayJournal(*journal, st));
   result->tensors_changed += jobs.size();
-  result->changed_elements += changed.load();
+  result->changed_elements += changed;
   return Status::OK();
 }
 
@@ -1062,65 +1111,35 @@ Status LocalCheckpoint::State::StreamVersion(const VersionInfo& info,
   DS_RETURN_IF_ERROR(SaveState(*st));
   CrashPoint("state:applying");
 
-  const Codec& codec = GetCodec(info.encoding);
-  core_internal::FreeList<DecodeScratch>& buffers = *scratch;
-  FirstError error;
-  std::vector<char> mismatch(jobs.size(), 0);
-  std::atomic<uint64_t> changed{0};
-  pool->ParallelFor(jobs.size(), [&](size_t j) {
-    if (error.failed()) return;
-    const ApplyJob& job = jobs[j];
-    const LocalTensor& t = *job.target;
-    const uint32_t es = static_cast<uint32_t>(DTypeSize(t.dtype));
-    Result<ParsedDigest> expected = ParseTaggedDigest(job.checksum);
-    if (!expected.ok()) {
-      error.Note(expected.status().WithContext(where));
-      return;
+  // Each tensor is verified against its digest as it is applied.
+  Status status;
+  std::vector<ParsedDigest> digests(jobs.size());
+  for (size_t j = 0; j < jobs.size() && status.ok(); ++j) {
+    Result<ParsedDigest> expected = ParseTaggedDigest(jobs[j].checksum);
+    if (expected.ok()) {
+      digests[j] = std::move(*expected);
+    } else {
+      status = expected.status().WithContext(where);
     }
-    local->Touch(t);
-    // No encoding spends less than a byte on four changes.
-    PrefaultForWrite(t.bytes, job.delta.bytes.size() / 4);
-    std::unique_ptr<Hasher> hasher = NewHasher(expected->algo);
-    std::unique_ptr<DecodeScratch> buf = buffers.Take();
-    size_t hashed = 0;  // bytes of the tensor that are final and hashed
-    Status applied;
-    auto apply = [&](const ChangeSet& part) {
-      if (!applied.ok()) return;
-      applied = writer->AppendRecord(job.name, t.bytes.size() / es, es, job.checksum,
-                                     job.base_checksum, part, &buf->record_head,
-                                     /*undo_only=*/true);
-      if (!applied.ok() || part.count() == 0) return;
-      // Later records change only later elements: up to this record's last
-      // change the tensor is final.
-      const size_t end = static_cast<size_t>(part.position(part.count() - 1) + 1) * es;
-      applied = store_internal::ScatterNewValuesAndVisit(
-          part, t.bytes, hashed, end, kStreamHashPieceBytes,
-          [&](std::span<const uint8_t> piece) { hasher->Update(piece); });
-      if (!applied.ok()) return;
-      changed.fetch_add(part.count(), std::memory_order_relaxed);
-      hashed = end;
-      CrashPoint("apply:record");
-    };
-    DecodeOptions decode;
-    decode.on_changes = apply;
-    decode.max_chunk_changes = std::min(options.journal_record_changes, kStreamRecordChanges);
-    Status s = codec.DecodeChanges(job.delta.bytes, t.bytes, es, decode, &buf->changes);
-    if (s.ok()) {
-      apply(buf->changes);  // the last record of the tensor (maybe empty): every tensor has one
-      s = applied;
-    }
-    buffers.Give(std::move(buf));
-    if (!s.ok()) {
-      error.Note(s.WithContext(where + ": tensor " + QuoteForMessage(job.name)));
-      return;
-    }
-    hasher->Update(t.bytes.subspan(hashed));
-    if (hasher->HexDigest() != expected->hex) mismatch[j] = 1;
-  });
-  const bool any_mismatch = std::find(mismatch.begin(), mismatch.end(), 1) != mismatch.end();
-  if (!error.failed() && !any_mismatch) {
+  }
+  std::vector<pipeline::ApplyOutcome> outcomes;
+  if (status.ok()) {
+    std::vector<std::string> whats;
+    const std::vector<pipeline::ApplyTensor> tensors =
+        ApplyTensorsOf(jobs, info.encoding, where, &digests, &whats);
+    ShardEncodings source(jobs);
+    JournalRuns journal_runs(writer, jobs, local);
+    status = applier->Run(tensors, &source, &journal_runs, &outcomes);
+  }
+  bool any_mismatch = false;
+  uint64_t changed = 0;
+  for (const pipeline::ApplyOutcome& o : outcomes) {
+    any_mismatch = any_mismatch || o.mismatch;
+    changed += o.changed_elements;
+  }
+  if (status.ok() && !any_mismatch) {
     result->tensors_changed += jobs.size();
-    result->changed_elements += changed.load();
+    result->changed_elements += changed;
     std::vector<std::pair<std::string_view, std::string_view>> checksums;
     for (const ApplyJob& job : jobs) checksums.emplace_back(job.name, job.checksum);
     return Commit(info.version, checksums, local, st);
@@ -1130,10 +1149,12 @@ Status LocalCheckpoint::State::StreamVersion(const VersionInfo& info,
   DS_ASSIGN_OR_RETURN(std::unique_ptr<Journal> journal,
                       Journal::OpenIntactPrefix(journal_path, pool));
   DS_RETURN_IF_ERROR(RollBackJournal(*journal, local, st));
-  if (error.failed()) return error.status().WithContext(where + " (rolled back)");
+  if (!status.ok()) return status.WithContext(where + " (rolled back)");
   std::vector<Mismatch> failed;
   for (size_t j = 0; j < jobs.size(); ++j) {
-    if (mismatch[j]) failed.push_back({jobs[j].name, jobs[j].base_checksum, jobs[j].target->bytes});
+    if (outcomes[j].mismatch) {
+      failed.push_back({jobs[j].name, jobs[j].base_checksum, jobs[j].target->bytes});
+    }
   }
   return MismatchError(where, failed, *st->version);
 }
