@@ -21,6 +21,7 @@
 #include <string_view>
 
 #include "deltasync/store.h"
+#include "io/file.h"
 #include "store/version_internal.h"
 #include "store_fuzz_util.h"
 
@@ -118,7 +119,7 @@ void CheckPull(Fixture& f, std::string_view text, bool full) {
     Result<deltasync::PullResult> pulled = (*l)->Pull(target);
     Result<std::optional<int64_t>> now = (*l)->CurrentVersion();
     Require(now.ok() && now->has_value(), "a pull leaves a committed version");
-    Require(!deltasync::store_internal::PathExists(s.local() + "/.weight_sync/journal"),
+    Require(!deltasync::io::PathExists(s.local() + "/.weight_sync/journal"),
             "a pull leaves no journal");
     if (pulled.ok()) {
       Require(pulled->version == target && **now == target, "a pull reaches its target");

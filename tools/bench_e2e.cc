@@ -28,8 +28,8 @@
 
 #include "cli_util.h"
 #include "deltasync/checkpoint.h"
+#include "deltasync/io.h"
 #include "deltasync/synth.h"
-#include "store/store_internal.h"
 
 extern char** environ;
 
@@ -540,7 +540,7 @@ class E2eRun {
                                        into,      "--base", old_dir_,  "--json"};
       if (durable) argv.push_back("--durable");
       const std::string label = name + (durable ? "_pull_durable" : "_pull");
-      if (config_.cold_store) DS_RETURN_IF_ERROR(store_internal::DropFromPageCache(store));
+      if (config_.cold_store) DS_RETURN_IF_ERROR(io::DropFromPageCache(store));
       ChildRun pr;
       DS_ASSIGN_OR_RETURN(json j, RunJson(argv, label, &pr));
       DS_RETURN_IF_ERROR(Expect(j.value("version", -1) == 1 && j.value("applied", false) &&
@@ -625,7 +625,7 @@ class E2eRun {
         std::to_string(result_.sparse.tensors_changed) + " changed tensors, as deltasync found",
         pj));
 
-    if (config_.cold_store) DS_RETURN_IF_ERROR(store_internal::DropFromPageCache(store));
+    if (config_.cold_store) DS_RETURN_IF_ERROR(io::DropFromPageCache(store));
     DS_ASSIGN_OR_RETURN(json lj, RunJson({config_.python, peer_script_, "pull", "--store", store,
                                           "--local", local, "--base", old_dir_},
                                          "peer_pull", &run));

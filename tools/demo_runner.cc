@@ -22,15 +22,12 @@
 #include "deltasync/checkpoint.h"
 #include "deltasync/store.h"
 #include "deltasync/synth.h"
+#include "deltasync/timing.h"
 
 namespace deltasync::cli {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double SecondsSince(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
 
 std::string Join(const std::string& dir, std::string_view name) {
   return dir + "/" + std::string(name);

@@ -135,7 +135,7 @@ struct TensorSpec {
 Result<std::string> BuildSafetensorsHeader(const std::vector<TensorSpec>& specs,
                                            const std::map<std::string, std::string>& metadata);
 
-namespace format_internal {
+namespace io {
 class AtomicFile;
 }
 
@@ -168,7 +168,7 @@ class SafetensorsWriter {
  private:
   SafetensorsWriter();
   std::string path_;
-  std::unique_ptr<format_internal::AtomicFile> file_;
+  std::unique_ptr<io::AtomicFile> file_;
   uint64_t expected_ = 0, written_ = 0;
   bool finished_ = false;
 };

@@ -23,6 +23,7 @@
 #include "agent/metrics.h"
 #include "deltasync/agent.h"
 #include "deltasync/thread_pool.h"
+#include "deltasync/timing.h"
 
 namespace deltasync {
 
@@ -40,10 +41,6 @@ using agent_internal::GateOptions;
 using agent_internal::LowerThreadPriority;
 using agent_internal::ParsePullBody;
 using agent_internal::PullBody;
-
-double SecondsSince(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
 
 // Error messages carry file names, which need not be UTF-8: never throw on them.
 std::string Dump(const json& value) {

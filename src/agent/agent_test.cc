@@ -6,6 +6,7 @@
 
 #include "agent/agent_test_util.h"
 #include "deltasync/agent.h"
+#include "deltasync/timing.h"
 
 namespace deltasync {
 namespace {
@@ -18,10 +19,6 @@ using testing_agent::FakeReload;
 using testing_agent::FakeReloader;
 using testing_agent::RawConnection;
 using testing_agent::ResponseJson;
-
-double SecondsSince(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
 
 // Runs `step` on a thread of its own until it returns false or the
 // Trickler is destroyed (also when an assertion leaves the test early).

@@ -10,6 +10,7 @@
 #include "agent/http_util.h"
 #include "deltasync/agent.h"
 #include "deltasync/codec.h"
+#include "deltasync/timing.h"
 
 namespace deltasync {
 
@@ -19,10 +20,6 @@ namespace {
 
 using agent_internal::HttpUrl;
 using agent_internal::ParseHttpUrl;
-
-double SecondsSince(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
 
 void SplitSeconds(double seconds, time_t* sec, time_t* usec) {
   if (!std::isfinite(seconds) || seconds < 0) seconds = 0;

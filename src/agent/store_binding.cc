@@ -7,13 +7,10 @@
 #include <mutex>
 
 #include "deltasync/agent.h"
+#include "deltasync/timing.h"
 
 namespace deltasync {
 namespace {
-
-double SecondsSince(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
 
 class LocalCheckpointPuller final : public CheckpointPuller {
  public:

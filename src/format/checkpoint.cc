@@ -12,12 +12,13 @@
 
 #include "format/file_util.h"
 #include "format/json_util.h"
+#include "io/file.h"
 
 namespace deltasync {
 namespace {
 
-using format_internal::JoinPath;
 using format_internal::QuoteForMessage;
+using io::JoinPath;
 using nlohmann::json;
 
 // An index lists one short line per tensor; even trillion-parameter models
@@ -236,7 +237,7 @@ Result<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& path) {
 
   auto add_single_file = [&](const std::string& file_path) -> Status {
     DS_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file, SafetensorsFile::Open(file_path));
-    const std::string file_name = format_internal::BaseName(file_path);
+    const std::string file_name = io::BaseName(file_path);
     for (const TensorView& tensor : file->tensors()) {
       checkpoint->tensors_.emplace(tensor.name, tensor);
       checkpoint->file_of_.emplace(tensor.name, file_name);
@@ -248,8 +249,8 @@ Result<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& path) {
   if (S_ISREG(st.st_mode)) {
     // The index file stands for its directory (what a user pointing at "the
     // checkpoint" by its index means).
-    if (format_internal::BaseName(path) == kIndexFileName) {
-      return Open(format_internal::DirName(path));
+    if (io::BaseName(path) == kIndexFileName) {
+      return Open(io::DirName(path));
     }
     DS_RETURN_IF_ERROR(add_single_file(path));
     return checkpoint;
@@ -275,7 +276,7 @@ Result<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& path) {
   };
 
   const std::string index_path = JoinPath(path, kIndexFileName);
-  Result<std::string> index_text = format_internal::ReadFileLimited(index_path, kMaxIndexBytes);
+  Result<std::string> index_text = io::ReadFileLimited(index_path, kMaxIndexBytes);
   if (!index_text.ok()) {
     if (!index_text.status().IsNotFound()) return index_text.status();
     // No index: the checkpoint is the directory's *.safetensors files, as
@@ -397,7 +398,7 @@ Status WriteCheckpoint(const std::string& dir, const std::vector<TensorView>& te
     if (Result<std::string> header = BuildSafetensorsHeader(specs, metadata); !header.ok()) {
       return header.status().WithContext(dir);
     }
-    DS_RETURN_IF_ERROR(format_internal::CreateDirectories(dir));
+    DS_RETURN_IF_ERROR(io::CreateDirectories(dir));
     DS_RETURN_IF_ERROR(WriteSafetensors(JoinPath(dir, kSingleFileName), tensors, metadata));
     // What the directory held before is replaced: a stale index would take
     // precedence over the new file, and without an index every other
@@ -408,10 +409,10 @@ Status WriteCheckpoint(const std::string& dir, const std::vector<TensorView>& te
     DS_ASSIGN_OR_RETURN(std::vector<std::string> names, format_internal::ListSafetensorsFiles(dir));
     for (const std::string& name : names) {
       if (name == kSingleFileName) continue;
-      DS_RETURN_IF_ERROR(format_internal::RemoveFileIfExists(JoinPath(dir, name)));
+      DS_RETURN_IF_ERROR(io::RemoveFileIfExists(JoinPath(dir, name)));
     }
-    DS_RETURN_IF_ERROR(format_internal::RemoveFileIfExists(index_path));
-    return format_internal::SyncDirectory(dir);
+    DS_RETURN_IF_ERROR(io::RemoveFileIfExists(index_path));
+    return io::SyncDirectory(dir);
   }
 
   struct Shard {
@@ -452,11 +453,11 @@ Status WriteCheckpoint(const std::string& dir, const std::vector<TensorView>& te
   Result<std::string> index_text = SerializeCheckpointIndex(index);
   if (!index_text.ok()) return index_text.status().WithContext(index_path);
 
-  DS_RETURN_IF_ERROR(format_internal::CreateDirectories(dir));
+  DS_RETURN_IF_ERROR(io::CreateDirectories(dir));
   for (const Shard& shard : shards) {
     DS_RETURN_IF_ERROR(WriteSafetensors(JoinPath(dir, shard.name), shard.tensors, shard.metadata));
   }
-  return format_internal::WriteFileAtomically(index_path, *index_text);
+  return io::WriteFileAtomically(index_path, *index_text);
 }
 
 }  // namespace deltasync

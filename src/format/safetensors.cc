@@ -12,8 +12,8 @@
 #include <tuple>
 #include <utility>
 
-#include "format/file_util.h"
 #include "format/json_util.h"
+#include "io/file.h"
 
 namespace deltasync {
 namespace {
@@ -270,7 +270,7 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const uint8_t> header
 
 Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
   uint64_t size = 0;
-  DS_ASSIGN_OR_RETURN(const int fd, format_internal::OpenRegularFile(path, &size));
+  DS_ASSIGN_OR_RETURN(const int fd, io::OpenRegularFile(path, &size));
   std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
   file->path_ = path;
   file->size_ = size;
@@ -453,7 +453,7 @@ Result<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::Create(
   std::unique_ptr<SafetensorsWriter> writer(new SafetensorsWriter());
   writer->path_ = path;
   writer->expected_ = expected;
-  DS_ASSIGN_OR_RETURN(writer->file_, format_internal::AtomicFile::Create(path));
+  DS_ASSIGN_OR_RETURN(writer->file_, io::AtomicFile::Create(path));
   uint8_t prefix[kLengthPrefixBytes];
   StoreLittleEndian64(header->size(), prefix);
   DS_RETURN_IF_ERROR(writer->file_->Write(std::span<const uint8_t>(prefix)));

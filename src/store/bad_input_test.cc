@@ -9,7 +9,7 @@
 #include "deltasync/codec.h"
 #include "deltasync/safetensors.h"
 #include "deltasync/store.h"
-#include "store/store_internal.h"
+#include "io/file.h"
 #include "store/store_test_util.h"
 
 namespace deltasync::store_test {
@@ -54,7 +54,7 @@ class BadInput : public ::testing::TestWithParam<BadInputCase> {
     Result<std::optional<int64_t>> v = local_->CurrentVersion();
     DS_ASSERT_OK(v);
     EXPECT_EQ(*v, std::optional<int64_t>(1));
-    EXPECT_FALSE(store_internal::PathExists(f_.local + "/.weight_sync/journal"));
+    EXPECT_FALSE(io::PathExists(f_.local + "/.weight_sync/journal"));
     EXPECT_TRUE(HoldsModel(f_.local, models_[1]));
   }
 

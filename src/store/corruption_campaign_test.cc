@@ -34,7 +34,7 @@
 
 #include "deltasync/checkpoint.h"
 #include "deltasync/store.h"
-#include "store/store_internal.h"
+#include "io/file.h"
 #include "store/store_test_util.h"
 
 namespace deltasync::store_test {
@@ -286,7 +286,7 @@ class Campaign {
       return out;
     }
     const int64_t at = **now;
-    if (store_internal::PathExists(local_ + "/.weight_sync/journal")) fail("a journal was left");
+    if (io::PathExists(local_ + "/.weight_sync/journal")) fail("a journal was left");
     // A reset copies a full version without reading its tensors (docs/format.md,
     // "Pulling"): damage to one is not the pull's to find. Verify, with the
     // sidecar's checksums, must find it; without a sidecar nothing records them.

@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "deltasync/store.h"
+#include "io/file.h"
 #include "store/store_internal.h"
 #include "store/store_test_util.h"
 
@@ -135,7 +136,7 @@ TEST_P(ApplyCrash, RecoversBitExactly) {
     EXPECT_TRUE(HoldsModel(f.local, models[2]));
     EXPECT_EQ(**(*local)->CurrentVersion(), 2);
     DS_EXPECT_OK((*local)->Verify());
-    EXPECT_FALSE(store_internal::PathExists(f.local + "/.weight_sync/journal"));
+    EXPECT_FALSE(io::PathExists(f.local + "/.weight_sync/journal"));
   }
 }
 
@@ -194,7 +195,7 @@ TEST(ForeignCommit, AfterAnInterruptedApplyWins) {
     DS_ASSERT_OK(local->Pull(1));
   }
   ASSERT_EQ(PullInChild(f.LocalOpts(), 2, "state:applying"), kCrashExit);
-  ASSERT_TRUE(store_internal::PathExists(f.local + "/.weight_sync/journal"));
+  ASSERT_TRUE(io::PathExists(f.local + "/.weight_sync/journal"));
   for (const std::string& name : ListDir(f.base)) {
     WriteFile(f.local + "/" + name, ReadFile(f.base + "/" + name));
   }
@@ -204,7 +205,7 @@ TEST(ForeignCommit, AfterAnInterruptedApplyWins) {
   auto local = f.OpenLocal();
   EXPECT_EQ(**local->CurrentVersion(), 0);
   EXPECT_TRUE(HoldsModel(f.local, f.base_model));
-  EXPECT_FALSE(store_internal::PathExists(f.local + "/.weight_sync/journal"));
+  EXPECT_FALSE(io::PathExists(f.local + "/.weight_sync/journal"));
   Result<PullResult> r = local->Pull(2);
   DS_ASSERT_OK(r);
   EXPECT_EQ(r->versions_applied, (std::vector<int64_t>{1, 2}));
@@ -371,7 +372,7 @@ TEST(StreamedApply, RecoveryIgnoresATornLastRecord) {
     DS_ASSERT_OK(local);
     EXPECT_EQ(**(*local)->CurrentVersion(), 1) << EncodingName(e);
     EXPECT_TRUE(HoldsModel(f.local, models[1])) << EncodingName(e);
-    EXPECT_FALSE(store_internal::PathExists(journal));
+    EXPECT_FALSE(io::PathExists(journal));
     DS_ASSERT_OK((*local)->Pull(2));
     EXPECT_TRUE(HoldsModel(f.local, models[2])) << EncodingName(e);
   }

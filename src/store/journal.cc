@@ -12,8 +12,8 @@
 #include <cstring>
 
 #include "deltasync/checksum.h"
-#include "format/file_util.h"
-#include "store/store_internal.h"
+#include "io/file.h"
+#include "pipeline/scatter.h"
 
 namespace deltasync::store_internal {
 namespace {
@@ -90,41 +90,17 @@ bool Ascending(const uint8_t* positions, uint64_t count) {
   return true;
 }
 
-// Writes entries from *next on while their position is below `end`.
-template <typename Elem, typename Pos>
-void ScatterBelow(const uint8_t* positions, uint64_t count, const uint8_t* values, uint8_t* target,
-                  uint64_t end, uint64_t* next) {
-  uint64_t i = *next;
-  for (; i < count; ++i) {
-    Pos p;
-    std::memcpy(&p, positions + i * sizeof(Pos), sizeof(Pos));
-    if (static_cast<uint64_t>(p) >= end) break;
-    std::memcpy(target + static_cast<size_t>(p) * sizeof(Elem), values + i * sizeof(Elem),
-                sizeof(Elem));
-  }
-  *next = i;
-}
-
-template <typename Pos>
-void ScatterBelowPos(uint32_t elem_size, const uint8_t* positions, uint64_t count,
-                     const uint8_t* values, uint8_t* target, uint64_t end, uint64_t* next) {
-  switch (elem_size) {
-    case 1: return ScatterBelow<uint8_t, Pos>(positions, count, values, target, end, next);
-    case 2: return ScatterBelow<uint16_t, Pos>(positions, count, values, target, end, next);
-    case 4: return ScatterBelow<uint32_t, Pos>(positions, count, values, target, end, next);
-    default: return ScatterBelow<uint64_t, Pos>(positions, count, values, target, end, next);
-  }
-}
-
 // Writes the entries of `r` from *next on while their position is below
 // `end` (every one with UINT64_MAX, whose positions the caller checked).
 void ScatterRecordBelow(const JournalRecord& r, bool undo, uint8_t* target, uint64_t end,
                         uint64_t* next) {
   const uint8_t* values = undo ? r.old_values : r.new_values;
   if (r.position_width == 4) {
-    ScatterBelowPos<uint32_t>(r.elem_size, r.positions, r.count, values, target, end, next);
+    pipeline::ScatterBelowPos<uint32_t>(r.elem_size, r.positions, r.count, values, target, end,
+                                        next);
   } else {
-    ScatterBelowPos<uint64_t>(r.elem_size, r.positions, r.count, values, target, end, next);
+    pipeline::ScatterBelowPos<uint64_t>(r.elem_size, r.positions, r.count, values, target, end,
+                                        next);
   }
 }
 
@@ -231,41 +207,6 @@ Status ApplyRecordsAndVisit(std::span<const JournalRecord* const> records,
   return Status::OK();
 }
 
-Status ScatterNewValuesAndVisit(const ChangeSet& changes, std::span<uint8_t> target, size_t begin,
-                                size_t end, size_t piece_bytes,
-                                const std::function<void(std::span<const uint8_t>)>& visit) {
-  const uint64_t count = changes.count();
-  const size_t es = changes.elem_size == 0 ? 1 : changes.elem_size;
-  if (target.size() != changes.numel * changes.elem_size ||
-      changes.new_values.size() != count * changes.elem_size ||
-      (count > 0 && changes.position(count - 1) >= changes.numel)) {
-    return Status::Internal("changes do not fit their tensor of " + std::to_string(target.size()) +
-                            " bytes");
-  }
-  if (begin > end || end > target.size() || begin % es != 0 || end % es != 0 ||
-      (count > 0 &&
-       (changes.position(0) < begin / es || (changes.position(count - 1) + 1) * es > end))) {
-    return Status::Internal("changes do not lie in the visited bytes [" + std::to_string(begin) +
-                            ", " + std::to_string(end) + ")");
-  }
-  JournalRecord r;
-  r.numel = changes.numel;
-  r.elem_size = changes.elem_size;
-  r.position_width = changes.wide ? 8 : 4;
-  r.count = count;
-  r.positions = changes.wide ? reinterpret_cast<const uint8_t*>(changes.pos64.data())
-                             : reinterpret_cast<const uint8_t*>(changes.pos32.data());
-  r.new_values = changes.new_values.data();
-  uint64_t next = 0;
-  const size_t piece = std::max(es, piece_bytes / es * es);
-  for (size_t at = begin; at < end; at += piece) {
-    const size_t n = std::min(piece, end - at);
-    ScatterRecordBelow(r, /*undo=*/false, target.data(), (at + n) / es, &next);
-    visit(target.subspan(at, n));
-  }
-  return Status::OK();
-}
-
 Result<std::unique_ptr<JournalWriter>> JournalWriter::Create(const std::string& path,
                                                              int64_t version,
                                                              int64_t from_version) {
@@ -278,7 +219,7 @@ Result<std::unique_ptr<JournalWriter>> JournalWriter::Create(const std::string& 
   Put<int64_t>(header + 8, version);
   Put<int64_t>(header + 16, from_version);
   Put<uint64_t>(header + 24, Hash64(header, 24));
-  DS_RETURN_IF_ERROR(WriteAllAt(writer->fd_, header, kHeaderBytes, 0, path));
+  DS_RETURN_IF_ERROR(io::WriteAllAt(writer->fd_, header, kHeaderBytes, 0, path));
   writer->next_offset_ = kHeaderBytes;
   return writer;
 }
@@ -363,7 +304,7 @@ Status JournalWriter::AppendRecord(std::string_view name, uint64_t numel, uint32
   total += pad + 8;
   std::lock_guard<std::mutex> lock(mu_);
   if (failed_) return Status::IOError(path_ + ": an earlier journal append failed");
-  Status written = WriteAllAtV(fd_, iov, next_offset_, path_);
+  Status written = io::WriteAllAtV(fd_, iov, next_offset_, path_);
   if (!written.ok()) {
     failed_ = true;  // the record may be torn: nothing may follow it
     return written;
@@ -386,10 +327,10 @@ Status JournalWriter::Finish(bool durable) {
   std::memcpy(both, header, 24);
   std::memcpy(both + 24, trailer, 24);
   Put<uint64_t>(trailer + 24, Hash64(both, 48));
-  DS_RETURN_IF_ERROR(WriteAllAt(fd_, trailer, kTrailerBytes, end, path_));
+  DS_RETURN_IF_ERROR(io::WriteAllAt(fd_, trailer, kTrailerBytes, end, path_));
   if (durable) {
     if (::fsync(fd_) != 0) return Status::FromErrno(errno, path_ + ": fsync");
-    DS_RETURN_IF_ERROR(format_internal::SyncDirectory(format_internal::DirName(path_)));
+    DS_RETURN_IF_ERROR(io::SyncDirectory(io::DirName(path_)));
   }
   return Status::OK();
 }

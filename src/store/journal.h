@@ -70,17 +70,6 @@ Status ApplyRecordsAndVisit(std::span<const JournalRecord* const> records,
                             std::span<uint8_t> target, bool undo, size_t piece_bytes,
                             const std::function<void(std::span<const uint8_t>)>& visit);
 
-// Writes each change's new value into `target`, the tensor's
-// changes.numel * changes.elem_size bytes, in pieces of `piece_bytes`
-// (rounded down to whole elements) from byte `begin` to `end`, handing each
-// piece to `visit` once its changes are written, while it is still in cache.
-// Internal, with nothing written, when a change lies outside [begin, end)
-// or the tensor, or the bounds are not whole elements (positions must
-// ascend, as the decoders list them).
-Status ScatterNewValuesAndVisit(const ChangeSet& changes, std::span<uint8_t> target, size_t begin,
-                                size_t end, size_t piece_bytes,
-                                const std::function<void(std::span<const uint8_t>)>& visit);
-
 // Writes a journal; records may be appended from many threads at once. They
 // are written one after another, each once its bytes are ready, so that the
 // file is always a prefix of whole records plus at most one being written.

@@ -14,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <map>
 #include <mutex>
@@ -22,11 +23,16 @@
 #include <utility>
 #include <vector>
 
+#include "core/parallel.h"
 #include "deltasync/checkpoint.h"
 #include "deltasync/diff.h"
 #include "deltasync/store.h"
-#include "format/file_util.h"
+#include "deltasync/timing.h"
 #include "format/json_util.h"
+#include "io/file.h"
+#include "io/mapping.h"
+#include "io/process.h"
+#include "pipeline/applier.h"
 #include "store/chain_state.h"
 #include "store/journal.h"
 #include "store/store_internal.h"
@@ -35,15 +41,16 @@
 namespace deltasync {
 namespace {
 
-using format_internal::JoinPath;
+using core_internal::FirstError;
 using format_internal::QuoteForMessage;
+using io::JoinPath;
+using io::MappedFile;
+using io::PrefaultForWrite;
 using nlohmann::json;
 using store_internal::CrashPoint;
-using store_internal::FirstError;
 using store_internal::Journal;
 using store_internal::JournalRecord;
 using store_internal::JournalWriter;
-using store_internal::MappedFile;
 
 constexpr const char* kSyncDirName = ".weight_sync";
 constexpr const char* kStateFileName = "state.json";
@@ -52,10 +59,6 @@ constexpr const char* kLockFileName = "lock";
 // and would drop anything we kept there.
 constexpr const char* kBaseRecordFileName = "deltasync-base.json";
 constexpr uint64_t kMaxStateBytes = 256ull << 20;
-
-double SecondsSince(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
 
 // A file a checkpoint loader would read as weights.
 bool IsWeightsFileName(const std::string& name) {
@@ -70,8 +73,8 @@ Status CheckSeparatePaths(const LocalCheckpointOptions& o) {
                                                                {&o.store, "store"}};
   for (const auto& [other, what] : others) {
     if (other->empty()) continue;
-    const bool inside = store_internal::IsSameOrInside(o.local, *other);
-    const bool holds = store_internal::IsSameOrInside(*other, o.local);
+    const bool inside = io::IsSameOrInside(o.local, *other);
+    const bool holds = io::IsSameOrInside(*other, o.local);
     if (!inside && !holds) continue;
     const std::string relation = inside && holds ? "is the same directory as"
                                  : inside        ? "lies inside"
@@ -270,41 +273,6 @@ class LocalFiles {
 // enough to stay in L2 between the two.
 constexpr size_t kVerifyPieceBytes = size_t{256} << 10;
 
-// When a tensor's changes are dense enough to dirty nearly every page
-// anyway (at least one per page on average), maps its pages writable in one
-// call instead of taking a write fault per page. Sparser changes are left to
-// fault in, so that pages they do not touch stay clean. Advisory: errors
-// (an older kernel) are ignored.
-void PrefaultForWrite(std::span<uint8_t> bytes, uint64_t changes) {
-#ifdef MADV_POPULATE_WRITE
-  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
-  if (bytes.empty() || changes * page < bytes.size()) return;
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(bytes.data()) & ~(uintptr_t{page} - 1);
-  const uintptr_t end = reinterpret_cast<uintptr_t>(bytes.data()) + bytes.size();
-  (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE);
-#else
-  (void)bytes;
-  (void)changes;
-#endif
-}
-
-// Per-task decode state, reused across tensors (see FreeList).
-struct DecodeScratch {
-  ChangeSet changes;
-  std::vector<uint8_t> record_head;  // JournalWriter::AppendRecord's head buffer
-};
-
-// Changes per journal record of a streamed apply: few enough that the
-// lines a record's decode reads are still in cache when its new values are
-// written and hashed right after.
-constexpr uint64_t kStreamRecordChanges = uint64_t{16} << 10;
-
-// Bytes of a streamed record written and then hashed together: the lines
-// its decode just read are in L2; a piece this small is hashed from L1
-// (2-4% less CPU for the pull than hashing the record's span after
-// writing all of it, measured here at 1.7% of BF16 elements changed).
-constexpr size_t kStreamHashPieceBytes = size_t{64} << 10;
-
 // One tensor of a version being applied, checked before decoding.
 struct ApplyJob {
   std::string name;
@@ -313,6 +281,85 @@ struct ApplyJob {
   std::string checksum;       // tagged
   std::string base_checksum;  // tagged, or empty
 };
+
+// A version's encodings, for the applier: views into its shards, which
+// ApplyVersion keeps mapped while it applies them.
+class ShardEncodings final : public pipeline::EncodingSource {
+ public:
+  explicit ShardEncodings(const std::vector<ApplyJob>& jobs) : jobs_(jobs) {}
+  Result<std::span<const uint8_t>> EncodingOf(size_t index) override {
+    return jobs_[index].delta.bytes;
+  }
+
+ private:
+  const std::vector<ApplyJob>& jobs_;
+};
+
+// Journals each run of changes the applier decodes, before it is applied.
+// A durable apply journals every record whole (old and new values) before
+// the checkpoint is touched; a streamed one journals undo-only records, each
+// applied right after it is written, and marks the tensors' files touched.
+class JournalRuns final : public pipeline::ApplyObserver {
+ public:
+  JournalRuns(JournalWriter* writer, const std::vector<ApplyJob>& jobs, LocalFiles* streamed_into)
+      : writer_(writer), jobs_(jobs), local_(streamed_into) {}
+
+  void Begin(size_t, size_t index) override {
+    if (local_ != nullptr) local_->Touch(*jobs_[index].target);
+  }
+  Status Changes(size_t lane, size_t index, const ChangeSet& run) override {
+    const ApplyJob& job = jobs_[index];
+    const uint32_t es = static_cast<uint32_t>(DTypeSize(job.target->dtype));
+    return writer_->AppendRecord(job.name, job.target->bytes.size() / es, es, job.checksum,
+                                 job.base_checksum, run, &Head(lane),
+                                 /*undo_only=*/local_ != nullptr);
+  }
+  void Written(size_t, size_t, const ChangeSet&) override { CrashPoint("apply:record"); }
+  void Done(size_t, size_t) override {
+    if (local_ == nullptr) CrashPoint("journal:record");
+  }
+
+ private:
+  // The lane's JournalWriter::AppendRecord head buffer; a deque keeps it in
+  // place while other lanes' are added.
+  std::vector<uint8_t>& Head(size_t lane) {
+    std::lock_guard<std::mutex> lock(mu_);
+    while (heads_.size() <= lane) heads_.emplace_back();
+    return heads_[lane];
+  }
+
+  JournalWriter* writer_;
+  const std::vector<ApplyJob>& jobs_;
+  LocalFiles* local_;
+  std::mutex mu_;
+  std::deque<std::vector<uint8_t>> heads_;
+};
+
+// What the applier takes for each job: `whats` holds each one's error
+// prefix (where + ": tensor '<name>'") and `digests`, when given, each
+// one's parsed expected digest (the result is then verified against it).
+std::vector<pipeline::ApplyTensor> ApplyTensorsOf(const std::vector<ApplyJob>& jobs,
+                                                  Encoding encoding, const std::string& where,
+                                                  const std::vector<ParsedDigest>* digests,
+                                                  std::vector<std::string>* whats) {
+  whats->clear();
+  for (const ApplyJob& job : jobs)
+    whats->push_back(where + ": tensor " + QuoteForMessage(job.name));
+  std::vector<pipeline::ApplyTensor> tensors(jobs.size());
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const ApplyJob& job = jobs[j];
+    pipeline::ApplyTensor& t = tensors[j];
+    t.what = (*whats)[j];
+    t.encoding = encoding;
+    t.target = job.target->bytes;
+    t.elem_size = static_cast<uint32_t>(DTypeSize(job.target->dtype));
+    if (digests != nullptr) {
+      t.algo = (*digests)[j].algo;
+      t.digest = (*digests)[j].hex;
+    }
+  }
+  return tensors;
+}
 
 // A tensor's journal records, in journal order (one unless it is large).
 struct RecordGroup {
@@ -362,9 +409,10 @@ struct LocalCheckpoint::State {
   std::string lock_path;
   std::string journal_path;
   std::string base_record_path;
-  // Decode state, kept across the versions of one pull (fresh memory costs a
-  // page fault and a kernel zeroing per page) and released when it ends.
-  std::unique_ptr<store_internal::FreeList<DecodeScratch>> scratch;
+  // Decodes and applies versions; made by the first apply and kept, with its
+  // per-task decode state, across versions and pulls (fresh memory costs a
+  // page fault and a kernel zeroing per page).
+  std::unique_ptr<pipeline::Applier> applier;
 
   Result<LocalState> LoadState();
   Status SaveState(LocalState& st);
@@ -424,7 +472,7 @@ struct LocalCheckpoint::State {
 };
 
 Result<LocalState> LocalCheckpoint::State::LoadState() {
-  Result<std::string> text = format_internal::ReadFileLimited(state_path, kMaxStateBytes);
+  Result<std::string> text = io::ReadFileLimited(state_path, kMaxStateBytes);
   LocalState st;
   if (!text.ok()) {
     if (text.status().IsNotFound()) return st;
@@ -438,13 +486,13 @@ Result<LocalState> LocalCheckpoint::State::LoadState() {
 }
 
 Status LocalCheckpoint::State::SaveState(LocalState& st) {
-  DS_RETURN_IF_ERROR(format_internal::WriteFileAtomically(state_path, SerializeState(st)));
+  DS_RETURN_IF_ERROR(io::WriteFileAtomically(state_path, SerializeState(st)));
   st.exists = true;
   return Status::OK();
 }
 
 std::string LocalCheckpoint::State::RecordedBase() {
-  Result<std::string> text = format_internal::ReadFileLimited(base_record_path, 1 << 20);
+  Result<std::string> text = io::ReadFileLimited(base_record_path, 1 << 20);
   if (!text.ok()) return "";
   Result<json> doc = format_internal::ParseJsonStrict(*text, 2);
   if (!doc.ok() || !doc->is_object()) return "";
@@ -456,8 +504,8 @@ Status LocalCheckpoint::State::RecordBase(const std::string& resolved_base) {
   if (RecordedBase() == resolved_base) return Status::OK();
   json doc = json::object();
   doc["base"] = resolved_base;
-  return format_internal::WriteFileAtomically(
-      base_record_path, doc.dump(1, ' ', false, json::error_handler_t::replace) + "\n");
+  return io::WriteFileAtomically(base_record_path,
+                                 doc.dump(1, ' ', false, json::error_handler_t::replace) + "\n");
 }
 
 Status LocalCheckpoint::State::RecordVouchedBase() {
@@ -466,7 +514,7 @@ Status LocalCheckpoint::State::RecordVouchedBase() {
   if (!base.ok()) return Status::OK();  // not needed by this pull, so not its error
   Result<std::map<std::string, std::string>> vouched = CheckBaseAgainstStore(**base, options.base);
   if (!vouched.ok() || vouched->empty()) return Status::OK();
-  DS_ASSIGN_OR_RETURN(const std::string resolved, store_internal::ResolvedPath(options.base));
+  DS_ASSIGN_OR_RETURN(const std::string resolved, io::ResolvedPath(options.base));
   return RecordBase(resolved);
 }
 
@@ -475,8 +523,8 @@ Status LocalCheckpoint::State::RecordVouchedBase() {
       st->origin_dir.empty()) {
     return;
   }
-  if (store_internal::IsSameOrInside(options.base, st->origin_dir) &&
-      store_internal::IsSameOrInside(st->origin_dir, options.base)) {
+  if (io::IsSameOrInside(options.base, st->origin_dir) &&
+      io::IsSameOrInside(st->origin_dir, options.base)) {
     return;
   }
   st->version.reset();
@@ -484,7 +532,7 @@ Status LocalCheckpoint::State::RecordVouchedBase() {
 
 Status LocalCheckpoint::State::CheckReplaceable(const LocalState& st) {
   if (st.exists || options.replace_unknown_checkpoint) return Status::OK();
-  Result<std::vector<std::string>> names = store_internal::ListRegularFiles(options.local);
+  Result<std::vector<std::string>> names = io::ListRegularFiles(options.local);
   if (!names.ok()) return names.status().IsNotFound() ? Status::OK() : names.status();
   for (const std::string& name : *names) {
     if (!IsWeightsFileName(name)) continue;
@@ -502,7 +550,7 @@ Result<std::map<std::string, std::string>> LocalCheckpoint::State::CheckBaseAgai
   std::map<std::string, std::string> digests;
   if (options.store.empty()) return digests;
   const std::string first = store_internal::VersionDir(options.store, 1);
-  if (!store_internal::IsDirectory(first)) return digests;
+  if (!io::IsDirectory(first)) return digests;
   // A malformed version 1 is reported by the pull that applies it.
   Result<VersionInfo> info = ReadVersionInfo(first);
   if (!info.ok() || !info->is_delta || info->base_version != 0) return digests;
@@ -603,7 +651,7 @@ Status LocalCheckpoint::State::CheckFullLayout(const Checkpoint& full, const std
 }
 
 Status LocalCheckpoint::State::Reseed(LocalState* st, PullResult* result) {
-  DS_RETURN_IF_ERROR(format_internal::RemoveFileIfExists(journal_path));
+  DS_RETURN_IF_ERROR(io::RemoveFileIfExists(journal_path));
   json keep = st->doc;
   *st = LocalState();
   st->doc = std::move(keep);
@@ -645,7 +693,7 @@ Status LocalCheckpoint::State::Recover(LocalState* st, PullResult* result) {
     // Written before the state said applying (the checkpoint is untouched)
     // or left after a commit.
     journal = Status::NotFound("");
-    DS_RETURN_IF_ERROR(format_internal::RemoveFileIfExists(journal_path));
+    DS_RETURN_IF_ERROR(io::RemoveFileIfExists(journal_path));
   }
   if (st->version && rebooted && !st->durable) {
     // Data committed without sync may not have reached the disk before the
@@ -835,8 +883,8 @@ Status LocalCheckpoint::State::Materialize(const std::string& source, int64_t ve
     for (const Status& o : outcome) DS_RETURN_IF_ERROR(o);
   }
   source_checkpoint->reset();
-  DS_ASSIGN_OR_RETURN(const std::string resolved_source, store_internal::ResolvedPath(source));
-  DS_ASSIGN_OR_RETURN(std::vector<std::string> names, store_internal::ListRegularFiles(source));
+  DS_ASSIGN_OR_RETURN(const std::string resolved_source, io::ResolvedPath(source));
+  DS_ASSIGN_OR_RETURN(std::vector<std::string> names, io::ListRegularFiles(source));
   CrashPoint("reset:begin");
   json keep = st->doc;
   *st = LocalState();
@@ -845,28 +893,28 @@ Status LocalCheckpoint::State::Materialize(const std::string& source, int64_t ve
   st->boot_id = store_internal::CurrentBootId();
   st->durable = options.durable;
   DS_RETURN_IF_ERROR(SaveState(*st));
-  DS_RETURN_IF_ERROR(format_internal::RemoveFileIfExists(journal_path));
+  DS_RETURN_IF_ERROR(io::RemoveFileIfExists(journal_path));
   CrashPoint("reset:state");
 
-  std::vector<store_internal::CopyJob> jobs;
+  std::vector<io::CopyJob> jobs;
   std::set<std::string> copied;
   for (const std::string& name : names) {
     if (name == kVersionManifestFileName) continue;  // ours, about the store
     jobs.push_back({JoinPath(source, name), JoinPath(options.local, name)});
     copied.insert(name);
   }
-  DS_ASSIGN_OR_RETURN(uint64_t bytes, store_internal::CopyFiles(jobs, options.durable, pool));
+  DS_ASSIGN_OR_RETURN(uint64_t bytes, io::CopyFiles(jobs, options.durable, pool,
+                                                    [] { CrashPoint("copy:written"); }));
   CrashPoint("reset:copied");
   // Weights of the previous layout would confuse a loader (a stale index
   // wins over a new model.safetensors).
-  DS_ASSIGN_OR_RETURN(std::vector<std::string> local_names,
-                      store_internal::ListRegularFiles(options.local));
+  DS_ASSIGN_OR_RETURN(std::vector<std::string> local_names, io::ListRegularFiles(options.local));
   for (const std::string& name : local_names) {
     if (IsWeightsFileName(name) && !copied.count(name)) {
-      DS_RETURN_IF_ERROR(format_internal::RemoveFileIfExists(JoinPath(options.local, name)));
+      DS_RETURN_IF_ERROR(io::RemoveFileIfExists(JoinPath(options.local, name)));
     }
   }
-  if (options.durable) DS_RETURN_IF_ERROR(format_internal::SyncDirectory(options.local));
+  if (options.durable) DS_RETURN_IF_ERROR(io::SyncDirectory(options.local));
   DS_RETURN_IF_ERROR(LocalFiles::Open(options.local).status());
 
   st->resetting.reset();
@@ -985,7 +1033,18 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
   DS_ASSIGN_OR_RETURN(std::unique_ptr<JournalWriter> writer,
                       JournalWriter::Create(journal_path, info.version, info.base_version));
   CrashPoint("journal:created");
-  if (!scratch) scratch = std::make_unique<store_internal::FreeList<DecodeScratch>>();
+  if (!applier) {
+    pipeline::ApplierOptions apply;
+    apply.pool = pool;
+    // Durable: decode only, into the journal; the replay applies it. A
+    // tensor's changes go to the journal in records of at most
+    // journal_record_changes, so memory does not grow with the tensor.
+    apply.mode = options.durable ? pipeline::ApplyMode::kDecodeOnly : pipeline::ApplyMode::kApply;
+    apply.run_changes = options.durable
+                            ? options.journal_record_changes
+                            : std::min(options.journal_record_changes, apply.run_changes);
+    applier = std::make_unique<pipeline::Applier>(apply);
+  }
   if (!options.durable) {
     return StreamVersion(info, jobs, local.get(), writer.get(), st, result);
   }
@@ -994,48 +1053,21 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
   // checkpoint is touched (it is only read). The decoder lists (position,
   // old, new) straight from the delta, so memory is the changed elements of
   // the tensors in flight, never a tensor's size.
-  const Codec& codec = GetCodec(info.encoding);
-  store_internal::FreeList<DecodeScratch>& pool_of_buffers = *scratch;
-  FirstError error;
-  std::atomic<uint64_t> changed{0};
-  pool->ParallelFor(jobs.size(), [&](size_t j) {
-    if (error.failed()) return;
-    const ApplyJob& job = jobs[j];
-    const std::span<const uint8_t> old = job.target->bytes;
-    const uint32_t es = static_cast<uint32_t>(DTypeSize(job.target->dtype));
-    std::unique_ptr<DecodeScratch> buf = pool_of_buffers.Take();
-    ChangeSet& changes = buf->changes;
-    std::vector<uint8_t>& record_head = buf->record_head;
-    // A tensor's changes go to the journal in records of at most
-    // journal_record_changes, so memory does not grow with the tensor.
-    Status appended;
-    auto append = [&](const ChangeSet& part) {
-      if (!appended.ok()) return;
-      changed.fetch_add(part.count(), std::memory_order_relaxed);
-      appended = writer->AppendRecord(job.name, old.size() / es, es, job.checksum,
-                                      job.base_checksum, part, &record_head);
-    };
-    DecodeOptions decode;
-    decode.on_changes = append;
-    decode.max_chunk_changes = options.journal_record_changes;
-    Status s = codec.DecodeChanges(job.delta.bytes, old, es, decode, &changes);
-    if (s.ok()) {
-      append(changes);  // the last record of the tensor (maybe empty): every tensor has one
-      s = appended;
-    }
-    pool_of_buffers.Give(std::move(buf));
-    if (!s.ok()) {
-      error.Note(s.WithContext(where + ": tensor " + QuoteForMessage(job.name)));
-      return;
-    }
-    CrashPoint("journal:record");
-  });
-  if (!error.failed()) error.Note(writer->Finish(options.durable));
+  std::vector<std::string> whats;
+  const std::vector<pipeline::ApplyTensor> tensors =
+      ApplyTensorsOf(jobs, info.encoding, where, nullptr, &whats);
+  ShardEncodings source(jobs);
+  JournalRuns journal_runs(writer.get(), jobs, nullptr);
+  std::vector<pipeline::ApplyOutcome> outcomes;
+  Status status = applier->Run(tensors, &source, &journal_runs, &outcomes);
+  if (status.ok()) status = writer->Finish(options.durable);
   writer.reset();
-  if (error.failed()) {
-    (void)format_internal::RemoveFileIfExists(journal_path);
-    return error.status();
+  if (!status.ok()) {
+    (void)io::RemoveFileIfExists(journal_path);
+    return status;
   }
+  uint64_t changed = 0;
+  for (const pipeline::ApplyOutcome& o : outcomes) changed += o.changed_elements;
   CrashPoint("journal:complete");
 
   // Past this point the checkpoint may change: the state says so.
@@ -1051,7 +1083,7 @@ Status LocalCheckpoint::State::ApplyVersion(const VersionInfo& info, LocalState*
   local.reset();
   DS_RETURN_IF_ERROR(ReplayJournal(*journal, st));
   result->tensors_changed += jobs.size();
-  result->changed_elements += changed.load();
+  result->changed_elements += changed;
   return Status::OK();
 }
 
@@ -1079,65 +1111,35 @@ Status LocalCheckpoint::State::StreamVersion(const VersionInfo& info,
   DS_RETURN_IF_ERROR(SaveState(*st));
   CrashPoint("state:applying");
 
-  const Codec& codec = GetCodec(info.encoding);
-  store_internal::FreeList<DecodeScratch>& buffers = *scratch;
-  FirstError error;
-  std::vector<char> mismatch(jobs.size(), 0);
-  std::atomic<uint64_t> changed{0};
-  pool->ParallelFor(jobs.size(), [&](size_t j) {
-    if (error.failed()) return;
-    const ApplyJob& job = jobs[j];
-    const LocalTensor& t = *job.target;
-    const uint32_t es = static_cast<uint32_t>(DTypeSize(t.dtype));
-    Result<ParsedDigest> expected = ParseTaggedDigest(job.checksum);
-    if (!expected.ok()) {
-      error.Note(expected.status().WithContext(where));
-      return;
+  // Each tensor is verified against its digest as it is applied.
+  Status status;
+  std::vector<ParsedDigest> digests(jobs.size());
+  for (size_t j = 0; j < jobs.size() && status.ok(); ++j) {
+    Result<ParsedDigest> expected = ParseTaggedDigest(jobs[j].checksum);
+    if (expected.ok()) {
+      digests[j] = std::move(*expected);
+    } else {
+      status = expected.status().WithContext(where);
     }
-    local->Touch(t);
-    // No encoding spends less than a byte on four changes.
-    PrefaultForWrite(t.bytes, job.delta.bytes.size() / 4);
-    std::unique_ptr<Hasher> hasher = NewHasher(expected->algo);
-    std::unique_ptr<DecodeScratch> buf = buffers.Take();
-    size_t hashed = 0;  // bytes of the tensor that are final and hashed
-    Status applied;
-    auto apply = [&](const ChangeSet& part) {
-      if (!applied.ok()) return;
-      applied = writer->AppendRecord(job.name, t.bytes.size() / es, es, job.checksum,
-                                     job.base_checksum, part, &buf->record_head,
-                                     /*undo_only=*/true);
-      if (!applied.ok() || part.count() == 0) return;
-      // Later records change only later elements: up to this record's last
-      // change the tensor is final.
-      const size_t end = static_cast<size_t>(part.position(part.count() - 1) + 1) * es;
-      applied = store_internal::ScatterNewValuesAndVisit(
-          part, t.bytes, hashed, end, kStreamHashPieceBytes,
-          [&](std::span<const uint8_t> piece) { hasher->Update(piece); });
-      if (!applied.ok()) return;
-      changed.fetch_add(part.count(), std::memory_order_relaxed);
-      hashed = end;
-      CrashPoint("apply:record");
-    };
-    DecodeOptions decode;
-    decode.on_changes = apply;
-    decode.max_chunk_changes = std::min(options.journal_record_changes, kStreamRecordChanges);
-    Status s = codec.DecodeChanges(job.delta.bytes, t.bytes, es, decode, &buf->changes);
-    if (s.ok()) {
-      apply(buf->changes);  // the last record of the tensor (maybe empty): every tensor has one
-      s = applied;
-    }
-    buffers.Give(std::move(buf));
-    if (!s.ok()) {
-      error.Note(s.WithContext(where + ": tensor " + QuoteForMessage(job.name)));
-      return;
-    }
-    hasher->Update(t.bytes.subspan(hashed));
-    if (hasher->HexDigest() != expected->hex) mismatch[j] = 1;
-  });
-  const bool any_mismatch = std::find(mismatch.begin(), mismatch.end(), 1) != mismatch.end();
-  if (!error.failed() && !any_mismatch) {
+  }
+  std::vector<pipeline::ApplyOutcome> outcomes;
+  if (status.ok()) {
+    std::vector<std::string> whats;
+    const std::vector<pipeline::ApplyTensor> tensors =
+        ApplyTensorsOf(jobs, info.encoding, where, &digests, &whats);
+    ShardEncodings source(jobs);
+    JournalRuns journal_runs(writer, jobs, local);
+    status = applier->Run(tensors, &source, &journal_runs, &outcomes);
+  }
+  bool any_mismatch = false;
+  uint64_t changed = 0;
+  for (const pipeline::ApplyOutcome& o : outcomes) {
+    any_mismatch = any_mismatch || o.mismatch;
+    changed += o.changed_elements;
+  }
+  if (status.ok() && !any_mismatch) {
     result->tensors_changed += jobs.size();
-    result->changed_elements += changed.load();
+    result->changed_elements += changed;
     std::vector<std::pair<std::string_view, std::string_view>> checksums;
     for (const ApplyJob& job : jobs) checksums.emplace_back(job.name, job.checksum);
     return Commit(info.version, checksums, local, st);
@@ -1147,10 +1149,12 @@ Status LocalCheckpoint::State::StreamVersion(const VersionInfo& info,
   DS_ASSIGN_OR_RETURN(std::unique_ptr<Journal> journal,
                       Journal::OpenIntactPrefix(journal_path, pool));
   DS_RETURN_IF_ERROR(RollBackJournal(*journal, local, st));
-  if (error.failed()) return error.status().WithContext(where + " (rolled back)");
+  if (!status.ok()) return status.WithContext(where + " (rolled back)");
   std::vector<Mismatch> failed;
   for (size_t j = 0; j < jobs.size(); ++j) {
-    if (mismatch[j]) failed.push_back({jobs[j].name, jobs[j].base_checksum, jobs[j].target->bytes});
+    if (outcomes[j].mismatch) {
+      failed.push_back({jobs[j].name, jobs[j].base_checksum, jobs[j].target->bytes});
+    }
   }
   return MismatchError(where, failed, *st->version);
 }
@@ -1256,7 +1260,7 @@ Status LocalCheckpoint::State::Commit(
   st->durable = options.durable;
   DS_RETURN_IF_ERROR(SaveState(*st));
   CrashPoint("state:committed");
-  DS_RETURN_IF_ERROR(format_internal::RemoveFileIfExists(journal_path));
+  DS_RETURN_IF_ERROR(io::RemoveFileIfExists(journal_path));
   CrashPoint("journal:removed");
   return Status::OK();
 }
@@ -1278,7 +1282,7 @@ Status LocalCheckpoint::State::RollBack(const std::vector<RecordGroup>& groups, 
   st->version = st->from_version;
   st->from_version.reset();
   DS_RETURN_IF_ERROR(SaveState(*st));
-  return format_internal::RemoveFileIfExists(journal_path);
+  return io::RemoveFileIfExists(journal_path);
 }
 
 Status LocalCheckpoint::State::RollBackJournal(const Journal& journal, LocalFiles* local,
@@ -1315,9 +1319,8 @@ Result<std::unique_ptr<LocalCheckpoint>> LocalCheckpoint::Open(
   DS_RETURN_IF_ERROR(CheckSeparatePaths(options));
   // Nothing is created here: only a pull writes, so that opening a
   // checkpoint to read or verify it leaves no trace.
-  if (options.recover_on_open && store_internal::IsDirectory(state->sync_dir)) {
-    DS_ASSIGN_OR_RETURN(store_internal::FileLock lock,
-                        store_internal::FileLock::Acquire(state->lock_path));
+  if (options.recover_on_open && io::IsDirectory(state->sync_dir)) {
+    DS_ASSIGN_OR_RETURN(io::FileLock lock, io::FileLock::Acquire(state->lock_path));
     DS_ASSIGN_OR_RETURN(LocalState st, state->LoadState());
     PullResult recovery;
     DS_RETURN_IF_ERROR(state->Recover(&st, &recovery));
@@ -1328,18 +1331,16 @@ Result<std::unique_ptr<LocalCheckpoint>> LocalCheckpoint::Open(
 }
 
 Result<std::optional<int64_t>> LocalCheckpoint::CurrentVersion() {
-  DS_ASSIGN_OR_RETURN(store_internal::FileLock lock,
-                      store_internal::FileLock::AcquireSharedIfExists(state_->lock_path));
+  DS_ASSIGN_OR_RETURN(io::FileLock lock, io::FileLock::AcquireSharedIfExists(state_->lock_path));
   DS_ASSIGN_OR_RETURN(LocalState st, state_->LoadState());
   return st.version;
 }
 
 Status LocalCheckpoint::Verify() {
-  if (!store_internal::IsDirectory(state_->options.local)) {
+  if (!io::IsDirectory(state_->options.local)) {
     return Status::NotFound("local checkpoint " + state_->options.local + " does not exist");
   }
-  DS_ASSIGN_OR_RETURN(store_internal::FileLock lock,
-                      store_internal::FileLock::AcquireSharedIfExists(state_->lock_path));
+  DS_ASSIGN_OR_RETURN(io::FileLock lock, io::FileLock::AcquireSharedIfExists(state_->lock_path));
   DS_ASSIGN_OR_RETURN(LocalState st, state_->LoadState());
   return state_->VerifyAll(st);
 }
@@ -1353,21 +1354,20 @@ Result<PullResult> LocalCheckpoint::Pull(std::optional<int64_t> target) {
                                    " is negative");
   }
   if (!opt.pre_read_hook.empty()) {
-    DS_RETURN_IF_ERROR(store_internal::RunHook(
-        opt.pre_read_hook, {opt.store, target ? FormatVersion(*target) : "latest"},
-        "pre-read hook"));
+    DS_RETURN_IF_ERROR(io::RunHook(opt.pre_read_hook,
+                                   {opt.store, target ? FormatVersion(*target) : "latest"},
+                                   "pre-read hook"));
   }
-  if (!opt.store.empty() && !store_internal::IsDirectory(opt.store)) {
+  if (!opt.store.empty() && !io::IsDirectory(opt.store)) {
     return Status::NotFound("store " + opt.store + " does not exist" +
-                            (store_internal::PathExists(opt.store) ? " as a directory" : ""));
+                            (io::PathExists(opt.store) ? " as a directory" : ""));
   }
-  DS_RETURN_IF_ERROR(format_internal::CreateDirectories(s.sync_dir));
-  DS_ASSIGN_OR_RETURN(store_internal::FileLock lock,
-                      store_internal::FileLock::Acquire(s.lock_path));
+  DS_RETURN_IF_ERROR(io::CreateDirectories(s.sync_dir));
+  DS_ASSIGN_OR_RETURN(io::FileLock lock, io::FileLock::Acquire(s.lock_path));
   // Under the lock no writer of ours is running here: what one left behind
   // (a killed reset's copy, a state file's temporary) is garbage.
-  DS_RETURN_IF_ERROR(store_internal::RemoveLeftoverTemporaries(opt.local).status());
-  DS_RETURN_IF_ERROR(store_internal::RemoveLeftoverTemporaries(s.sync_dir).status());
+  DS_RETURN_IF_ERROR(io::RemoveLeftoverTemporaries(opt.local).status());
+  DS_RETURN_IF_ERROR(io::RemoveLeftoverTemporaries(s.sync_dir).status());
   DS_ASSIGN_OR_RETURN(LocalState st, s.LoadState());
   PullResult result;
   result.recovered = std::exchange(s.recovered_on_open, false);

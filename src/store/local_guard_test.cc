@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "deltasync/store.h"
-#include "store/store_internal.h"
+#include "io/file.h"
 #include "store/store_test_util.h"
 
 namespace deltasync::store_test {
@@ -65,7 +65,7 @@ TEST(LocalGuard, RefusesALocalThatIsOrHoldsOrLiesInsideTheBaseOrTheStore) {
   }
   EXPECT_EQ(Snapshot(f.base), base_before);
   EXPECT_EQ(Snapshot(f.store), store_before);
-  EXPECT_FALSE(store_internal::PathExists(f.base + "/.weight_sync"));
+  EXPECT_FALSE(io::PathExists(f.base + "/.weight_sync"));
   // A directory beside the base, whose name merely starts the same, is fine.
   DS_EXPECT_OK(LocalCheckpoint::Open(With(f.LocalOpts(), f.base + "2", f.base, f.store)));
 }
@@ -83,10 +83,10 @@ TEST(LocalGuard, AMissingStoreIsAnErrorThatWritesNothing) {
     EXPECT_NE(r.status().message().find("store " + lo.store + " does not exist"), std::string::npos)
         << r.status().ToString();
   }
-  EXPECT_FALSE(store_internal::PathExists(f.local));
+  EXPECT_FALSE(io::PathExists(f.local));
   EXPECT_TRUE(ListVersions(lo.store).status().IsNotFound());
   EXPECT_TRUE(PruneStore(lo.store, 1).status().IsNotFound());
-  EXPECT_FALSE(store_internal::PathExists(lo.store));
+  EXPECT_FALSE(io::PathExists(lo.store));
 
   // An empty store is a store: latest is the base.
   std::filesystem::create_directories(f.store);
@@ -116,7 +116,7 @@ TEST(LocalGuard, RefusesToReplaceACheckpointNoPullMadeUnlessTold) {
   auto after = Snapshot(f.local);
   after.erase(f.local + "/.weight_sync/lock");
   EXPECT_EQ(after, before);
-  EXPECT_FALSE(store_internal::PathExists(f.local + "/.weight_sync/state.json"));
+  EXPECT_FALSE(io::PathExists(f.local + "/.weight_sync/state.json"));
 
   LocalCheckpointOptions forced = f.LocalOpts();
   forced.replace_unknown_checkpoint = true;
@@ -147,7 +147,7 @@ TEST(LocalGuard, VerifyAndCurrentVersionNeverWrite) {
     DS_ASSERT_OK(v);
     EXPECT_FALSE(v->has_value());
   }
-  EXPECT_FALSE(store_internal::PathExists(f.local));
+  EXPECT_FALSE(io::PathExists(f.local));
 
   // A trainer's checkpoint: not at any version, and left as it was.
   WriteModel(f.local, f.base_model);
@@ -163,7 +163,7 @@ TEST(LocalGuard, VerifyAndCurrentVersionNeverWrite) {
     DS_EXPECT_OK((*local)->CurrentVersion());
   }
   EXPECT_EQ(Snapshot(f.local), trainer);
-  EXPECT_FALSE(store_internal::PathExists(f.local + "/.weight_sync"));
+  EXPECT_FALSE(io::PathExists(f.local + "/.weight_sync"));
 
   // A pulled checkpoint: verifying it changes no byte of any file.
   RemoveDir(f.local);
@@ -289,8 +289,8 @@ TEST(LocalGuard, AWrongBaseIsRefusedBeforeAnythingIsCopied) {
     ASSERT_TRUE(r.status().code() == StatusCode::kFailedPrecondition) << r.status().ToString();
     EXPECT_NE(r.status().message().find("is not the base of store"), std::string::npos)
         << r.status().ToString();
-    EXPECT_FALSE(store_internal::PathExists(f.local + "/" + kSingleFileName));
-    EXPECT_FALSE(store_internal::PathExists(f.local + "/.weight_sync/state.json"));
+    EXPECT_FALSE(io::PathExists(f.local + "/" + kSingleFileName));
+    EXPECT_FALSE(io::PathExists(f.local + "/.weight_sync/state.json"));
   }
   // The right base then works as if nothing had happened.
   Result<PullResult> r = f.OpenLocal()->Pull(std::nullopt);
@@ -316,7 +316,7 @@ TEST(LocalGuard, ABaseThatDiffersOnlyWhereVersionOneChangedNothingIsRefusedToo) 
   EXPECT_NE(r.status().message().find(wrong[2].name), std::string::npos) << r.status().ToString();
   // Checked with the strong digest the sidecar keeps beside adler32.
   EXPECT_NE(r.status().message().find("xxh3-128"), std::string::npos) << r.status().ToString();
-  EXPECT_FALSE(store_internal::PathExists(f.local + "/" + kSingleFileName));
+  EXPECT_FALSE(io::PathExists(f.local + "/" + kSingleFileName));
   DS_ASSERT_OK(f.OpenLocal()->Pull(std::nullopt));
   EXPECT_TRUE(HoldsModel(f.local, next));
 }
@@ -404,8 +404,8 @@ TEST(LocalGuard, ThePullRemovesWhatAKilledWriterLeft) {
   for (const std::string& p : leftovers) WriteFile(p, std::string(4096, 'x'));
   for (const std::string& p : kept) WriteFile(p, "keep");
   DS_ASSERT_OK(f.OpenLocal()->Pull(1));
-  for (const std::string& p : leftovers) EXPECT_FALSE(store_internal::PathExists(p)) << p;
-  for (const std::string& p : kept) EXPECT_TRUE(store_internal::PathExists(p)) << p;
+  for (const std::string& p : leftovers) EXPECT_FALSE(io::PathExists(p)) << p;
+  for (const std::string& p : kept) EXPECT_TRUE(io::PathExists(p)) << p;
   EXPECT_TRUE(HoldsModel(f.local, models[1]));
 }
 

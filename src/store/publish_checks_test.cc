@@ -11,7 +11,7 @@
 #include "deltasync/checkpoint.h"
 #include "deltasync/checksum.h"
 #include "deltasync/store.h"
-#include "store/store_internal.h"
+#include "io/file.h"
 #include "store/store_test_util.h"
 
 namespace deltasync::store_test {
@@ -373,7 +373,7 @@ TEST(NewestVersion, EmptyOrIncompleteIsRefusedNamingItUntilRemoved) {
     }
     EXPECT_TRUE(Refused(Publisher::Create(o, Views(v1)).status(), StatusCode::kFailedPrecondition,
                         {f.VersionPath(2), "remove it"}));
-    EXPECT_FALSE(store_internal::PathExists(f.VersionPath(3)));
+    EXPECT_FALSE(io::PathExists(f.VersionPath(3)));
     ExpectNothingPublishedPast(f, 2);
     // Once it is removed, the next version is 2 again.
     RemoveDir(f.VersionPath(2));
@@ -467,7 +467,7 @@ TEST_P(AdlerCollision, ADeltaMatchingAdler32WithOtherBytesIsRefusedAndRolledBack
   Result<std::optional<int64_t>> current = (*local)->CurrentVersion();
   DS_ASSERT_OK(current);
   EXPECT_EQ(*current, std::optional<int64_t>(1));
-  EXPECT_FALSE(store_internal::PathExists(f.local + "/.weight_sync/journal"));
+  EXPECT_FALSE(io::PathExists(f.local + "/.weight_sync/journal"));
   DS_EXPECT_OK((*local)->Verify());
 
   // The genuine version 2 applies, and the state records its strong digests.

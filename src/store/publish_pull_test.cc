@@ -11,6 +11,7 @@
 #include "deltasync/safetensors.h"
 #include "deltasync/store.h"
 #include "deltasync/synth.h"
+#include "io/file.h"
 #include "store/store_internal.h"
 #include "store/store_test_util.h"
 
@@ -101,7 +102,7 @@ TEST_P(RoundTrip, PublishAndPullEveryVersion) {
     EXPECT_EQ(**local->CurrentVersion(), v);
     EXPECT_TRUE(local->Verify().ok()) << local->Verify().ToString();
   }
-  EXPECT_FALSE(store_internal::PathExists(f.local + "/.weight_sync/journal"));
+  EXPECT_FALSE(io::PathExists(f.local + "/.weight_sync/journal"));
 
   // All at once, from nothing, into a second local dir, with every tensor's
   // changes journaled as several records.
@@ -255,7 +256,7 @@ TEST(Publish, FromCheckpointDirectories) {
   DS_ASSERT_OK(local->Pull(1));
   EXPECT_TRUE(HoldsModel(f.local, next));
   // The local checkpoint keeps the base's sharded layout.
-  EXPECT_TRUE(store_internal::PathExists(f.local + "/" + kIndexFileName));
+  EXPECT_TRUE(io::PathExists(f.local + "/" + kIndexFileName));
 }
 
 TEST(Publish, OneShotFromCheckpointsReadsTheBaseInPlace) {
@@ -327,7 +328,7 @@ TEST(Publish, FullVersionsResetTheChain) {
   EXPECT_EQ(r->versions_applied, (std::vector<int64_t>{3}));
   EXPECT_TRUE(HoldsModel(lo.local, models[3]));
   DS_EXPECT_OK((*fresh)->Verify());
-  EXPECT_FALSE(store_internal::PathExists(lo.local + "/deltasync.json"));
+  EXPECT_FALSE(io::PathExists(lo.local + "/deltasync.json"));
 
   // The receiver at 1 resets to 2 as well (newer full version), then 3.
   r = lagging->Pull(std::nullopt);
@@ -336,7 +337,7 @@ TEST(Publish, FullVersionsResetTheChain) {
   EXPECT_EQ(r->reset_to, 2);
   EXPECT_TRUE(HoldsModel(f.local, models[3]));
   // The config the base brought is kept next to the full version's files.
-  EXPECT_TRUE(store_internal::PathExists(f.local + "/config.json"));
+  EXPECT_TRUE(io::PathExists(f.local + "/config.json"));
 
   // Back in time: reset to the base, replay version 1.
   r = lagging->Pull(1);
@@ -394,8 +395,8 @@ TEST(Prune, WithoutAFullVersionNothingIsDeleted) {
   DS_ASSERT_OK(removed);
   EXPECT_TRUE(removed->empty());
   EXPECT_EQ(ListVersionNumbers(f.store)->size(), 4u);
-  EXPECT_FALSE(store_internal::PathExists(f.store + "/.tmp-weight_v000002-1-0"));
-  EXPECT_TRUE(store_internal::PathExists(f.store + "/.tmp-weight_v000009-1-0"));
+  EXPECT_FALSE(io::PathExists(f.store + "/.tmp-weight_v000002-1-0"));
+  EXPECT_TRUE(io::PathExists(f.store + "/.tmp-weight_v000009-1-0"));
 }
 
 TEST(Pull, TargetZeroMaterializesTheBase) {

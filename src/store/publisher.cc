@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <functional>
 #include <mutex>
@@ -17,22 +18,28 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "core/parallel.h"
 #include "deltasync/checkpoint.h"
 #include "deltasync/diff.h"
 #include "deltasync/safetensors.h"
 #include "deltasync/store.h"
-#include "format/file_util.h"
+#include "deltasync/timing.h"
 #include "format/json_util.h"
+#include "io/file.h"
+#include "io/mapping.h"
+#include "io/process.h"
+#include "pipeline/chunked_diff.h"
+#include "pipeline/producer.h"
 #include "store/store_internal.h"
 #include "store/version_internal.h"
 
 namespace deltasync {
 namespace {
 
-using format_internal::JoinPath;
+using core_internal::FirstError;
 using format_internal::QuoteForMessage;
+using io::JoinPath;
 using store_internal::CrashPoint;
-using store_internal::FirstError;
 using store_internal::IsWeakChecksum;
 using store_internal::kStrongChecksum;
 using store_internal::VersionDir;
@@ -94,7 +101,7 @@ class TempDirGuard {
  public:
   explicit TempDirGuard(std::string path) : path_(std::move(path)) {}
   ~TempDirGuard() {
-    if (!path_.empty()) (void)store_internal::RemoveTree(path_);
+    if (!path_.empty()) (void)io::RemoveTree(path_);
   }
   void Release() { path_.clear(); }
 
@@ -108,20 +115,11 @@ std::string ShardName(size_t i, size_t n) {
   return buf;
 }
 
-double SecondsSince(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-// Bytes of each tensor handled at a time by the fused diff-and-hash pass:
-// the snapshot and new pieces (2x this) stay in L2 between the base digest,
-// the diff and the new digest, so each byte comes from memory once.
-constexpr size_t kFusedChunkBytes = size_t{512} << 10;
-
 // Bytes copied at a time from a slot's data file into its shard.
 constexpr size_t kShardCopyBytes = size_t{1} << 20;
 
-// A data file that one task slot of a delta publish appends the encodings
-// of its finished tensors to, assembled into a shard at the end.
+// A data file that one producer lane of a delta publish appends the
+// encodings of its finished tensors to, assembled into a shard at the end.
 struct SlotPart {
   std::string data_path;
   int fd = -1;
@@ -135,191 +133,63 @@ struct SlotPart {
   }
 };
 
-// What one task reuses from tensor to tensor. Large fresh allocations cost
-// a page fault and a page clear per 4 KiB, as much as the diff itself at
-// typical densities, so these stay mapped for the whole publish.
-struct TensorScratch {
-  ChangeSet changes;             // the tensor's (moved out when kept as an undo log)
-  ChangeSet piece;               // one chunk's
-  std::vector<uint8_t> encoded;  // the tensor's encoding, until written
-  SlotPart* part = nullptr;      // the data file this slot appends to
-  std::unique_ptr<Hasher> base_hasher;
-  std::unique_ptr<Hasher> new_hasher;
-  std::unique_ptr<Hasher> strong_base_hasher;
-  std::unique_ptr<Hasher> strong_new_hasher;
-  std::unique_ptr<Hasher> check_hasher;
-};
+// The disk store's sink: each producer lane appends the encodings of the
+// tensors it finishes to a data file of its own (a new one past
+// max_shard_bytes), so the encoded delta is never held in memory beyond the
+// tensors in flight; WriteDelta assembles the shards from those files.
+class SlotFiles final : public pipeline::EncodingSink {
+ public:
+  SlotFiles(std::string dir, uint64_t max_shard_bytes)
+      : dir_(std::move(dir)), max_shard_bytes_(max_shard_bytes) {}
 
-// The hasher for `algo` in `slot`, made on first use and reset.
-Hasher* FreshHasher(ChecksumAlgo algo, std::unique_ptr<Hasher>* slot) {
-  if (*slot == nullptr || (*slot)->algo() != algo) {
-    *slot = NewHasher(algo);
-  } else {
-    (*slot)->Reset();
-  }
-  return slot->get();
-}
-
-// The whole-tensor checks of DiffTensor, done once before a chunked pass
-// so that no chunk fails after earlier ones were refreshed.
-Status CheckChunkedOperands(std::span<const uint8_t> new_bytes, std::span<uint8_t> snapshot,
-                            uint32_t elem_size) {
-  if (elem_size != 1 && elem_size != 2 && elem_size != 4 && elem_size != 8) {
-    return Status::InvalidArgument("chunked diff: element size " + std::to_string(elem_size) +
-                                   " is not 1, 2, 4 or 8");
-  }
-  const size_t bytes = new_bytes.size();
-  if (bytes != snapshot.size()) {
-    return Status::InvalidArgument("chunked diff: length mismatch, new tensor has " +
-                                   std::to_string(bytes) + " bytes but snapshot has " +
-                                   std::to_string(snapshot.size()));
-  }
-  if (bytes % elem_size != 0) {
-    return Status::InvalidArgument("chunked diff: length " + std::to_string(bytes) +
-                                   " bytes is not a multiple of element size " +
-                                   std::to_string(elem_size));
-  }
-  // Pieces of partially overlapping spans need not overlap themselves, but
-  // refreshing one would change later pieces of the new bytes.
-  const auto new_begin = reinterpret_cast<uintptr_t>(new_bytes.data());
-  const auto old_begin = reinterpret_cast<uintptr_t>(snapshot.data());
-  if (bytes != 0 && new_begin != old_begin && new_begin < old_begin + bytes &&
-      old_begin < new_begin + bytes) {
-    return Status::InvalidArgument("chunked diff: new tensor and snapshot partially overlap");
-  }
-  return Status::OK();
-}
-
-// Elements per chunk: whole elements, at least one, and few enough that a
-// chunk's positions fit in 32 bits.
-uint64_t ChunkNumel(size_t chunk_bytes, uint32_t elem_size) {
-  return std::clamp<uint64_t>(chunk_bytes / elem_size, 1, uint64_t{UINT32_MAX});
-}
-
-// Appends one chunk's changes, found at element `first` of the tensor, to
-// the tensor's ChangeSet. The chunk is narrow (it holds < 2^32 elements);
-// the tensor may be wide.
-void AppendShifted(const ChangeSet& piece, uint64_t first, bool with_new_values, ChangeSet* out) {
-  const size_t count = piece.pos32.size();
-  if (count == 0) return;
-  if (out->wide) {
-    const size_t old = out->pos64.size();
-    out->pos64.resize(old + count);
-    for (size_t k = 0; k < count; ++k) out->pos64[old + k] = first + piece.pos32[k];
-  } else {
-    const size_t old = out->pos32.size();
-    const auto base = static_cast<uint32_t>(first);
-    out->pos32.resize(old + count);
-    for (size_t k = 0; k < count; ++k) out->pos32[old + k] = base + piece.pos32[k];
-  }
-  if (with_new_values) {
-    out->new_values.insert(out->new_values.end(), piece.new_values.begin(), piece.new_values.end());
-  }
-  out->old_values.insert(out->old_values.end(), piece.old_values.begin(), piece.old_values.end());
-}
-
-}  // namespace
-
-namespace store_internal {
-
-// Takes the changes of one chunk: elements [first, first + new_chunk.size()
-// / elem_size) hold new_chunk and `piece` lists their changes relative to
-// `first`.
-using ChunkSink = std::function<Status(uint64_t first, std::span<const uint8_t> new_chunk,
-                                       const ChangeSet& piece)>;
-
-// The pass below with each chunk's changes handed to `sink` instead of
-// gathered, and any number of hashers fed each piece; a sink error stops it
-// (earlier chunks stay refreshed).
-Status DiffAndHashInChunks(std::span<const uint8_t> new_bytes, std::span<uint8_t> snapshot,
-                           const DiffOptions& options, size_t chunk_bytes,
-                           std::span<Hasher* const> base_hashers,
-                           std::span<Hasher* const> new_hashers, ChangeSet* piece,
-                           const ChunkSink& sink);
-
-// Declared by the test that checks it against DiffTensor and ChecksumHex;
-// internal to the publisher otherwise.
-//
-// DiffTensor(new_bytes, snapshot, options, out) done `chunk_bytes` (rounded
-// down to whole elements, at least one) at a time, with `base_hasher` fed
-// each snapshot piece before the diff may refresh it and `new_hasher` fed
-// each new piece right after the diff read it (either may be null). `out`
-// ends up exactly as DiffTensor leaves it; options.pool is not used.
-// `piece` is scratch. Errors as DiffTensor's, with the snapshot untouched;
-// a failure past the first chunk (which the whole-tensor checks done first
-// rule out) would leave the earlier chunks refreshed and their changes in
-// `out`, so that a caller can still undo them.
-Status DiffAndHashInChunks(std::span<const uint8_t> new_bytes, std::span<uint8_t> snapshot,
-                           const DiffOptions& options, size_t chunk_bytes, Hasher* base_hasher,
-                           Hasher* new_hasher, ChangeSet* piece, ChangeSet* out) {
-  if (out == nullptr || piece == nullptr) {
-    return Status::InvalidArgument("chunked diff: output ChangeSet is null");
-  }
-  DS_RETURN_IF_ERROR(CheckChunkedOperands(new_bytes, snapshot, options.elem_size));
-  out->Clear();
-  out->elem_size = options.elem_size;
-  if (options.elem_size != 0) out->numel = new_bytes.size() / options.elem_size;
-  out->wide = out->numel > uint64_t{UINT32_MAX};
-  const std::span<Hasher* const> none;
-  return DiffAndHashInChunks(new_bytes, snapshot, options, chunk_bytes,
-                             base_hasher ? std::span<Hasher* const>(&base_hasher, 1) : none,
-                             new_hasher ? std::span<Hasher* const>(&new_hasher, 1) : none, piece,
-                             [&](uint64_t first, std::span<const uint8_t>, const ChangeSet& p) {
-                               AppendShifted(p, first, /*with_new_values=*/true, out);
-                               return Status::OK();
-                             });
-}
-
-Status DiffAndHashInChunks(std::span<const uint8_t> new_bytes, std::span<uint8_t> snapshot,
-                           const DiffOptions& options, size_t chunk_bytes,
-                           std::span<Hasher* const> base_hashers,
-                           std::span<Hasher* const> new_hashers, ChangeSet* piece,
-                           const ChunkSink& sink) {
-  if (piece == nullptr) return Status::InvalidArgument("chunked diff: piece ChangeSet is null");
-  const uint32_t elem_size = options.elem_size;
-  DS_RETURN_IF_ERROR(CheckChunkedOperands(new_bytes, snapshot, elem_size));
-  const uint64_t numel = new_bytes.size() / elem_size;
-  const uint64_t chunk_numel = ChunkNumel(chunk_bytes, elem_size);
-  DiffOptions piece_options = options;
-  piece_options.pool = nullptr;
-  for (uint64_t first = 0; first < numel; first += chunk_numel) {
-    const size_t offset = first * elem_size;
-    const size_t length = std::min(chunk_numel, numel - first) * elem_size;
-    const std::span<const uint8_t> new_chunk = new_bytes.subspan(offset, length);
-    for (Hasher* h : base_hashers) h->Update(snapshot.subspan(offset, length));
+  Status Put(size_t lane, size_t index, const pipeline::TensorDelta& delta,
+             std::span<const uint8_t> encoding) override {
+    (void)delta;
+    SlotPart*& part = LanePart(lane);
+    if (part == nullptr ||
+        (!part->tensors.empty() && part->size + encoding.size() > max_shard_bytes_)) {
+      if (part != nullptr) {  // full: reopened to be read at the end
+        ::close(part->fd);
+        part->fd = -1;
+      }
+      DS_ASSIGN_OR_RETURN(part, NewPart());
+    }
     DS_RETURN_IF_ERROR(
-        DiffTensor(new_chunk, snapshot.subspan(offset, length), piece_options, piece));
-    for (Hasher* h : new_hashers) h->Update(new_chunk);
-    DS_RETURN_IF_ERROR(sink(first, new_chunk, *piece));
+        io::WriteAllAt(part->fd, encoding.data(), encoding.size(), part->size, part->data_path));
+    part->tensors.emplace_back(index, encoding.size());
+    part->size += encoding.size();
+    return Status::OK();
   }
-  return Status::OK();
-}
 
-}  // namespace store_internal
+  // Every data file made, in the order made.
+  std::vector<std::unique_ptr<SlotPart>>& parts() { return parts_; }
 
-namespace {
-
-// Refreshes `snapshot` to `new_bytes` as DiffTensor does, a chunk at a time
-// through `piece`, returning how many elements changed.
-Result<uint64_t> RefreshInChunks(std::span<const uint8_t> new_bytes, std::span<uint8_t> snapshot,
-                                 uint32_t elem_size, ChangeSet* piece) {
-  DS_RETURN_IF_ERROR(CheckChunkedOperands(new_bytes, snapshot, elem_size));
-  DiffOptions options;
-  options.elem_size = elem_size;
-  options.refresh_snapshot = true;
-  options.keep_old_values = false;
-  const uint64_t numel = new_bytes.size() / elem_size;
-  const uint64_t chunk_numel = ChunkNumel(kFusedChunkBytes, elem_size);
-  uint64_t changed = 0;
-  for (uint64_t first = 0; first < numel; first += chunk_numel) {
-    const size_t offset = first * elem_size;
-    const size_t length = std::min(chunk_numel, numel - first) * elem_size;
-    DS_RETURN_IF_ERROR(DiffTensor(new_bytes.subspan(offset, length),
-                                  snapshot.subspan(offset, length), options, piece));
-    changed += piece->count();
+ private:
+  // The lane's current data file (null before its first); only the lane's
+  // own calls use the entry, and a deque keeps it in place as others are
+  // added.
+  SlotPart*& LanePart(size_t lane) {
+    std::lock_guard<std::mutex> lock(mu_);
+    while (lane_parts_.size() <= lane) lane_parts_.push_back(nullptr);
+    return lane_parts_[lane];
   }
-  return changed;
-}
+
+  Result<SlotPart*> NewPart() {
+    auto part = std::make_unique<SlotPart>();
+    std::lock_guard<std::mutex> lock(mu_);
+    part->data_path = JoinPath(dir_, ".data-" + std::to_string(parts_.size() + 1));
+    part->fd = ::open(part->data_path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (part->fd < 0) return Status::FromErrno(errno, part->data_path + ": create");
+    parts_.push_back(std::move(part));
+    return parts_.back().get();
+  }
+
+  const std::string dir_;
+  const uint64_t max_shard_bytes_;
+  std::mutex mu_;  // guards parts_ and the size of lane_parts_
+  std::vector<std::unique_ptr<SlotPart>> parts_;
+  std::deque<SlotPart*> lane_parts_;
+};
 
 // What the store's newest version `newest` records about its tensors,
 // read from its sidecar (or, without one, its shards' headers). A version
@@ -505,28 +375,7 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
     const std::vector<const TensorView*>& weights, int64_t version, const std::string& dir,
     PublishResult* result) {
   const size_t n = tensors.size();
-  std::vector<DeltaTensor> delta(n);
-  std::atomic<uint64_t> undo_bytes{0};
-  FirstError error;
-
-  // Each task slot appends the encodings of the tensors it finishes to a
-  // data file of its own (a new one past max_shard_bytes); the shards are
-  // assembled from those files at the end, header first. So the encoded
-  // delta is never held in memory beyond the tensors in flight.
-  std::mutex parts_mu;
-  std::vector<std::unique_ptr<SlotPart>> parts;
-  auto new_part = [&]() -> Result<SlotPart*> {
-    auto part = std::make_unique<SlotPart>();
-    std::lock_guard<std::mutex> lock(parts_mu);
-    part->data_path = JoinPath(dir, ".data-" + std::to_string(parts.size() + 1));
-    part->fd = ::open(part->data_path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    if (part->fd < 0) return Status::FromErrno(errno, part->data_path + ": create");
-    parts.push_back(std::move(part));
-    return parts.back().get();
-  };
-
   const PublisherOptions& opt = options;
-  const Codec& codec = GetCodec(opt.encoding);
   const bool weak = IsWeakChecksum(opt.checksum);
   // The base's digests in the record's algorithm come from the hashers the
   // pass runs anyway, unless the record is in a third algorithm.
@@ -534,135 +383,82 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
       base_record ? base_record->algo : std::optional<ChecksumAlgo>();
   const bool check_apart =
       check_algo && *check_algo != opt.checksum && !(weak && *check_algo == kStrongChecksum);
-  store_internal::FreeList<TensorScratch> scratches;
-  auto process = [&](size_t i) {
-    if (error.failed()) return;
-    SnapshotTensor& snap = tensors[i];
-    DeltaTensor& out = delta[i];
-    const TensorView& w = *weights[i];
-    std::unique_ptr<TensorScratch> scratch = scratches.Take();
-    ChangeSet& changes = scratch->changes;
-    DiffOptions diff;
-    diff.elem_size = static_cast<uint32_t>(DTypeSize(snap.dtype));
-    diff.refresh_snapshot =
-        !borrowed && undo_bytes.load(std::memory_order_relaxed) < opt.undo_budget_bytes;
-    // Old values serve the encoding and, once refreshed, the undo log.
-    diff.keep_old_values = diff.refresh_snapshot || codec.needs_old_values();
-    diff.pool = nullptr;
-    Hasher* base_hasher =
-        snap.checksum ? nullptr : FreshHasher(opt.checksum, &scratch->base_hasher);
-    Hasher* new_hasher = FreshHasher(opt.checksum, &scratch->new_hasher);
-    Hasher* strong_base_hasher = weak && !snap.strong_checksum
-                                     ? FreshHasher(kStrongChecksum, &scratch->strong_base_hasher)
-                                     : nullptr;
-    Hasher* strong_new_hasher =
-        weak ? FreshHasher(kStrongChecksum, &scratch->strong_new_hasher) : nullptr;
-    const bool checked = check_algo && base_record->Lists(snap.name);
-    Hasher* check_hasher =
-        checked && check_apart ? FreshHasher(*check_algo, &scratch->check_hasher) : nullptr;
-    Hasher* base_hashers[3];
-    Hasher* new_hashers[2];
-    size_t base_count = 0, new_count = 0;
-    for (Hasher* h : {base_hasher, strong_base_hasher, check_hasher}) {
-      if (h != nullptr) base_hashers[base_count++] = h;
-    }
-    for (Hasher* h : {new_hasher, strong_new_hasher}) {
-      if (h != nullptr) new_hashers[new_count++] = h;
-    }
-    const uint64_t numel = snap.size / diff.elem_size;
-    // Encodings that stream take each chunk's changes as the pass finds them,
-    // so the tensor's whole change list is never held; the undo log of a
-    // refreshed tensor keeps only positions and old values.
-    std::vector<uint8_t>& encoded = scratch->encoded;
-    encoded.clear();
-    std::unique_ptr<EncodeStream> stream =
-        codec.NewEncodeStream(numel, diff.elem_size, opt.encode, &encoded);
-    uint64_t count = 0;
-    changes.Clear();
-    changes.numel = numel;
-    changes.elem_size = diff.elem_size;
-    changes.wide = numel > uint64_t{UINT32_MAX};
-    auto sink = [&](uint64_t first, std::span<const uint8_t> new_chunk, const ChangeSet& piece) {
-      count += piece.count();
-      // Recorded first: the chunk is already refreshed, whatever the stream says.
-      if (diff.refresh_snapshot || !stream) {
-        AppendShifted(piece, first, /*with_new_values=*/!stream, &changes);
-      }
-      return stream ? stream->Add(first, new_chunk, piece) : Status::OK();
-    };
-    // Mapped in one call each rather than a fault at a time as the pass
-    // reads them (only a page-table walk for memory already mapped).
-    store_internal::PrefaultForRead(w.bytes);
-    if (borrowed) store_internal::PrefaultForRead(snap.bytes());
-    // One pass computes the base digests (of the bytes before the refresh;
-    // skipped when the snapshot's are known), the diff and the new digests.
-    Status s = store_internal::DiffAndHashInChunks(w.bytes, snap.bytes(), diff, kFusedChunkBytes,
-                                                   {base_hashers, base_count},
-                                                   {new_hashers, new_count}, &scratch->piece, sink);
-    out.refreshed = diff.refresh_snapshot;
-    if (s.ok()) {
-      out.base_checksum = base_hasher ? base_hasher->HexDigest() : *snap.checksum;
-      out.checksum = new_hasher->HexDigest();
-      if (weak) {
-        out.strong_base_checksum =
-            strong_base_hasher ? strong_base_hasher->HexDigest() : *snap.strong_checksum;
-        out.strong_checksum = strong_new_hasher->HexDigest();
-      }
-      if (checked) {
-        out.check_digest = check_hasher                  ? check_hasher->HexDigest()
-                           : *check_algo == opt.checksum ? out.base_checksum
-                                                         : out.strong_base_checksum;
-      }
-      if (count > 0) {
-        out.changed = true;
-        out.changed_elements = count;
-        s = stream ? stream->Finish() : codec.Encode(w.bytes, changes, opt.encode, &encoded);
-        if (!s.ok()) s = s.WithContext("encoding tensor '" + snap.name + "'");
-      }
-    } else {
-      s = s.WithContext("tensor '" + snap.name + "'");
-    }
-    stream.reset();
-    if (s.ok() && out.changed) {
-      SlotPart* part = scratch->part;
-      if (part == nullptr ||
-          (!part->tensors.empty() && part->size + encoded.size() > opt.max_shard_bytes)) {
-        if (part != nullptr) {  // full: reopened to be read at the end
-          ::close(part->fd);
-          part->fd = -1;
-        }
-        Result<SlotPart*> made = new_part();
-        s = made.status();
-        if (made.ok()) part = scratch->part = *made;
-      }
-      if (s.ok()) {
-        s = store_internal::WriteAllAt(part->fd, encoded.data(), encoded.size(), part->size,
-                                       part->data_path);
-      }
-      if (s.ok()) {
-        part->tensors.emplace_back(i, encoded.size());
-        part->size += encoded.size();
-      }
-    }
-    error.Note(std::move(s));
-    // Kept even on failure: a refreshed snapshot must be restorable.
-    if (out.refreshed && changes.count() > 0) {
-      std::vector<uint8_t>().swap(changes.new_values);
-      undo_bytes.fetch_add(changes.count() * (changes.wide ? 8 : 4) + changes.old_values.size(),
-                           std::memory_order_relaxed);
-      out.undo = std::move(changes);
-      changes = ChangeSet();
-    }
-    scratches.Give(std::move(scratch));
-  };
+  // The record's algorithm, when there is a record.
+  const ChecksumAlgo record_algo = check_algo.value_or(opt.checksum);
 
-  // Largest tensors first, so that a big one does not start last and leave
-  // the other threads idle.
-  std::vector<size_t> order(n);
-  for (size_t k = 0; k < n; ++k) order[k] = k;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](size_t a, size_t b) { return tensors[a].size > tensors[b].size; });
-  pool->ParallelFor(n, [&](size_t k) { process(order[k]); });
+  // Which digests each tensor's pass computes. Of the base: in the
+  // publisher's algorithm unless the snapshot's is known, the strong one
+  // beside a weak one unless known, and the record's when it is a third
+  // algorithm. Of the new bytes: the publisher's and, beside a weak one,
+  // the strong one.
+  struct Planned {
+    bool base = false;
+    bool strong_base = false;
+    bool checked = false;  // the base record lists the tensor
+    bool check = false;    // ... in an algorithm of its own
+  };
+  std::vector<Planned> planned(n);
+  std::vector<pipeline::ProduceTensor> inputs(n);
+  for (size_t i = 0; i < n; ++i) {
+    SnapshotTensor& snap = tensors[i];
+    Planned& p = planned[i];
+    p.base = !snap.checksum;
+    p.strong_base = weak && !snap.strong_checksum;
+    p.checked = check_algo && base_record->Lists(snap.name);
+    p.check = p.checked && check_apart;
+    pipeline::ProduceTensor& in = inputs[i];
+    in.name = snap.name;
+    in.new_bytes = weights[i]->bytes;
+    in.snapshot = snap.bytes();
+    in.elem_size = static_cast<uint32_t>(DTypeSize(snap.dtype));
+    if (p.base) in.base_digests.Add(opt.checksum);
+    if (p.strong_base) in.base_digests.Add(kStrongChecksum);
+    if (p.check) in.base_digests.Add(record_algo);
+    in.new_digests.Add(opt.checksum);
+    if (weak) in.new_digests.Add(kStrongChecksum);
+  }
+
+  pipeline::ProducerOptions produce;
+  produce.encoding = opt.encoding;
+  produce.encode = opt.encode;
+  produce.pool = pool;
+  // A borrowed snapshot is the caller's base, only read (and, a file
+  // mapping, not hot).
+  produce.refresh = !borrowed;
+  produce.undo_budget_bytes = opt.undo_budget_bytes;
+  produce.prefault_snapshot = borrowed;
+  pipeline::Producer producer(produce);
+  SlotFiles slots(dir, opt.max_shard_bytes);
+  std::vector<pipeline::TensorDelta> produced;
+  FirstError error;
+  error.Note(producer.Run(inputs, &slots, &produced));
+
+  std::vector<DeltaTensor> delta(n);
+  for (size_t i = 0; i < n; ++i) {
+    pipeline::TensorDelta& pd = produced[i];
+    DeltaTensor& d = delta[i];
+    const Planned& p = planned[i];
+    const SnapshotTensor& snap = tensors[i];
+    d.changed = pd.changed;
+    d.changed_elements = pd.changed_elements;
+    d.refreshed = pd.refreshed;
+    d.undo = std::move(pd.undo);
+    if (!pd.diffed) continue;
+    size_t k = 0;
+    d.base_checksum = p.base ? std::move(pd.base_digests[k++]) : *snap.checksum;
+    d.checksum = std::move(pd.new_digests[0]);
+    if (weak) {
+      d.strong_base_checksum =
+          p.strong_base ? std::move(pd.base_digests[k++]) : *snap.strong_checksum;
+      d.strong_checksum = std::move(pd.new_digests[1]);
+    }
+    if (p.checked) {
+      d.check_digest = p.check                       ? std::move(pd.base_digests[k])
+                       : record_algo == opt.checksum ? d.base_checksum
+                                                     : d.strong_base_checksum;
+    }
+  }
+  std::vector<std::unique_ptr<SlotPart>>& parts = slots.parts();
 
   // Shards, under temporary names (their final names carry the shard count),
   // in the order of their first tensors; each data file is copied after its
@@ -701,11 +497,11 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
     for (uint64_t at = 0; s.ok() && at < part->size; at += copy_buffer.size()) {
       const auto n_bytes =
           static_cast<size_t>(std::min<uint64_t>(copy_buffer.size(), part->size - at));
-      s = store_internal::ReadAllAt(part->fd, copy_buffer.data(), n_bytes, at, part->data_path);
+      s = io::ReadAllAt(part->fd, copy_buffer.data(), n_bytes, at, part->data_path);
       if (s.ok()) s = (*writer)->Append({copy_buffer.data(), n_bytes});
     }
     if (s.ok()) s = (*writer)->Finish();
-    if (s.ok()) s = format_internal::RemoveFileIfExists(part->data_path);
+    if (s.ok()) s = io::RemoveFileIfExists(part->data_path);
     error.Note(std::move(s));
   });
   for (size_t i = 0; i < n; ++i) {
@@ -758,14 +554,12 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
   }
   if (status.ok()) {
     Result<std::string> index_text = SerializeCheckpointIndex(index);
-    status = index_text.ok()
-                 ? format_internal::WriteFileAtomically(JoinPath(dir, kIndexFileName), *index_text)
-                 : index_text.status();
+    status = index_text.ok() ? io::WriteFileAtomically(JoinPath(dir, kIndexFileName), *index_text)
+                             : index_text.status();
   }
   if (status.ok()) {
-    status =
-        format_internal::WriteFileAtomically(JoinPath(dir, kVersionManifestFileName),
-                                             store_internal::SerializeVersionManifest(manifest));
+    status = io::WriteFileAtomically(JoinPath(dir, kVersionManifestFileName),
+                                     store_internal::SerializeVersionManifest(manifest));
   }
   if (!status.ok()) {
     RestoreSnapshot(&delta);
@@ -777,13 +571,7 @@ Result<std::vector<DeltaTensor>> Publisher::State::WriteDelta(
 void Publisher::State::RestoreSnapshot(std::vector<DeltaTensor>* delta) {
   pool->ParallelFor(delta->size(), [&](size_t i) {
     DeltaTensor& d = (*delta)[i];
-    if (d.refreshed && d.undo.count() > 0) {
-      const uint32_t es = d.undo.elem_size;
-      uint8_t* dst = tensors[i].data;
-      for (uint64_t k = 0; k < d.undo.count(); ++k) {
-        std::memcpy(dst + d.undo.position(k) * es, d.undo.old_values.data() + k * es, es);
-      }
-    }
+    if (d.refreshed && d.undo.count() > 0) pipeline::UndoRefresh(d.undo, tensors[i].bytes());
     d.refreshed = false;
     // The snapshot holds the base again; its digests, when the diff
     // computed them, save the next publish a pass.
@@ -810,7 +598,7 @@ Status Publisher::State::WriteFull(const std::vector<const TensorView*>& weights
     // is in cache.
     const SnapshotTensor& snap = tensors[i];
     const auto elem_size = static_cast<uint32_t>(DTypeSize(snap.dtype));
-    const size_t chunk = ChunkNumel(kFusedChunkBytes, elem_size) * elem_size;
+    const size_t chunk = pipeline::ChunkNumel(pipeline::kFusedChunkBytes, elem_size) * elem_size;
     std::unique_ptr<Hasher> hasher = NewHasher(options.checksum);
     std::unique_ptr<Hasher> strong = weak ? NewHasher(kStrongChecksum) : nullptr;
     uint64_t count = 0;
@@ -850,8 +638,8 @@ Status Publisher::State::WriteFull(const std::vector<const TensorView*>& weights
     t.checksum = (*checksums)[i];
     if (weak) t.strong_checksum = (*strong_checksums)[i];
   }
-  return format_internal::WriteFileAtomically(JoinPath(dir, kVersionManifestFileName),
-                                              store_internal::SerializeVersionManifest(manifest));
+  return io::WriteFileAtomically(JoinPath(dir, kVersionManifestFileName),
+                                 store_internal::SerializeVersionManifest(manifest));
 }
 
 Publisher::Publisher(std::unique_ptr<State> state) : state_(std::move(state)) {}
@@ -891,7 +679,7 @@ Result<std::unique_ptr<Publisher::State>> Publisher::State::Make(
       s.data = s.owned.get();
     }
   }
-  DS_RETURN_IF_ERROR(format_internal::CreateDirectories(options.store));
+  DS_RETURN_IF_ERROR(io::CreateDirectories(options.store));
   DS_ASSIGN_OR_RETURN(std::vector<int64_t> versions, ListVersionNumbers(options.store));
   // The base must be what the newest version holds: a delta made against
   // anything else applies nowhere.
@@ -917,8 +705,8 @@ Result<std::unique_ptr<Publisher::State>> Publisher::State::Make(
       return;
     }
     std::unique_ptr<Hasher> hasher = NewHasher(*check_algo);
-    for (size_t offset = 0; offset < from.size(); offset += kFusedChunkBytes) {
-      const size_t length = std::min(kFusedChunkBytes, from.size() - offset);
+    for (size_t offset = 0; offset < from.size(); offset += pipeline::kFusedChunkBytes) {
+      const size_t length = std::min(pipeline::kFusedChunkBytes, from.size() - offset);
       std::memcpy(s.data + offset, from.data() + offset, length);
       hasher->Update({s.data + offset, length});
     }
@@ -982,14 +770,14 @@ Result<PublishResult> Publisher::State::Publish(const std::vector<TensorView>& w
   const int64_t version = st.latest + 1;
   if (st.options.full_every > 0 && version % st.options.full_every == 0) full = true;
   const std::string final_dir = VersionDir(store, version);
-  if (store_internal::PathExists(final_dir)) {
+  if (io::PathExists(final_dir)) {
     return Status::AlreadyExists(final_dir + ": already exists; refusing to overwrite a version");
   }
   static std::atomic<uint64_t> counter{0};
   const std::string temp_dir =
       JoinPath(store, ".tmp-" + VersionDirName(version) + "-" + std::to_string(::getpid()) + "-" +
                           std::to_string(counter.fetch_add(1)));
-  (void)store_internal::RemoveTree(temp_dir);
+  (void)io::RemoveTree(temp_dir);
   if (::mkdir(temp_dir.c_str(), 0755) != 0) {
     return Status::FromErrno(errno, temp_dir + ": create");
   }
@@ -1022,15 +810,14 @@ Result<PublishResult> Publisher::State::Publish(const std::vector<TensorView>& w
     }
   }
   // From here on a failure must put the snapshot back.
-  Status status = format_internal::SyncDirectory(temp_dir);
+  Status status = io::SyncDirectory(temp_dir);
   if (status.ok() && !st.options.post_write_hook.empty()) {
-    status =
-        store_internal::RunHook(st.options.post_write_hook,
-                                {temp_dir, final_dir, FormatVersion(version)}, "post-write hook");
+    status = io::RunHook(st.options.post_write_hook, {temp_dir, final_dir, FormatVersion(version)},
+                         "post-write hook");
   }
   if (status.ok()) {
     CrashPoint("publish:before-rename");
-    status = store_internal::RenameNoReplace(temp_dir, final_dir);
+    status = io::RenameNoReplace(temp_dir, final_dir);
   }
   if (!status.ok()) {
     st.RestoreSnapshot(&delta);
@@ -1040,7 +827,7 @@ Result<PublishResult> Publisher::State::Publish(const std::vector<TensorView>& w
   // The version is visible; a failed directory sync leaves it visible but
   // maybe not durable, which the caller must hear about, yet the snapshot
   // must follow what readers can now see.
-  Status sync_status = format_internal::SyncDirectory(store);
+  Status sync_status = io::SyncDirectory(store);
   st.latest = version;
 
   // Advance the snapshot.
@@ -1048,13 +835,13 @@ Result<PublishResult> Publisher::State::Publish(const std::vector<TensorView>& w
     // Nothing to advance: the snapshot is the caller's base.
   } else if (full) {
     std::atomic<uint64_t> changed{0};
-    store_internal::FreeList<TensorScratch> scratches;
+    core_internal::FreeList<ChangeSet> pieces;
     st.pool->ParallelFor(st.tensors.size(), [&](size_t i) {
       SnapshotTensor& s = st.tensors[i];
       const auto elem_size = static_cast<uint32_t>(DTypeSize(s.dtype));
-      std::unique_ptr<TensorScratch> scratch = scratches.Take();
+      std::unique_ptr<ChangeSet> piece = pieces.Take();
       Result<uint64_t> n =
-          RefreshInChunks(ordered[i]->bytes, s.bytes(), elem_size, &scratch->piece);
+          pipeline::RefreshInChunks(ordered[i]->bytes, s.bytes(), elem_size, piece.get());
       if (n.ok()) {
         changed.fetch_add(*n, std::memory_order_relaxed);
       } else {
@@ -1062,7 +849,7 @@ Result<PublishResult> Publisher::State::Publish(const std::vector<TensorView>& w
       }
       s.checksum = full_checksums[i];
       if (!full_strong_checksums.empty()) s.strong_checksum = full_strong_checksums[i];
-      scratches.Give(std::move(scratch));
+      pieces.Give(std::move(piece));
     });
     result.changed_elements = changed.load();
   } else {
@@ -1081,7 +868,7 @@ Result<PublishResult> Publisher::State::Publish(const std::vector<TensorView>& w
   }
 
   DS_ASSIGN_OR_RETURN(result.info, ReadVersionInfo(final_dir));
-  result.bytes_written = store_internal::DirectoryBytes(final_dir);
+  result.bytes_written = io::DirectoryBytes(final_dir);
   result.seconds = SecondsSince(t0);
   if (!sync_status.ok()) return sync_status.WithContext("version published but not synced");
   return result;
@@ -1108,7 +895,7 @@ Result<PublishResult> PublishCheckpointOnce(const PublisherOptions& options,
   // the pool instead of one page at a time as they close.
   ThreadPool* pool = options.pool ? options.pool : &ThreadPool::Default();
   for (const Checkpoint* c : {base.get(), next.get()}) {
-    for (const auto& file : c->files()) store_internal::DropMappedPages(file->data(), pool);
+    for (const auto& file : c->files()) io::DropMappedPages(file->data(), pool);
   }
   return result;
 }
@@ -1140,8 +927,8 @@ Result<std::vector<int64_t>> PruneStore(const std::string& store, int64_t keep) 
       const std::string trash =
           JoinPath(store, ".trash-" + VersionDirName(v) + "-" + std::to_string(::getpid()) + "-" +
                               std::to_string(counter.fetch_add(1)));
-      DS_RETURN_IF_ERROR(store_internal::RenameNoReplace(versions[i].dir, trash));
-      DS_RETURN_IF_ERROR(store_internal::RemoveTree(trash));
+      DS_RETURN_IF_ERROR(io::RenameNoReplace(versions[i].dir, trash));
+      DS_RETURN_IF_ERROR(io::RemoveTree(trash));
       removed.push_back(v);
     }
   }
@@ -1157,9 +944,9 @@ Result<std::vector<int64_t>> PruneStore(const std::string& store, int64_t keep) 
       Result<int64_t> v = ParseVersionDirName(rest.substr(0, dash));
       stale = v.ok() && *v <= latest;
     }
-    if (stale) (void)store_internal::RemoveTree(entry.path().string());
+    if (stale) (void)io::RemoveTree(entry.path().string());
   }
-  if (!removed.empty()) DS_RETURN_IF_ERROR(format_internal::SyncDirectory(store));
+  if (!removed.empty()) DS_RETURN_IF_ERROR(io::SyncDirectory(store));
   return removed;
 }
 

@@ -11,16 +11,15 @@
 
 #include "deltasync/checkpoint.h"
 #include "deltasync/store.h"
-#include "format/file_util.h"
 #include "format/json_util.h"
-#include "store/store_internal.h"
+#include "io/file.h"
 #include "store/version_internal.h"
 
 namespace deltasync {
 namespace {
 
-using format_internal::JoinPath;
 using format_internal::QuoteForMessage;
+using io::JoinPath;
 using nlohmann::json;
 
 constexpr std::string_view kVersionDirPrefix = "weight_v";
@@ -91,7 +90,7 @@ Result<int64_t> ParseVersion(std::string_view text) {
 
 Result<std::optional<VersionManifest>> ReadVersionManifest(const std::string& version_dir) {
   const std::string path = JoinPath(version_dir, kVersionManifestFileName);
-  Result<std::string> text = format_internal::ReadFileLimited(path, kMaxManifestBytes);
+  Result<std::string> text = io::ReadFileLimited(path, kMaxManifestBytes);
   if (!text.ok()) {
     if (text.status().IsNotFound()) return std::optional<VersionManifest>();
     return text.status();
@@ -102,21 +101,21 @@ Result<std::optional<VersionManifest>> ReadVersionManifest(const std::string& ve
 }
 
 Result<VersionInfo> ReadVersionInfo(const std::string& version_dir) {
-  if (!store_internal::IsDirectory(version_dir)) {
-    if (!store_internal::PathExists(version_dir)) {
+  if (!io::IsDirectory(version_dir)) {
+    if (!io::PathExists(version_dir)) {
       return Status::NotFound(version_dir + ": no such version directory");
     }
     return Status::Corruption(version_dir + ": not a directory");
   }
   VersionInfo info;
   info.dir = version_dir;
-  Result<int64_t> dir_version = ParseVersionDirName(format_internal::BaseName(version_dir));
+  Result<int64_t> dir_version = ParseVersionDirName(io::BaseName(version_dir));
 
   const std::string index_path = JoinPath(version_dir, kIndexFileName);
-  Result<std::string> text = format_internal::ReadFileLimited(index_path, kMaxIndexBytes);
+  Result<std::string> text = io::ReadFileLimited(index_path, kMaxIndexBytes);
   if (!text.ok()) {
     if (!text.status().IsNotFound()) return text.status();
-    if (!store_internal::PathExists(JoinPath(version_dir, kSingleFileName))) {
+    if (!io::PathExists(JoinPath(version_dir, kSingleFileName))) {
       return Status::Corruption(version_dir + ": holds neither " + kIndexFileName + " nor " +
                                 kSingleFileName + ": not a checkpoint");
     }
@@ -205,8 +204,7 @@ Result<VersionInfo> ReadVersionInfo(const std::string& version_dir) {
       // lost entries reads as a delta that changed less, or nothing).
       std::set<std::string> named;
       for (const auto& [tensor, file] : index->weight_map) named.insert(file);
-      DS_ASSIGN_OR_RETURN(std::vector<std::string> files,
-                          store_internal::ListRegularFiles(version_dir));
+      DS_ASSIGN_OR_RETURN(std::vector<std::string> files, io::ListRegularFiles(version_dir));
       for (const std::string& file : files) {
         if (file.ends_with(".safetensors") && !named.count(file)) {
           return Status::Corruption(index_path + ": the version holds " + file +
@@ -216,7 +214,7 @@ Result<VersionInfo> ReadVersionInfo(const std::string& version_dir) {
     }
   }
 
-  info.bytes = store_internal::DirectoryBytes(version_dir);
+  info.bytes = io::DirectoryBytes(version_dir);
   DS_ASSIGN_OR_RETURN(std::optional<VersionManifest> manifest, ReadVersionManifest(version_dir));
   if (manifest) {
     const std::string where = JoinPath(version_dir, kVersionManifestFileName);
@@ -240,7 +238,7 @@ Result<std::vector<int64_t>> ListVersionNumbers(const std::string& store) {
   }
   while (struct dirent* entry = ::readdir(d)) {
     Result<int64_t> v = ParseVersionDirName(entry->d_name);
-    if (v.ok() && store_internal::IsDirectory(JoinPath(store, entry->d_name))) {
+    if (v.ok() && io::IsDirectory(JoinPath(store, entry->d_name))) {
       versions.push_back(*v);
     }
   }
