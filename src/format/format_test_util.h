@@ -15,54 +15,18 @@
 #include <vector>
 
 #include "deltasync/status.h"
+#include "io/io_test_util.h"
 
 namespace deltasync::testing_util {
 
-// A fresh directory under $TMPDIR (or /tmp), named after `prefix` and
-// removed with its contents.
-class TempDir {
+// Scratch directories and whole-file reads and writes are the io module's
+// test helpers.
+class TempDir : public io_test::TempDir {
  public:
-  explicit TempDir(std::string_view prefix = "ds_format_test") {
-    const char* base = std::getenv("TMPDIR");
-    std::string pattern =
-        std::string(base && *base ? base : "/tmp") + "/" + std::string(prefix) + ".XXXXXX";
-    path_ = ::mkdtemp(pattern.data()) ? pattern : std::string();
-    EXPECT_FALSE(path_.empty()) << "mkdtemp failed";
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-
-  const std::string& path() const { return path_; }
-  std::string Join(std::string_view name) const { return path_ + "/" + std::string(name); }
-  // Every entry name in the directory (hidden ones included), sorted.
-  std::vector<std::string> List(std::string_view sub = "") const {
-    std::vector<std::string> names;
-    for (const auto& e : std::filesystem::directory_iterator(sub.empty() ? path_ : Join(sub))) {
-      names.push_back(e.path().filename().string());
-    }
-    std::sort(names.begin(), names.end());
-    return names;
-  }
-
- private:
-  std::string path_;
+  explicit TempDir(std::string_view prefix = "ds_format_test") : io_test::TempDir(prefix) {}
 };
-
-inline std::string ReadFileOrDie(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  EXPECT_TRUE(in.good()) << "cannot read " << path;
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-inline void WriteFileOrDie(const std::string& path, std::string_view bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  ASSERT_TRUE(out.good()) << "cannot write " << path;
-}
+inline constexpr auto& ReadFileOrDie = io_test::ReadFile;
+inline constexpr auto& WriteFileOrDie = io_test::WriteFile;
 
 // A safetensors image built by hand, independently of the code under test:
 // little-endian u64 length, `header` (padded with spaces to a multiple of 8

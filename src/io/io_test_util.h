@@ -18,12 +18,14 @@
 
 namespace deltasync::io_test {
 
-// A fresh directory under $TMPDIR (or /tmp), removed with its contents.
+// A fresh directory under $TMPDIR (or /tmp), named after `prefix` and
+// removed with its contents.
 class TempDir {
  public:
-  TempDir() {
+  explicit TempDir(std::string_view prefix = "ds_io_test") {
     const char* base = std::getenv("TMPDIR");
-    std::string pattern = std::string(base && *base ? base : "/tmp") + "/ds_io_test.XXXXXX";
+    std::string pattern =
+        std::string(base && *base ? base : "/tmp") + "/" + std::string(prefix) + ".XXXXXX";
     path_ = ::mkdtemp(pattern.data()) ? pattern : std::string();
     EXPECT_FALSE(path_.empty()) << "mkdtemp failed";
   }
@@ -36,6 +38,15 @@ class TempDir {
 
   const std::string& path() const { return path_; }
   std::string Join(std::string_view name) const { return path_ + "/" + std::string(name); }
+  // Every entry name in the directory (hidden ones included), sorted.
+  std::vector<std::string> List(std::string_view sub = "") const {
+    std::vector<std::string> names;
+    for (const auto& e : std::filesystem::directory_iterator(sub.empty() ? path_ : Join(sub))) {
+      names.push_back(e.path().filename().string());
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+  }
 
  private:
   std::string path_;

@@ -5,6 +5,8 @@
 
 #include "pipeline/chunked_diff.h"
 
+#include "pipeline/pipeline_test_util.h"
+
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 
@@ -53,28 +55,8 @@ constexpr ChecksumAlgo kAlgos[] = {ChecksumAlgo::kXxh3_64, ChecksumAlgo::kXxh3_1
   return ::testing::AssertionSuccess();
 }
 
-// `old_bytes` with about `density` of its elements changed, always
-// including the first and last (when density > 0).
-std::vector<uint8_t> Mutate(const std::vector<uint8_t>& old_bytes, uint32_t elem_size,
-                            double density, std::mt19937_64* rng) {
-  std::vector<uint8_t> out = old_bytes;
-  const size_t numel = out.size() / elem_size;
-  if (density <= 0 || numel == 0) return out;
-  std::bernoulli_distribution pick(density);
-  for (size_t i = 0; i < numel; ++i) {
-    if (i == 0 || i + 1 == numel || pick(*rng)) {
-      // Any byte of the element, so that every byte lane is exercised.
-      out[i * elem_size + (*rng)() % elem_size] ^= static_cast<uint8_t>(1 + (*rng)() % 255);
-    }
-  }
-  return out;
-}
-
-std::vector<uint8_t> RandomBytes(size_t n, std::mt19937_64* rng) {
-  std::vector<uint8_t> out(n);
-  for (uint8_t& b : out) b = static_cast<uint8_t>((*rng)());
-  return out;
-}
+using pipeline_test::Mutate;
+using pipeline_test::RandomBytes;
 
 TEST(FusedDiff, ChunkedDiffEqualsOneWholeTensorDiff) {
   std::mt19937_64 rng(11);

@@ -59,15 +59,7 @@ inline void RemoveDir(const std::string& path) {
   std::filesystem::remove_all(path, ec);
 }
 
-inline std::vector<std::string> ListDir(const std::string& dir) {
-  std::vector<std::string> names;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-    names.push_back(e.path().filename().string());
-  }
-  std::sort(names.begin(), names.end());
-  return names;
-}
+using io_test::ListDir;
 
 // Every file of the local checkpoint but .weight_sync, for before/after
 // comparison.
