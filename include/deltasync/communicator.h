@@ -17,8 +17,10 @@
 //
 // Every operation is bounded by the communicator's timeout: a peer that dies
 // (kill -9) or stops answering makes the call fail, never hang:
-//   Unavailable        the connection to the peer was lost (gloo notices a
-//                      dead peer at once), or a store cannot be reached;
+//   Unavailable        the connection to the peer was lost (gloo mostly
+//                      notices a dead peer at once; when it has not seen
+//                      the connection drop before the call, the call ends
+//                      at its timeout instead), or a store cannot be reached;
 //   DeadlineExceeded   nothing came within the timeout.
 // Both name the operation and, where the library says which one, the peer
 // rank ("peer rank 2"); nccl cannot say which member of a collective failed.

@@ -24,6 +24,11 @@ Status Outgoing(const FaultPlan& f, std::chrono::milliseconds delay, std::span<c
     case FaultKind::kDrop: return Status::OK();
     case FaultKind::kDelay: std::this_thread::sleep_for(delay); return call(data);
     case FaultKind::kFail: return f.error;
+    case FaultKind::kRewrite: {
+      std::vector<uint8_t> copy(data.begin(), data.end());
+      if (f.rewrite) f.rewrite(copy);
+      return call(std::span<const uint8_t>(copy));
+    }
   }
   return call(data);
 }
@@ -42,8 +47,23 @@ Status Incoming(const FaultPlan& f, std::chrono::milliseconds delay, std::span<u
     case FaultKind::kDrop: return Status::OK();
     case FaultKind::kDelay: std::this_thread::sleep_for(delay); return call(data);
     case FaultKind::kFail: return f.error;
+    case FaultKind::kRewrite: {
+      Status s = call(data);
+      if (s.ok() && f.rewrite) f.rewrite(data);
+      return s;
+    }
   }
   return call(data);
+}
+
+// A Recv plan with `match`, after the call: only the kinds that change
+// received bytes act.
+void AfterRecv(const FaultPlan& f, std::span<uint8_t> data) {
+  if (f.kind == FaultKind::kCorruptByte && !data.empty()) {
+    data[f.byte_offset % data.size()] ^= f.mask;
+  } else if (f.kind == FaultKind::kRewrite && f.rewrite) {
+    f.rewrite(data);
+  }
 }
 
 }  // namespace
@@ -71,11 +91,17 @@ FaultCommunicator::FaultCommunicator(std::unique_ptr<Communicator> inner,
   }
 }
 
-const FaultPlan* FaultCommunicator::Next(CommOp op) {
+const FaultPlan* FaultCommunicator::Next(CommOp op, const std::span<const uint8_t>* bytes,
+                                         bool post) {
   // At most one plan fires per call: the first listed whose turn it is.
   const FaultPlan* firing = nullptr;
   for (Armed& a : plans_) {
     if (a.done || (a.plan.op != CommOp::kAny && a.plan.op != op)) continue;
+    if (a.plan.match) {
+      if (bytes == nullptr || !a.plan.match(*bytes)) continue;
+    } else if (post) {
+      continue;
+    }
     if (a.seen++ == a.plan.call_index && firing == nullptr) {
       a.done = true;
       firing = &a.plan;
@@ -91,7 +117,7 @@ std::chrono::milliseconds FaultCommunicator::DelayOf(const FaultPlan& plan) cons
 }
 
 Status FaultCommunicator::Send(int peer, std::span<const uint8_t> data) {
-  const FaultPlan* f = Next(CommOp::kSend);
+  const FaultPlan* f = Next(CommOp::kSend, &data);
   auto call = [&](std::span<const uint8_t> d) { return inner_->Send(peer, d); };
   return f ? Outgoing(*f, DelayOf(*f), data, call) : call(data);
 }
@@ -99,7 +125,12 @@ Status FaultCommunicator::Send(int peer, std::span<const uint8_t> data) {
 Status FaultCommunicator::Recv(int peer, std::span<uint8_t> data) {
   const FaultPlan* f = Next(CommOp::kRecv);
   auto call = [&](std::span<uint8_t> d) { return inner_->Recv(peer, d); };
-  return f ? Incoming(*f, DelayOf(*f), data, call) : call(data);
+  if (f != nullptr) return Incoming(*f, DelayOf(*f), data, call);
+  Status s = call(data);
+  if (!s.ok()) return s;
+  const std::span<const uint8_t> got(data);
+  if (const FaultPlan* after = Next(CommOp::kRecv, &got, true)) AfterRecv(*after, data);
+  return s;
 }
 
 Status FaultCommunicator::Broadcast(int root, std::span<uint8_t> data) {

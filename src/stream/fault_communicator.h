@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -52,10 +53,20 @@ enum class FaultKind : uint8_t {
   // Returns `error` without making the call; the inner communicator stays
   // usable.
   kFail = 4,
+  // Calls `rewrite` on the bytes this rank contributes (a copy, then sent)
+  // or, where it only receives, on the bytes received, after the call: for
+  // a well-formed message with chosen contents.
+  kRewrite = 5,
 };
 
 // One fault: it fires on the call_index-th call (counting from 0) among the
 // calls of `op` (or among all calls, for kAny), once.
+//
+// With `match`, only Send and Recv calls whose bytes it accepts count (a
+// Send's data; a Recv's bytes once received, so a Recv plan with `match`
+// can only be kCorruptByte or kRewrite, which act after the call; others
+// never fire): a fault aimed at a message by its contents, such as the
+// first frame of a chosen sync, rather than by counting calls.
 struct FaultPlan {
   CommOp op = CommOp::kAny;
   uint64_t call_index = 0;
@@ -64,6 +75,8 @@ struct FaultPlan {
   uint8_t mask = 0x01;     // kCorruptByte
   std::chrono::milliseconds delay{0};
   Status error = Status::Unavailable("injected fault");
+  std::function<bool(std::span<const uint8_t>)> match;
+  std::function<void(std::span<uint8_t>)> rewrite;  // kRewrite
 };
 
 // Forwards every call to `inner`, except where a plan fires. Its name is
@@ -99,7 +112,10 @@ class FaultCommunicator final : public Communicator {
   };
 
   // The plan that fires on this call of `op`, or nullptr; counts the call.
-  const FaultPlan* Next(CommOp op);
+  // `bytes`: the call's bytes where known (plans with `match` need them);
+  // `post`: only plans with `match` are considered (a Recv, after it).
+  const FaultPlan* Next(CommOp op, const std::span<const uint8_t>* bytes = nullptr,
+                        bool post = false);
   std::chrono::milliseconds DelayOf(const FaultPlan& plan) const;
 
   std::unique_ptr<Communicator> inner_;

@@ -23,6 +23,7 @@
 
 #include "deltasync/dtype.h"
 #include "deltasync/status.h"
+#include "deltasync/stream.h"
 #include "stream/state_digest.h"
 
 namespace deltasync::stream {
@@ -235,15 +236,8 @@ void ForEachPosition(const FlushEntry& entry, Fn&& fn);
 // The positions of a read entry, as absolute flat positions.
 std::vector<uint64_t> EntryPositions(const FlushEntry& entry);
 
-// A run of a destination map: tensor elements hf_first + k (0 <= k < count)
-// live at destination element dest_offset + k * dest_stride.
-struct DestinationRun {
-  uint64_t hf_first = 0;
-  uint64_t count = 0;
-  uint64_t dest_offset = 0;
-  uint64_t dest_stride = 1;
-  bool operator==(const DestinationRun&) const = default;
-};
+// A run of a destination map (include/deltasync/stream.h).
+using ::deltasync::DestinationRun;
 
 // Where a receiver keeps (part of) one tensor: runs from the tensor's flat
 // coordinates into a destination buffer of elements of the tensor's dtype.

@@ -226,6 +226,7 @@ TEST(GlooForm, AnUnreachableRedisIsUnavailableNamingIt) {
   EXPECT_EQ(c.status().code(), StatusCode::kUnavailable) << c.status().ToString();
   EXPECT_TRUE(Contains(c.status(), "rendezvous redis:127.0.0.1:" + std::to_string(where.port)))
       << c.status().ToString();
+  EXPECT_TRUE(Contains(c.status(), "cannot connect")) << c.status().ToString();
 }
 
 // ---------------------------------------------------------------------------
@@ -310,8 +311,13 @@ TEST_P(GlooRejoin, AGroupIsFormedAgainAfterAMemberIsKilledAndRestarted) {
   peers.Kill(0);
   EXPECT_EQ(peers.Wait(0, 5000ms), 128 + SIGKILL);
   round = comm_test::RoundBytes(true, 2);
+  // Usually Unavailable at once; DeadlineExceeded when Gloo has not seen
+  // the connection drop before the call (it happens under load): an error
+  // naming the peer within the timeout either way.
   Status lost = (*c)->Broadcast(0, round);
-  EXPECT_EQ(lost.code(), StatusCode::kUnavailable) << lost.ToString();
+  EXPECT_TRUE(lost.code() == StatusCode::kUnavailable ||
+              lost.code() == StatusCode::kDeadlineExceeded)
+      << lost.ToString();
   EXPECT_TRUE(Contains(lost, "peer rank 1")) << lost.ToString();
 
   // The restarted member, the survivor and rank 0 meet in the next

@@ -93,6 +93,22 @@ class FileBackend final : public RendezvousStore::Backend {
 };
 
 #if DS_GLOO_REDIS
+// Connects once, within `timeout`, and hangs up. Gloo's RedisStore connects
+// with no bound and, when the server cannot be reached, throws without
+// freeing its hiredis context; probing first gives a bounded, leak-free
+// Unavailable for the common case of a server that is down or misnamed.
+Status ProbeRedis(const std::string& host, int port, std::chrono::milliseconds timeout) {
+  struct timeval tv = {};
+  tv.tv_sec = timeout.count() / 1000;
+  tv.tv_usec = (timeout.count() % 1000) * 1000;
+  redisContext* probe = redisConnectWithTimeout(host.c_str(), port, tv);
+  if (probe == nullptr) return Status::Unavailable("cannot allocate a connection");
+  const std::string error = probe->err != 0 ? probe->errstr : "";
+  redisFree(probe);
+  if (!error.empty()) return Status::Unavailable("cannot connect: " + error);
+  return Status::OK();
+}
+
 class RedisBackend final : public RendezvousStore::Backend {
  public:
   RedisBackend(const std::string& host, int port, std::chrono::milliseconds timeout)
@@ -259,6 +275,9 @@ Result<std::unique_ptr<RendezvousStore>> RendezvousStore::Open(
                                [&] { backend = std::make_unique<FileBackend>(where.path); }));
   } else {
 #if DS_GLOO_REDIS
+    if (Status probe = ProbeRedis(where.host, where.port, io_timeout); !probe.ok()) {
+      return Status::Unavailable("rendezvous " + spec + ": " + probe.message());
+    }
     DS_RETURN_IF_ERROR(Guarded(StatusCode::kUnavailable, "rendezvous " + spec, [&] {
       backend = std::make_unique<RedisBackend>(where.host, where.port, io_timeout);
     }));

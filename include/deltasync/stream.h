@@ -1,0 +1,188 @@
+// The online transport: a trainer's sender streams each sync's changed
+// values to rollout workers' receivers over a communicator
+// (include/deltasync/communicator.h), and every receiver proves, by state
+// digests, that it then holds exactly what the trainer holds
+// (docs/format.md, "Stream: flush frame", "Stream: state digest", "Stream:
+// commit protocol").
+//
+// A stream group is one communicator group: the sender is rank 0, the
+// receivers ranks 1 .. N. Each side is given a factory that forms its member
+// of the group, so that after a failure it forms the group again by itself:
+//
+//   sender:    auto s = StreamSender::Create(connect, {});
+//              for (step ...) { train(); s->Sync(tensors); }
+//   receiver:  auto r = StreamReceiver::Create(connect, {});
+//              r->Register("model.embed_tokens.weight", DType::kBF16, shape, bytes);
+//              for (;;) r->ReceiveSync();
+//
+// The first sync seeds every receiver with dense values; later ones send
+// only the changed elements. A sync succeeds only when every receiver
+// applied and verified it; then, and only then, the sender's snapshot
+// advances. A failed sync names each receiver that failed and why, and the
+// next sync brings every receiver bit-exact to the sender's current values
+// whatever part of the failed one it applied: the positions a failed sync
+// changed are resent until a sync commits, and a receiver that may hold
+// unverified bytes, or that formed the group again (a restart, a lost
+// connection), is reseeded.
+//
+// Both sides hold host memory and use one thread; neither is thread-safe.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "deltasync/communicator.h"
+#include "deltasync/dtype.h"
+#include "deltasync/status.h"
+
+namespace deltasync {
+
+// Forms this side's member of the stream group (CreateCommunicator with the
+// group's options, or a wrapper around it). Called at the first sync and
+// again after any failure of the communicator.
+using CommunicatorFactory = std::function<Result<std::unique_ptr<Communicator>>()>;
+
+// How a delta sync carries positions (docs/format.md, "Wire encodings"):
+//   dense    every element of each changed range, positions implied;
+//   indices  int32 positions (int64 for tensors of 2^31 elements or more)
+//            and the new values, as verl sends them; a range whose
+//            positions would cost more than its values goes dense;
+//   sparse   gap-coded positions and byte planes of the values, zstd
+//            compressed: fewest bytes, for slow links.
+// A seed is always dense.
+enum class StreamEncoding : uint8_t { kDense = 0, kIndices = 1, kSparse = 2 };
+
+// "dense", "indices", "sparse".
+std::string_view StreamEncodingName(StreamEncoding encoding);
+// The inverse; InvalidArgument naming the accepted names otherwise.
+Result<StreamEncoding> ParseStreamEncoding(std::string_view name);
+
+// One tensor the sender syncs, named as in the Hugging Face checkpoint:
+// `data` holds numel(shape) elements of `dtype`, row-major, in host memory.
+// Every Sync passes the same tensors (names, dtypes, shapes), in any order.
+struct SyncTensor {
+  std::string name;
+  DType dtype = DType::kBF16;
+  std::vector<int64_t> shape;
+  std::span<const uint8_t> data;
+};
+
+struct SenderOptions {
+  StreamEncoding encoding = StreamEncoding::kIndices;
+  // A flush frame's size bound: the sender holds at most one such bucket
+  // per kind of receiver in a sync (those being seeded, those taking the
+  // delta) besides its snapshot; at least 64 KiB.
+  uint64_t bucket_bytes = uint64_t{64} << 20;
+  // Every K-th sync, each receiver recomputes the digest of everything it
+  // holds from memory instead of trusting its running digests; 0: never.
+  uint32_t verify_every = 0;
+  int zstd_level = 1;  // sparse
+};
+
+// What one sync did, split by phase (seconds).
+struct SyncStats {
+  uint64_t sync_id = 0;
+  uint32_t receivers = 0;
+  uint32_t seeded = 0;         // receivers that got a seed
+  uint64_t changed = 0;        // elements that differ from the snapshot
+  uint64_t sent_elements = 0;  // elements the delta frames carry (changed + resent)
+  uint64_t frames = 0;         // frames built (each sent to every receiver of its kind)
+  uint64_t bytes_sent = 0;     // over all receivers, envelopes included
+  bool verify_all = false;
+  double diff_s = 0;      // diff against the snapshot and digest updates
+  double encode_s = 0;    // building frames
+  double transfer_s = 0;  // sending them
+  double report_s = 0;    // waiting for the receivers' reports
+  double commit_s = 0;    // advancing the snapshot
+  double total_s = 0;
+};
+
+// Rank 0 of a stream group.
+class StreamSender {
+ public:
+  static Result<std::unique_ptr<StreamSender>> Create(CommunicatorFactory connect,
+                                                      SenderOptions options = {});
+  virtual ~StreamSender() = default;
+
+  // Brings every receiver to `tensors`. OK when every receiver applied and
+  // verified it (the snapshot then holds `tensors`). Otherwise the error
+  // names the sync and each failed receiver with its reason ("sync 7: 1 of
+  // 3 receivers failed: receiver 2: tensor 'w': digest mismatch ..."), and
+  // the snapshot is unchanged. InvalidArgument, before anything is sent, for
+  // tensors that are not the ones the first sync passed (or are malformed).
+  virtual Result<SyncStats> Sync(std::span<const SyncTensor> tensors) = 0;
+
+  // The committed state of a tensor (what every receiver held after the
+  // last sync that succeeded); NotFound before the first success.
+  virtual Result<std::span<const uint8_t>> Snapshot(std::string_view name) const = 0;
+  // The id of the last sync that succeeded; 0 before.
+  virtual uint64_t committed_sync_id() const = 0;
+};
+
+// A part of a tensor a receiver holds: tensor elements hf_first + k (0 <= k
+// < count), in the tensor's flat row-major coordinates, live at destination
+// element dest_offset + k * dest_stride. A whole tensor is one run; a slice
+// of rows one run; a slice of columns one run per row; a part of a fused
+// parameter is the tensor's run at the part's offset in the fused buffer.
+struct DestinationRun {
+  uint64_t hf_first = 0;
+  uint64_t count = 0;
+  uint64_t dest_offset = 0;
+  uint64_t dest_stride = 1;
+  bool operator==(const DestinationRun&) const = default;
+};
+
+struct ReceiverOptions {
+  // Frames larger than this are refused (the receiver then leaves the
+  // group). The receiver holds one frame and one decode chunk.
+  uint64_t max_frame_bytes = uint64_t{1} << 30;
+  // Tests only: called before each entry is applied with the sync id, the
+  // tensor and the entry's index in the sync; an error stops the apply
+  // there, as a failure half way through would.
+  std::function<Status(uint64_t sync_id, std::string_view tensor, uint64_t entry)> apply_hook;
+};
+
+struct ReceiveStats {
+  uint64_t sync_id = 0;
+  bool seed = false;
+  bool verify_all = false;
+  uint64_t frames = 0;
+  uint64_t bytes = 0;             // frame bytes taken
+  uint64_t elements_written = 0;  // into destinations
+  double wait_s = 0;              // for the sync's first frame
+  double receive_s = 0;           // taking the rest
+  double apply_s = 0;             // checking and applying frames
+  double verify_s = 0;            // digests recomputed from memory
+};
+
+// Ranks 1 .. N of a stream group.
+class StreamReceiver {
+ public:
+  static Result<std::unique_ptr<StreamReceiver>> Create(CommunicatorFactory connect,
+                                                        ReceiverOptions options = {});
+  virtual ~StreamReceiver() = default;
+
+  // Registers where a tensor's values are written: `dest` holds elements of
+  // `dtype`; `runs` map the tensor's flat coordinates into it (empty: the
+  // whole tensor, back to back). The held elements must form one digest
+  // block (a range, or equal rows at a fixed stride, as tensor-parallel
+  // slices do). Before the first ReceiveSync only; InvalidArgument naming
+  // the tensor for a duplicate name, bad runs or a `dest` too small.
+  virtual Status Register(std::string name, DType dtype, std::vector<int64_t> shape,
+                          std::span<uint8_t> dest, std::vector<DestinationRun> runs = {}) = 0;
+
+  // Takes one sync: its frames, applied in place once each is checked, its
+  // digests verified, and the report sent. OK when this receiver's part
+  // succeeded; otherwise the error names the sync and frame or tensor and
+  // the problem (a refused frame changed no weight). A communicator failure
+  // drops the group, which the next call forms again (and is reseeded).
+  virtual Result<ReceiveStats> ReceiveSync() = 0;
+};
+
+}  // namespace deltasync

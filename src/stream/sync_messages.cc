@@ -1,0 +1,208 @@
+#include "stream/sync_messages.h"
+
+#include <cstring>
+
+namespace deltasync::stream {
+
+namespace {
+
+constexpr uint8_t kMagic[4] = {'D', 'S', 'S', 'M'};
+constexpr uint8_t kFlagLast = 0x01;
+constexpr uint64_t kMaxFrameBody = uint64_t{1} << 40;
+
+void StoreLe64(uint8_t* p, uint64_t v) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+
+uint64_t LoadLe64(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= uint64_t{p[i]} << (8 * i);
+  return v;
+}
+
+}  // namespace
+
+std::string_view MessageTypeName(MessageType type) {
+  switch (type) {
+    case MessageType::kHello: return "hello";
+    case MessageType::kWelcome: return "welcome";
+    case MessageType::kFrame: return "frame";
+    case MessageType::kReport: return "report";
+  }
+  return "unknown";
+}
+
+std::array<uint8_t, kEnvelopeBytes> EncodeEnvelope(const Envelope& envelope) {
+  std::array<uint8_t, kEnvelopeBytes> out{};
+  std::memcpy(out.data(), kMagic, 4);
+  out[4] = static_cast<uint8_t>(envelope.type);
+  out[5] = envelope.last ? kFlagLast : 0;
+  StoreLe64(out.data() + 8, envelope.body_bytes);
+  return out;
+}
+
+Result<Envelope> DecodeEnvelope(std::span<const uint8_t, kEnvelopeBytes> bytes) {
+  if (std::memcmp(bytes.data(), kMagic, 4) != 0) {
+    return Status::Corruption("stream message: not a deltasync stream envelope (bad magic)");
+  }
+  const uint8_t type = bytes[4];
+  if (type < 1 || type > 4) {
+    return Status::Corruption("stream message: unknown type " + std::to_string(type));
+  }
+  Envelope e;
+  e.type = static_cast<MessageType>(type);
+  const uint8_t flags = bytes[5];
+  if ((flags & ~kFlagLast) != 0 || (flags != 0 && e.type != MessageType::kFrame)) {
+    return Status::Corruption("stream message: " + std::string(MessageTypeName(e.type)) +
+                              " envelope with flags " + std::to_string(flags));
+  }
+  if (bytes[6] != 0 || bytes[7] != 0) {
+    return Status::Corruption("stream message: nonzero reserved bytes");
+  }
+  e.last = (flags & kFlagLast) != 0;
+  e.body_bytes = LoadLe64(bytes.data() + 8);
+  const uint64_t bound = e.type == MessageType::kFrame ? kMaxFrameBody : kMaxControlBodyBytes;
+  if (e.body_bytes > bound) {
+    return Status::Corruption("stream message: a " + std::string(MessageTypeName(e.type)) +
+                              " body of " + std::to_string(e.body_bytes) +
+                              " bytes, past its bound of " + std::to_string(bound));
+  }
+  return e;
+}
+
+Status SendMessage(Communicator& comm, int peer, MessageType type, bool last,
+                   std::span<const uint8_t> body) {
+  const std::array<uint8_t, kEnvelopeBytes> env = EncodeEnvelope({type, last, body.size()});
+  DS_RETURN_IF_ERROR(comm.Send(peer, env));
+  if (!body.empty()) DS_RETURN_IF_ERROR(comm.Send(peer, body));
+  return Status::OK();
+}
+
+Result<Envelope> RecvEnvelope(Communicator& comm, int peer, MessageType expected) {
+  std::array<uint8_t, kEnvelopeBytes> env{};
+  DS_RETURN_IF_ERROR(comm.Recv(peer, env));
+  DS_ASSIGN_OR_RETURN(Envelope e, DecodeEnvelope(env));
+  if (e.type != expected) {
+    return Status::InvalidArgument("stream message from rank " + std::to_string(peer) + ": a " +
+                                   std::string(MessageTypeName(e.type)) + ", expected a " +
+                                   std::string(MessageTypeName(expected)));
+  }
+  return e;
+}
+
+Status SendJson(Communicator& comm, int peer, MessageType type, const nlohmann::json& body) {
+  const std::string text = body.dump();
+  return SendMessage(comm, peer, type, false,
+                     std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+}
+
+Result<nlohmann::json> RecvJson(Communicator& comm, int peer, MessageType expected) {
+  DS_ASSIGN_OR_RETURN(Envelope e, RecvEnvelope(comm, peer, expected));
+  std::string text(e.body_bytes, '\0');
+  if (!text.empty()) {
+    DS_RETURN_IF_ERROR(
+        comm.Recv(peer, std::span(reinterpret_cast<uint8_t*>(text.data()), text.size())));
+  }
+  nlohmann::json body = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!body.is_object()) {
+    return Status::Corruption("stream " + std::string(MessageTypeName(expected)) + " from rank " +
+                              std::to_string(peer) + ": not a JSON object");
+  }
+  return body;
+}
+
+std::string ShapeText(std::span<const int64_t> shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i > 0) out += ", ";
+    out += std::to_string(shape[i]);
+  }
+  return out + "]";
+}
+
+nlohmann::json HelloBody(const std::vector<Registration>& tensors) {
+  nlohmann::json list = nlohmann::json::array();
+  for (const Registration& t : tensors) {
+    list.push_back({{"name", t.name},
+                    {"dtype", std::string(DTypeName(t.dtype))},
+                    {"shape", t.shape},
+                    {"block", {t.block.first, t.block.count, t.block.rows, t.block.row_stride}}});
+  }
+  return {{"protocol", kStreamProtocol}, {"tensors", std::move(list)}};
+}
+
+Result<std::vector<Registration>> ParseHello(const nlohmann::json& body) {
+  const auto bad = [](const std::string& what) {
+    return Status::Corruption("stream hello: " + what);
+  };
+  if (!body.contains("protocol") || !body["protocol"].is_number_integer()) {
+    return bad("no protocol number");
+  }
+  if (body["protocol"].get<int64_t>() != kStreamProtocol) {
+    return Status::Unsupported("stream hello: protocol " + body["protocol"].dump() +
+                               ", this build speaks " + std::to_string(kStreamProtocol));
+  }
+  if (!body.contains("tensors") || !body["tensors"].is_array()) return bad("no tensor list");
+  std::vector<Registration> out;
+  for (const nlohmann::json& t : body["tensors"]) {
+    if (!t.is_object() || !t.contains("name") || !t["name"].is_string()) {
+      return bad("a tensor without a name");
+    }
+    Registration r;
+    r.name = t["name"].get<std::string>();
+    const std::string what = "tensor '" + r.name + "'";
+    if (!t.contains("dtype") || !t["dtype"].is_string()) return bad(what + ": no dtype");
+    Result<DType> dtype = ParseDType(t["dtype"].get<std::string>());
+    if (!dtype.ok()) return bad(what + ": " + dtype.status().message());
+    r.dtype = *dtype;
+    if (!t.contains("shape") || !t["shape"].is_array()) return bad(what + ": no shape");
+    for (const nlohmann::json& d : t["shape"]) {
+      if (!d.is_number_integer() || d.get<int64_t>() < 0) return bad(what + ": a bad dimension");
+      r.shape.push_back(d.get<int64_t>());
+    }
+    if (!t.contains("block") || !t["block"].is_array() || t["block"].size() != 4) {
+      return bad(what + ": no block");
+    }
+    for (const nlohmann::json& v : t["block"]) {
+      if (!v.is_number_unsigned()) return bad(what + ": a bad block");
+    }
+    r.block = {t["block"][0].get<uint64_t>(), t["block"][1].get<uint64_t>(),
+               t["block"][2].get<uint64_t>(), t["block"][3].get<uint64_t>()};
+    if (Status s = r.block.Validate(); !s.ok()) return bad(what + ": " + s.message());
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+nlohmann::json ReportBody(const Report& report) {
+  if (report.status.ok()) return {{"ok", true}};
+  return {{"ok", false},
+          {"code", std::string(StatusCodeName(report.status.code()))},
+          {"error", report.status.message()},
+          {"clean", report.clean}};
+}
+
+Result<Report> ParseReport(const nlohmann::json& body) {
+  if (!body.contains("ok") || !body["ok"].is_boolean()) {
+    return Status::Corruption("stream report: no ok field");
+  }
+  Report r;
+  if (body["ok"].get<bool>()) return r;
+  const std::string error = body.contains("error") && body["error"].is_string()
+                                ? body["error"].get<std::string>()
+                                : std::string("(no error text)");
+  StatusCode code = StatusCode::kAborted;
+  if (body.contains("code") && body["code"].is_string()) {
+    for (int c = 1; c <= static_cast<int>(StatusCode::kUnavailable); ++c) {
+      if (StatusCodeName(static_cast<StatusCode>(c)) == body["code"].get<std::string>()) {
+        code = static_cast<StatusCode>(c);
+      }
+    }
+  }
+  r.status = Status(code, error);
+  // Without the field, assume the worst: the receiver is reseeded.
+  r.clean = body.contains("clean") && body["clean"].is_boolean() && body["clean"].get<bool>();
+  return r;
+}
+
+}  // namespace deltasync::stream

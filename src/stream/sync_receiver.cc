@@ -1,0 +1,348 @@
+// The stream's receiver (include/deltasync/stream.h; docs/format.md,
+// "Stream: commit protocol").
+#include <chrono>
+#include <map>
+#include <set>
+#include <utility>
+
+#include "deltasync/stream.h"
+#include "deltasync/tensor.h"
+#include "deltasync/timing.h"
+#include "stream/frame.h"
+#include "stream/state_digest.h"
+#include "stream/sync_messages.h"
+
+namespace deltasync {
+
+namespace {
+
+using stream::DestinationMap;
+using stream::DigestBlock;
+using stream::FlushEntry;
+using stream::FlushReader;
+using stream::FrameKind;
+using stream::MessageType;
+using stream::StateDigest;
+using Clock = std::chrono::steady_clock;
+
+struct Destination {
+  std::string name;
+  DType dtype = DType::kU8;
+  std::vector<int64_t> shape;
+  uint32_t w = 1;
+  std::span<uint8_t> bytes;
+  DestinationMap map;
+  DigestBlock block;
+  StateDigest running;  // the digest of what `bytes` holds of the block
+};
+
+// What one sync has done so far.
+struct SyncState {
+  uint64_t frames = 0;  // frames taken
+  uint64_t sync_id = 0;
+  FrameKind kind = FrameKind::kDelta;
+  bool verify_all = false;
+  uint64_t entries = 0;  // applied so far
+  std::set<std::string, std::less<>> named;
+  std::map<std::string, StateDigest, std::less<>> records;
+  Status refused;     // the first refusal; later frames are taken, not applied
+  bool clean = true;  // no unverified byte written
+};
+
+class Receiver final : public StreamReceiver {
+ public:
+  Receiver(CommunicatorFactory connect, ReceiverOptions options)
+      : connect_(std::move(connect)), options_(std::move(options)) {}
+
+  Status Register(std::string name, DType dtype, std::vector<int64_t> shape,
+                  std::span<uint8_t> dest, std::vector<DestinationRun> runs) override;
+  Result<ReceiveStats> ReceiveSync() override;
+
+ private:
+  Status Join();
+  void Drop() { comm_.reset(); }
+  Status TakeFrame(bool envelope_last, SyncState* sync, ReceiveStats* stats);
+  void Verify(SyncState* sync, ReceiveStats* stats);
+
+  CommunicatorFactory connect_;
+  ReceiverOptions options_;
+  std::map<std::string, Destination, std::less<>> dests_;
+  std::unique_ptr<Communicator> comm_;
+  bool started_ = false;
+  bool seeded_ = false;        // holds a verified state of this connection
+  uint64_t last_sync_id_ = 0;  // the highest sync id taken on this connection
+  FlushReader reader_;
+  std::vector<uint8_t> bucket_;
+};
+
+Status Receiver::Register(std::string name, DType dtype, std::vector<int64_t> shape,
+                          std::span<uint8_t> dest, std::vector<DestinationRun> runs) {
+  const std::string what = "registering tensor '" + name + "'";
+  if (started_) {
+    return Status::FailedPrecondition(what + ": tensors are registered before the first sync");
+  }
+  if (name.empty() || name.size() > stream::kMaxTensorNameBytes) {
+    return Status::InvalidArgument(what + ": the name is empty or too long");
+  }
+  if (dests_.count(name)) return Status::InvalidArgument(what + ": registered twice");
+  const size_t w = DTypeSize(dtype);
+  if (w != 1 && w != 2 && w != 4 && w != 8) {
+    return Status::InvalidArgument(what + ": dtype " + std::string(DTypeName(dtype)) +
+                                   " has no element size the stream carries");
+  }
+  if (shape.size() > stream::kMaxTensorDims) {
+    return Status::InvalidArgument(what + ": too many dimensions");
+  }
+  Result<int64_t> numel = ShapeNumel(shape);
+  if (!numel.ok()) return Status::InvalidArgument(what + ": " + numel.status().message());
+  Result<DestinationMap> map = runs.empty() ? Result<DestinationMap>(DestinationMap::Whole(*numel))
+                                            : DestinationMap::Create(*numel, std::move(runs));
+  if (!map.ok()) return Status::InvalidArgument(what + ": " + map.status().message());
+  if (dest.size() / w < map->dest_extent()) {
+    return Status::InvalidArgument(what + ": the destination holds " +
+                                   std::to_string(dest.size() / w) + " elements, its runs reach " +
+                                   std::to_string(map->dest_extent()));
+  }
+  std::optional<DigestBlock> block = map->AsBlock();
+  if (!block) {
+    return Status::InvalidArgument(what +
+                                   ": the elements its runs hold are not one block "
+                                   "(a range, or equal rows at one stride)");
+  }
+  Destination d;
+  d.name = name;
+  d.dtype = dtype;
+  d.shape = std::move(shape);
+  d.w = static_cast<uint32_t>(w);
+  d.bytes = dest;
+  d.map = std::move(*map);
+  d.block = *block;
+  dests_.emplace(std::move(name), std::move(d));
+  return Status::OK();
+}
+
+Status Receiver::Join() {
+  Result<std::unique_ptr<Communicator>> c = connect_();
+  if (!c.ok())
+    return Status(c.status().code(), "forming the stream group: " + c.status().message());
+  if ((*c)->rank() < 1) {
+    return Status::InvalidArgument("a receiver is rank 1 or above of its stream group");
+  }
+  comm_ = std::move(*c);
+  seeded_ = false;
+  last_sync_id_ = 0;
+  std::vector<stream::Registration> regs;
+  for (const auto& [name, d] : dests_) regs.push_back({name, d.dtype, d.shape, d.block});
+  Status s = stream::SendJson(*comm_, 0, MessageType::kHello, stream::HelloBody(regs));
+  Result<nlohmann::json> welcome =
+      s.ok() ? stream::RecvJson(*comm_, 0, MessageType::kWelcome) : Result<nlohmann::json>(s);
+  if (!welcome.ok()) {
+    Drop();
+    return Status(welcome.status().code(), "greeting the sender: " + welcome.status().message());
+  }
+  if (!welcome->contains("ok") || !(*welcome)["ok"].is_boolean()) {
+    Drop();
+    return Status::Corruption("the sender's welcome has no ok field");
+  }
+  if (!(*welcome)["ok"].get<bool>()) {
+    Drop();
+    const std::string why = welcome->contains("error") && (*welcome)["error"].is_string()
+                                ? (*welcome)["error"].get<std::string>()
+                                : std::string("(no reason given)");
+    return Status::InvalidArgument("the sender refused this receiver: " + why);
+  }
+  return Status::OK();
+}
+
+Status Receiver::TakeFrame(bool envelope_last, SyncState* sync, ReceiveStats* stats) {
+  const uint64_t index = sync->frames - 1;
+  const std::string where = "flush frame " + std::to_string(index) + " of the sync";
+  if (Status s = reader_.Read(bucket_); !s.ok()) {
+    return Status(s.code(), where + ": " + s.message());
+  }
+  const stream::FlushHeader& h = reader_.header();
+  const std::string frame =
+      "sync " + std::to_string(h.sync_id) + " flush " + std::to_string(h.flush_index);
+  if (h.last != envelope_last) {
+    return Status::Corruption(frame + ": its envelope and its header disagree on being last");
+  }
+  if (index == 0) {
+    if (last_sync_id_ != 0 && h.sync_id <= last_sync_id_) {
+      return Status::InvalidArgument(frame + ": sync id " + std::to_string(h.sync_id) +
+                                     " out of order: this receiver has seen sync " +
+                                     std::to_string(last_sync_id_));
+    }
+    if (h.flush_index != 0) {
+      return Status::InvalidArgument(frame + ": a sync's first frame has flush index 0");
+    }
+    if (h.kind == FrameKind::kDelta && !seeded_) {
+      return Status::FailedPrecondition(frame +
+                                        ": a delta, but this receiver holds no seeded state");
+    }
+    sync->sync_id = h.sync_id;
+    sync->kind = h.kind;
+    last_sync_id_ = h.sync_id;
+  } else {
+    if (h.sync_id != sync->sync_id) {
+      return Status::InvalidArgument(frame + ": inside sync " + std::to_string(sync->sync_id));
+    }
+    if (h.flush_index != index) {
+      return Status::InvalidArgument(frame + ": expected flush index " + std::to_string(index));
+    }
+    if (h.kind != sync->kind) {
+      return Status::InvalidArgument(frame + ": a seed and a delta frame in one sync");
+    }
+  }
+  // The whole frame is checked before any weight is touched.
+  for (size_t k = 0; k < reader_.entries().size(); ++k) {
+    const FlushEntry& e = reader_.entries()[k];
+    const std::string entry =
+        frame + ": entry " + std::to_string(k) + ": tensor '" + std::string(e.name) + "'";
+    auto it = dests_.find(e.name);
+    if (it == dests_.end()) return Status::InvalidArgument(entry + " is not registered here");
+    const Destination& d = it->second;
+    if (e.dtype != d.dtype || e.shape != d.shape) {
+      return Status::InvalidArgument(entry + " is " + std::string(DTypeName(e.dtype)) + " " +
+                                     stream::ShapeText(e.shape) + " in the frame, " +
+                                     std::string(DTypeName(d.dtype)) + " " +
+                                     stream::ShapeText(d.shape) + " here");
+    }
+  }
+  for (const stream::FlushDigest& r : reader_.digests()) {
+    const std::string record =
+        frame + ": the digest record of tensor '" + std::string(r.name) + "'";
+    auto it = dests_.find(r.name);
+    if (it == dests_.end()) return Status::InvalidArgument(record + ": not registered here");
+    if (!(r.block == it->second.block)) {
+      return Status::InvalidArgument(record + " is for block " + r.block.ToString() +
+                                     ", this receiver holds " + it->second.block.ToString());
+    }
+  }
+  const bool seed = sync->kind == FrameKind::kSeed;
+  const auto t0 = Clock::now();
+  for (const FlushEntry& e : reader_.entries()) {
+    Destination& d = dests_.find(e.name)->second;
+    if (options_.apply_hook) {
+      if (Status s = options_.apply_hook(sync->sync_id, e.name, sync->entries); !s.ok()) {
+        sync->clean = false;
+        return Status(s.code(), frame + ": applying tensor '" + d.name + "': " + s.message());
+      }
+    }
+    Result<uint64_t> written = stream::ApplyEntry(e, d.map, d.bytes, seed ? nullptr : &d.running);
+    if (!written.ok()) {
+      sync->clean = false;
+      return Status(written.status().code(),
+                    frame + ": applying tensor '" + d.name + "': " + written.status().message());
+    }
+    stats->elements_written += *written;
+    ++sync->entries;
+    sync->named.insert(d.name);
+  }
+  stats->apply_s += SecondsSince(t0);
+  for (const stream::FlushDigest& r : reader_.digests()) {
+    sync->records[std::string(r.name)] = r.digest;
+  }
+  if (h.last) sync->verify_all = h.verify_all;
+  return Status::OK();
+}
+
+void Receiver::Verify(SyncState* sync, ReceiveStats* stats) {
+  const bool all = sync->kind == FrameKind::kSeed || sync->verify_all;
+  if (all) {
+    const auto t0 = Clock::now();
+    for (auto& [name, d] : dests_) {
+      Result<StateDigest> now = stream::DigestDestination(d.map, d.bytes, d.w);
+      if (!now.ok()) {
+        sync->refused = Status(now.status().code(),
+                               "tensor '" + name + "': digesting: " + now.status().message());
+        sync->clean = false;
+        return;
+      }
+      d.running = *now;
+    }
+    stats->verify_s += SecondsSince(t0);
+  }
+  const std::string head = "sync " + std::to_string(sync->sync_id) + ": ";
+  for (const auto& [name, d] : dests_) {
+    const bool needed = all || sync->named.count(name);
+    auto it = sync->records.find(name);
+    if (it == sync->records.end()) {
+      if (!needed) continue;
+      sync->refused = Status::Corruption(head + "tensor '" + name + "': no digest record");
+      sync->clean = false;
+      return;
+    }
+    if (!(it->second == d.running)) {
+      sync->refused =
+          Status::Corruption(head + "tensor '" + name + "': digest mismatch: it holds " +
+                             d.running.ToHex() + ", the sender expects " + it->second.ToHex());
+      sync->clean = false;
+      return;
+    }
+  }
+}
+
+Result<ReceiveStats> Receiver::ReceiveSync() {
+  if (dests_.empty()) {
+    return Status::FailedPrecondition("a receiver registers its tensors before it syncs");
+  }
+  started_ = true;
+  if (!comm_) DS_RETURN_IF_ERROR(Join());
+  ReceiveStats stats;
+  SyncState sync;
+  const auto start = Clock::now();
+  for (;;) {
+    Result<stream::Envelope> env = stream::RecvEnvelope(*comm_, 0, MessageType::kFrame);
+    if (sync.frames == 0) stats.wait_s = SecondsSince(start);
+    if (!env.ok()) {
+      Drop();
+      return Status(env.status().code(), "taking the sync's frame " + std::to_string(sync.frames) +
+                                             ": " + env.status().message());
+    }
+    if (env->body_bytes > options_.max_frame_bytes) {
+      Drop();
+      return Status::OutOfRange("a flush frame of " + std::to_string(env->body_bytes) +
+                                " bytes, past this receiver's max_frame_bytes of " +
+                                std::to_string(options_.max_frame_bytes) +
+                                " (it leaves the group)");
+    }
+    const auto t0 = Clock::now();
+    bucket_.resize(env->body_bytes);
+    if (Status s = comm_->Recv(0, bucket_); !s.ok()) {
+      Drop();
+      return Status(s.code(), "taking a flush frame: " + s.message());
+    }
+    if (sync.frames > 0) stats.receive_s += SecondsSince(t0);
+    ++sync.frames;
+    stats.bytes += bucket_.size();
+    if (sync.refused.ok()) {
+      sync.refused = TakeFrame(env->last, &sync, &stats);
+    }
+    if (env->last) break;
+  }
+  if (sync.refused.ok()) Verify(&sync, &stats);
+  if (!sync.refused.ok() && !sync.clean) seeded_ = false;
+  if (sync.refused.ok() && sync.kind == FrameKind::kSeed) seeded_ = true;
+  stream::Report report{sync.refused, sync.clean};
+  if (Status s = stream::SendJson(*comm_, 0, MessageType::kReport, stream::ReportBody(report));
+      !s.ok()) {
+    Drop();
+    return Status(s.code(), "reporting to the sender: " + s.message());
+  }
+  stats.sync_id = sync.sync_id;
+  stats.seed = sync.kind == FrameKind::kSeed;
+  stats.verify_all = sync.verify_all;
+  stats.frames = sync.frames;
+  if (!sync.refused.ok()) return sync.refused;
+  return stats;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<StreamReceiver>> StreamReceiver::Create(CommunicatorFactory connect,
+                                                               ReceiverOptions options) {
+  if (!connect) return Status::InvalidArgument("StreamReceiver: no communicator factory");
+  return std::unique_ptr<StreamReceiver>(new Receiver(std::move(connect), std::move(options)));
+}
+
+}  // namespace deltasync

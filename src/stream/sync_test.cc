@@ -1,0 +1,575 @@
+// The stream's sender and receivers end to end, over gloo on loopback in
+// one process: every receiver bit-exact after every sync, the commit
+// protocol's repairs, and every bad input refused with no weight changed.
+#include <gtest/gtest.h>
+
+#include <xxhash.h>
+
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "deltasync/stream.h"
+#include "stream/communicator_test_util.h"
+#include "stream/fault_communicator.h"
+#include "stream/frame.h"
+#include "stream/sync_messages.h"
+
+namespace deltasync {
+namespace {
+
+using namespace std::chrono_literals;
+using stream_internal::CommOp;
+using stream_internal::FaultCommunicator;
+using stream_internal::FaultKind;
+using stream_internal::FaultPlan;
+
+constexpr auto kTimeout = 5000ms;
+
+bool Contains(const Status& s, const std::string& text) {
+  return s.message().find(text) != std::string::npos;
+}
+
+// A small model: BF16 and F32 tensors, one of them 2-D so that receivers
+// can hold row and column slices of it.
+struct Model {
+  std::vector<SyncTensor> tensors;
+  std::vector<std::vector<uint8_t>> bytes;
+
+  static Model Make(uint64_t seed) {
+    Model m;
+    const std::vector<std::tuple<std::string, DType, std::vector<int64_t>>> specs = {
+        {"a.weight", DType::kBF16, {64, 48}},
+        {"b.bias", DType::kF32, {300}},
+        {"c.weight", DType::kBF16, {5000}},
+        {"d.empty", DType::kBF16, {0, 4}},
+    };
+    std::mt19937_64 rng(seed);
+    for (const auto& [name, dtype, shape] : specs) {
+      int64_t n = 1;
+      for (int64_t d : shape) n *= d;
+      std::vector<uint8_t> b(n * DTypeSize(dtype));
+      for (uint8_t& x : b) x = static_cast<uint8_t>(rng());
+      m.bytes.push_back(std::move(b));
+      m.tensors.push_back({name, dtype, shape, {}});
+    }
+    m.Rebind();
+    return m;
+  }
+  void Rebind() {
+    for (size_t i = 0; i < tensors.size(); ++i) tensors[i].data = bytes[i];
+  }
+  // Changes about `fraction` of the elements, some to NaN payloads and -0.0.
+  void Step(uint64_t seed, double fraction) {
+    std::mt19937_64 rng(seed);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const size_t w = DTypeSize(tensors[i].dtype);
+      const size_t n = bytes[i].size() / w;
+      for (size_t e = 0; e < n; ++e) {
+        if (std::uniform_real_distribution<double>(0, 1)(rng) >= fraction) continue;
+        uint8_t* p = bytes[i].data() + e * w;
+        switch (rng() % 4) {
+          case 0:  // -0.0
+            std::memset(p, 0, w);
+            p[w - 1] = 0x80;
+            break;
+          case 1:  // a NaN with a payload
+            std::memset(p, 0xFF, w);
+            p[0] = static_cast<uint8_t>(rng() | 1);
+            break;
+          default: p[0] ^= static_cast<uint8_t>(rng() | 1);
+        }
+      }
+    }
+  }
+  const std::vector<uint8_t>& Of(const std::string& name) const {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (tensors[i].name == name) return bytes[i];
+    }
+    static const std::vector<uint8_t> none;
+    return none;
+  }
+};
+
+// What a receiver holds of a tensor.
+enum class Hold { kWhole, kRows, kColumns };
+
+// One receiver: its buffers, a thread that takes syncs until stopped, and
+// what each sync returned.
+class ReceiverRig {
+ public:
+  ReceiverRig(const Model& m, Hold hold, CommunicatorFactory connect, ReceiverOptions options = {})
+      : hold_(hold) {
+    Result<std::unique_ptr<StreamReceiver>> r =
+        StreamReceiver::Create(std::move(connect), std::move(options));
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    receiver_ = std::move(*r);
+    for (const SyncTensor& t : m.tensors) {
+      const size_t w = DTypeSize(t.dtype);
+      const uint64_t numel = t.data.size() / w;
+      std::vector<DestinationRun> runs;
+      uint64_t elements = numel;
+      if (t.name == "a.weight" && hold != Hold::kWhole) {
+        const uint64_t rows = t.shape[0], cols = t.shape[1];
+        if (hold == Hold::kRows) {  // rows 16..47, back to back
+          runs.push_back({16 * cols, 32 * cols, 0, 1});
+          elements = 32 * cols;
+        } else {  // columns 8..23 of every row, into a buffer with a gap
+          for (uint64_t r = 0; r < rows; ++r) runs.push_back({r * cols + 8, 16, r * 20, 1});
+          elements = rows * 20;
+        }
+      }
+      buffers_.emplace_back(elements * w, 0);
+      runs_.push_back(runs);
+      Status s = receiver_->Register(t.name, t.dtype, t.shape, buffers_.back(), runs);
+      EXPECT_TRUE(s.ok()) << s.ToString();
+    }
+  }
+  ~ReceiverRig() { Stop(); }
+
+  // Takes syncs until stopped (`once`: only one).
+  void Start(bool once = false) {
+    thread_ = std::thread([this, once] {
+      while (!stop_) {
+        Result<ReceiveStats> r = receiver_->ReceiveSync();
+        std::lock_guard<std::mutex> lock(mu_);
+        results_.push_back(r.ok() ? Status::OK() : r.status());
+        if (r.ok()) stats_.push_back(*r);
+        if (once) break;
+      }
+    });
+  }
+  // Stops once the sender is gone (its calls then fail): ask every
+  // receiver to stop, then end the sender, then Stop.
+  void RequestStop() { stop_ = true; }
+  void Stop() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+  std::vector<Status> results() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return results_;
+  }
+  std::vector<ReceiveStats> stats() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stats_;
+  }
+
+  // Every element this receiver holds equals the model's; the first
+  // difference otherwise.
+  Status Matches(const Model& m) const {
+    for (size_t i = 0; i < m.tensors.size(); ++i) {
+      const SyncTensor& t = m.tensors[i];
+      const size_t w = DTypeSize(t.dtype);
+      const std::vector<uint8_t>& want = m.bytes[i];
+      const std::vector<uint8_t>& got = buffers_[i];
+      if (runs_[i].empty()) {
+        if (got != want) return Status::Corruption("tensor " + t.name + " differs");
+        continue;
+      }
+      for (const DestinationRun& r : runs_[i]) {
+        for (uint64_t k = 0; k < r.count; ++k) {
+          if (std::memcmp(got.data() + (r.dest_offset + k * r.dest_stride) * w,
+                          want.data() + (r.hf_first + k) * w, w) != 0) {
+            return Status::Corruption("tensor " + t.name + " element " +
+                                      std::to_string(r.hf_first + k) + " differs");
+          }
+        }
+      }
+    }
+    return Status::OK();
+  }
+  const std::vector<std::vector<uint8_t>>& buffers() const { return buffers_; }
+
+ private:
+  Hold hold_;
+  std::unique_ptr<StreamReceiver> receiver_;
+  std::vector<std::vector<uint8_t>> buffers_;
+  std::vector<std::vector<DestinationRun>> runs_;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  std::mutex mu_;
+  std::vector<Status> results_;
+  std::vector<ReceiveStats> stats_;
+};
+
+// A stream group of one sender and `n` receivers in this process.
+class SyncTest : public ::testing::Test {
+ protected:
+  CommunicatorFactory Factory(int rank, std::vector<FaultPlan> plans = {}) {
+    const CommunicatorOptions o = comm_test::LoopbackOptions(comm_test::FileRendezvous(dir_.path()),
+                                                             rank, size_, kTimeout, "sync");
+    auto shared = std::make_shared<std::vector<FaultPlan>>(std::move(plans));
+    return [o, shared]() -> Result<std::unique_ptr<Communicator>> {
+      DS_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> c, CreateCommunicator("gloo", o));
+      if (shared->empty()) return c;
+      // The faults go with the first formation only.
+      std::vector<FaultPlan> plans = std::move(*shared);
+      shared->clear();
+      return std::unique_ptr<Communicator>(new FaultCommunicator(std::move(c), std::move(plans)));
+    };
+  }
+  void SetUpGroup(int receivers) { size_ = receivers + 1; }
+
+  comm_test::TempDir dir_;
+  int size_ = 1;
+};
+
+// Ends a group quickly: receivers told to stop, the sender gone (their calls
+// fail at once), then their threads joined.
+void Finish(std::unique_ptr<StreamSender>& sender, std::initializer_list<ReceiverRig*> rigs) {
+  for (ReceiverRig* r : rigs) r->RequestStop();
+  sender.reset();
+  for (ReceiverRig* r : rigs) r->Stop();
+}
+
+std::unique_ptr<StreamSender> MakeSender(CommunicatorFactory f, SenderOptions o = {}) {
+  Result<std::unique_ptr<StreamSender>> s = StreamSender::Create(std::move(f), o);
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+  return s.ok() ? std::move(*s) : nullptr;
+}
+
+class SyncEncodings : public SyncTest, public ::testing::WithParamInterface<StreamEncoding> {};
+
+TEST_P(SyncEncodings, EveryReceiverIsBitExactAfterEverySync) {
+  SetUpGroup(3);
+  Model m = Model::Make(1);
+  SenderOptions o;
+  o.encoding = GetParam();
+  o.bucket_bytes = 64 << 10;  // several frames per sync
+  o.verify_every = 3;
+  std::unique_ptr<StreamSender> sender = MakeSender(Factory(0), o);
+  ReceiverRig whole(m, Hold::kWhole, Factory(1));
+  ReceiverRig rows(m, Hold::kRows, Factory(2));
+  ReceiverRig cols(m, Hold::kColumns, Factory(3));
+  for (ReceiverRig* r : {&whole, &rows, &cols}) r->Start();
+  for (int step = 0; step < 6; ++step) {
+    if (step > 0) m.Step(100 + step, step == 3 ? 0.0 : 0.02);
+    Result<SyncStats> s = sender->Sync(m.tensors);
+    ASSERT_TRUE(s.ok()) << "step " << step << ": " << s.status().ToString();
+    EXPECT_EQ(s->seeded, step == 0 ? 3u : 0u);
+    EXPECT_EQ(s->verify_all, s->sync_id % 3 == 0);
+    if (step > 0 && step != 3) {
+      EXPECT_GT(s->changed, 0u);
+    }
+    if (step == 3) {
+      EXPECT_EQ(s->changed, 0u);
+    }
+    EXPECT_GT(s->frames, 0u);
+    for (ReceiverRig* r : {&whole, &rows, &cols}) {
+      Status same = r->Matches(m);
+      EXPECT_TRUE(same.ok()) << "step " << step << ": " << same.ToString();
+    }
+    for (const SyncTensor& t : m.tensors) {
+      Result<std::span<const uint8_t>> snap = sender->Snapshot(t.name);
+      ASSERT_TRUE(snap.ok());
+      EXPECT_TRUE(std::equal(snap->begin(), snap->end(), t.data.begin(), t.data.end()));
+    }
+    EXPECT_EQ(sender->committed_sync_id(), s->sync_id);
+  }
+  Finish(sender, {&whole, &rows, &cols});
+  for (ReceiverRig* r : {&whole, &rows, &cols}) {
+    const std::vector<ReceiveStats> stats = r->stats();
+    ASSERT_EQ(stats.size(), 6u);
+    EXPECT_TRUE(stats[0].seed);
+    for (size_t k = 1; k < stats.size(); ++k) EXPECT_FALSE(stats[k].seed);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Encodings, SyncEncodings,
+                         ::testing::Values(StreamEncoding::kDense, StreamEncoding::kIndices,
+                                           StreamEncoding::kSparse),
+                         [](const auto& info) {
+                           return std::string(StreamEncodingName(info.param));
+                         });
+
+// The snapshot of every tensor, copied.
+std::vector<std::vector<uint8_t>> Snapshots(const StreamSender& s, const Model& m) {
+  std::vector<std::vector<uint8_t>> out;
+  for (const SyncTensor& t : m.tensors) {
+    Result<std::span<const uint8_t>> snap = s.Snapshot(t.name);
+    out.emplace_back(snap.ok() ? std::vector<uint8_t>(snap->begin(), snap->end())
+                               : std::vector<uint8_t>());
+  }
+  return out;
+}
+
+TEST_F(SyncTest, AReceiverThatFailsHalfwayFailsTheSyncAndTheNextRepairsIt) {
+  SetUpGroup(2);
+  Model m = Model::Make(2);
+  std::unique_ptr<StreamSender> sender = MakeSender(Factory(0));
+  ReceiverOptions failing;
+  failing.apply_hook = [](uint64_t sync_id, std::string_view, uint64_t entry) {
+    return sync_id == 3 && entry == 1 ? Status::IOError("injected: the device fell over")
+                                      : Status::OK();
+  };
+  ReceiverRig good(m, Hold::kWhole, Factory(1));
+  ReceiverRig bad(m, Hold::kRows, Factory(2), failing);
+  good.Start();
+  bad.Start();
+  for (int step = 0; step < 2; ++step) {
+    m.Step(7 + step, 0.05);
+    ASSERT_TRUE(sender->Sync(m.tensors).ok());
+  }
+  const std::vector<std::vector<uint8_t>> before = Snapshots(*sender, m);
+  m.Step(20, 0.05);
+  Result<SyncStats> failed = sender->Sync(m.tensors);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.status().code(), StatusCode::kIOError) << failed.status().ToString();
+  EXPECT_TRUE(Contains(failed.status(), "sync 3: 1 of 2 receivers failed"))
+      << failed.status().ToString();
+  EXPECT_TRUE(Contains(failed.status(), "receiver 2: ")) << failed.status().ToString();
+  EXPECT_TRUE(Contains(failed.status(), "the device fell over")) << failed.status().ToString();
+  EXPECT_EQ(Snapshots(*sender, m), before);  // nothing advanced
+  EXPECT_EQ(sender->committed_sync_id(), 2u);
+
+  // Some of it changes back, some goes on changing: the next sync brings
+  // both receivers to it, reseeding the one that may hold unverified bytes.
+  m.Step(21, 0.05);
+  Result<SyncStats> next = sender->Sync(m.tensors);
+  ASSERT_TRUE(next.ok()) << next.status().ToString();
+  EXPECT_EQ(next->seeded, 1u);
+  EXPECT_TRUE(good.Matches(m).ok()) << good.Matches(m).ToString();
+  EXPECT_TRUE(bad.Matches(m).ok()) << bad.Matches(m).ToString();
+  m.Step(22, 0.05);
+  next = sender->Sync(m.tensors);
+  ASSERT_TRUE(next.ok()) << next.status().ToString();
+  EXPECT_EQ(next->seeded, 0u);
+  EXPECT_TRUE(bad.Matches(m).ok());
+  Finish(sender, {&good, &bad});
+}
+
+// A receiver-side fault aimed at the first delta frame with entries of sync
+// `sync_id`: the body of a frame message, which starts with "DSFL".
+FaultPlan OnFrame(uint64_t sync_id, FaultKind kind,
+                  std::function<void(std::span<uint8_t>)> fn = {}) {
+  FaultPlan p;
+  p.op = CommOp::kRecv;
+  p.kind = kind;
+  p.match = [sync_id](std::span<const uint8_t> b) {
+    if (b.size() < stream::kFlushHeaderBytes || std::memcmp(b.data(), "DSFL", 4) != 0) {
+      return false;
+    }
+    uint64_t id = 0, entries = 0;
+    std::memcpy(&id, b.data() + 8, 8);
+    std::memcpy(&entries, b.data() + 20, 4);
+    return id == sync_id && entries > 0;
+  };
+  p.rewrite = std::move(fn);
+  p.byte_offset = 100;
+  return p;
+}
+
+// Recomputes a frame's trailer, so that an edited frame passes its checksum.
+void Reseal(std::span<uint8_t> frame) {
+  const XXH128_hash_t h = XXH3_128bits(frame.data(), frame.size() - 16);
+  XXH128_canonical_t c;
+  XXH128_canonicalFromHash(&c, h);
+  std::memcpy(frame.data() + frame.size() - 16, c.digest, 16);
+}
+
+// Replaces the first occurrence of `from` in the frame's manifest (after
+// the payload) by `to`, of the same length, and reseals it.
+std::function<void(std::span<uint8_t>)> EditManifest(std::string from, std::string to) {
+  return [from, to](std::span<uint8_t> f) {
+    uint64_t payload = 0;
+    std::memcpy(&payload, f.data() + 40, 8);
+    const std::string_view text(reinterpret_cast<const char*>(f.data()), f.size());
+    const size_t at = text.find(from, stream::kFlushHeaderBytes + payload);
+    if (at != std::string_view::npos) std::memcpy(f.data() + at, to.data(), to.size());
+    Reseal(f);
+  };
+}
+
+struct BadFrame {
+  std::string name;
+  FaultPlan plan;
+  std::string expect;  // in the receiver's error, as the sender reports it
+};
+
+class SyncBadFrames : public SyncTest, public ::testing::WithParamInterface<int> {};
+
+std::vector<BadFrame> BadFrames() {
+  std::vector<BadFrame> out;
+  out.push_back(
+      {"CorruptedManifestByte",
+       OnFrame(3, FaultKind::kRewrite, [](std::span<uint8_t> f) { f[f.size() - 17] ^= 0x20; }),
+       "xxh3-128 mismatch"});
+  {
+    FaultPlan p = OnFrame(3, FaultKind::kCorruptByte);
+    p.byte_offset = 70;  // in the payload
+    out.push_back({"CorruptedPayloadByte", p, "xxh3-128 mismatch"});
+  }
+  out.push_back({"UnknownTensor",
+                 OnFrame(3, FaultKind::kRewrite, EditManifest("c.weight", "x.weight")),
+                 "tensor 'x.weight' is not registered here"});
+  {
+    // The shape of c.weight, 5000, as 5001: it lies just before the name.
+    FaultPlan p = OnFrame(3, FaultKind::kRewrite, [](std::span<uint8_t> f) {
+      uint64_t payload = 0;
+      std::memcpy(&payload, f.data() + 40, 8);
+      const std::string_view text(reinterpret_cast<const char*>(f.data()), f.size());
+      const size_t at = text.find("c.weight", stream::kFlushHeaderBytes + payload);
+      if (at != std::string_view::npos) f[at - 8] = 0x89;  // 0x1388 -> 0x1389
+      Reseal(f);
+    });
+    out.push_back({"WrongShape", p, "[5001] in the frame"});
+  }
+  {
+    // The sync id, 3, as 2: an id it has seen.
+    FaultPlan p = OnFrame(3, FaultKind::kRewrite, [](std::span<uint8_t> f) {
+      f[8] = 2;
+      Reseal(f);
+    });
+    out.push_back({"SyncIdOutOfOrder", p, "out of order"});
+  }
+  return out;
+}
+
+TEST_P(SyncBadFrames, IsRefusedNamingItAndChangesNoWeight) {
+  const BadFrame bad = BadFrames()[GetParam()];
+  SetUpGroup(2);
+  Model m = Model::Make(3);
+  std::unique_ptr<StreamSender> sender = MakeSender(Factory(0));
+  ReceiverRig good(m, Hold::kWhole, Factory(1));
+  ReceiverRig victim(m, Hold::kWhole, Factory(2, {bad.plan}));
+  good.Start();
+  victim.Start();
+  for (int step = 0; step < 2; ++step) {
+    m.Step(30 + step, 0.05);
+    ASSERT_TRUE(sender->Sync(m.tensors).ok());
+  }
+  const std::vector<std::vector<uint8_t>> held = victim.buffers();
+  m.Step(40, 0.05);
+  Result<SyncStats> failed = sender->Sync(m.tensors);
+  ASSERT_FALSE(failed.ok()) << bad.name;
+  EXPECT_TRUE(Contains(failed.status(), "receiver 2: ")) << failed.status().ToString();
+  EXPECT_TRUE(Contains(failed.status(), bad.expect)) << failed.status().ToString();
+  EXPECT_TRUE(Contains(failed.status(), "sync 3")) << failed.status().ToString();
+  // The refused frame was the first with entries, so nothing was applied.
+  EXPECT_EQ(victim.buffers(), held) << bad.name;
+  EXPECT_TRUE(good.Matches(m).ok());
+
+  Result<SyncStats> next = sender->Sync(m.tensors);
+  ASSERT_TRUE(next.ok()) << next.status().ToString();
+  EXPECT_EQ(next->seeded, 0u);  // it holds only verified values: no reseed
+  EXPECT_TRUE(victim.Matches(m).ok()) << victim.Matches(m).ToString();
+  Finish(sender, {&good, &victim});
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, SyncBadFrames, ::testing::Range(0, 5),
+                         [](const auto& info) { return BadFrames()[info.param].name; });
+
+TEST_F(SyncTest, ATruncatedFrameBreaksTheGroupWhichIsFormedAgainAndReseeded) {
+  SetUpGroup(2);
+  Model m = Model::Make(4);
+  // The sender cuts the first frame of sync 2 to receiver 1 short.
+  FaultPlan cut;
+  cut.op = CommOp::kSend;
+  cut.kind = FaultKind::kTruncate;
+  cut.byte_offset = 200;
+  cut.match = OnFrame(2, FaultKind::kTruncate).match;
+  std::unique_ptr<StreamSender> sender = MakeSender(Factory(0, {cut}));
+  ReceiverRig one(m, Hold::kWhole, Factory(1));
+  ReceiverRig two(m, Hold::kColumns, Factory(2));
+  one.Start();
+  two.Start();
+  ASSERT_TRUE(sender->Sync(m.tensors).ok());
+  const std::vector<std::vector<uint8_t>> held = one.buffers();
+  m.Step(50, 0.05);
+  Result<SyncStats> failed = sender->Sync(m.tensors);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_TRUE(Contains(failed.status(), "the stream group broke")) << failed.status().ToString();
+  EXPECT_EQ(one.buffers(), held);
+  Result<SyncStats> next = sender->Sync(m.tensors);
+  ASSERT_TRUE(next.ok()) << next.status().ToString();
+  EXPECT_EQ(next->seeded, 2u);
+  EXPECT_TRUE(one.Matches(m).ok());
+  EXPECT_TRUE(two.Matches(m).ok());
+  Finish(sender, {&one, &two});
+  bool saw_size = false;
+  for (const Status& s : one.results()) saw_size |= Contains(s, "bytes");
+  EXPECT_TRUE(saw_size);
+}
+
+TEST_F(SyncTest, AReceiverWhoseTensorsDifferIsRefusedNamingTheTensor) {
+  SetUpGroup(1);
+  Model m = Model::Make(5);
+  Model other = m;
+  other.tensors[1].dtype = DType::kI32;  // same size, another dtype
+  other.Rebind();
+  std::unique_ptr<StreamSender> sender = MakeSender(Factory(0));
+  ReceiverRig r(other, Hold::kWhole, Factory(1));
+  r.Start(/*once=*/true);
+  Result<SyncStats> s = sender->Sync(m.tensors);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(s.status(),
+                       "receiver 1: registered tensors differ: tensor 'b.bias' is F32 "
+                       "[300] at the sender, I32 [300] at the receiver"))
+      << s.status().ToString();
+  Finish(sender, {&r});
+  ASSERT_FALSE(r.results().empty());
+  EXPECT_TRUE(Contains(r.results()[0], "the sender refused this receiver"))
+      << r.results()[0].ToString();
+  for (const std::vector<uint8_t>& b : r.buffers()) {
+    EXPECT_TRUE(std::all_of(b.begin(), b.end(), [](uint8_t x) { return x == 0; }));
+  }
+}
+
+TEST(SyncArguments, BadTensorsAreRefusedBeforeAnythingIsSent) {
+  int connects = 0;
+  Result<std::unique_ptr<StreamSender>> s =
+      StreamSender::Create([&]() -> Result<std::unique_ptr<Communicator>> {
+        ++connects;
+        return Status::Unavailable("no group in this test");
+      });
+  ASSERT_TRUE(s.ok());
+  std::vector<uint8_t> bytes(8);
+  std::vector<SyncTensor> t = {{"w", DType::kBF16, {3}, bytes}};
+  EXPECT_TRUE(Contains((*s)->Sync(t).status(), "8 bytes, shape [3] of BF16 needs 6"));
+  t = {{"w", DType::kBF16, {4}, bytes}, {"w", DType::kBF16, {4}, bytes}};
+  EXPECT_TRUE(Contains((*s)->Sync(t).status(), "passed twice"));
+  EXPECT_EQ(connects, 0);
+  t = {{"w", DType::kBF16, {4}, bytes}};
+  Result<SyncStats> first = (*s)->Sync(t);
+  EXPECT_EQ(first.status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(connects, 1);
+  t = {{"w", DType::kF32, {2}, bytes}};
+  EXPECT_TRUE(Contains((*s)->Sync(t).status(), "the first sync had BF16 [4]"));
+  t = {{"v", DType::kBF16, {4}, bytes}};
+  EXPECT_TRUE(Contains((*s)->Sync(t).status(), "was not in the first sync"));
+  EXPECT_EQ(connects, 1);
+  SenderOptions small;
+  small.bucket_bytes = 1000;
+  EXPECT_EQ(
+      StreamSender::Create(
+          [] { return Result<std::unique_ptr<Communicator>>(Status::Unavailable("x")); }, small)
+          .status()
+          .code(),
+      StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseStreamEncoding("xor").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(*ParseStreamEncoding("sparse"), StreamEncoding::kSparse);
+}
+
+TEST(SyncArguments, ARegistrationThatCannotBeHeldIsRefused) {
+  Result<std::unique_ptr<StreamReceiver>> r = StreamReceiver::Create(
+      [] { return Result<std::unique_ptr<Communicator>>(Status::Unavailable("x")); });
+  ASSERT_TRUE(r.ok());
+  std::vector<uint8_t> small(10);
+  EXPECT_TRUE(Contains((*r)->Register("w", DType::kBF16, {8}, small), "holds 5 elements"));
+  std::vector<uint8_t> big(64);
+  // Three ranges at unequal gaps are not one block.
+  EXPECT_TRUE(Contains(
+      (*r)->Register("w", DType::kBF16, {32}, big, {{0, 4, 0, 1}, {10, 4, 4, 1}, {24, 4, 8, 1}}),
+      "not one block"));
+  ASSERT_TRUE((*r)->Register("w", DType::kBF16, {32}, big).ok());
+  EXPECT_TRUE(Contains((*r)->Register("w", DType::kBF16, {32}, big), "registered twice"));
+  EXPECT_EQ((*r)->ReceiveSync().status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ((*r)->Register("v", DType::kBF16, {32}, big).code(), StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace deltasync
