@@ -16,9 +16,12 @@
 #include "stream/fault_communicator.h"
 #include "stream/frame.h"
 #include "stream/sync_messages.h"
+#include "stream/sync_test_util.h"
 
 namespace deltasync {
 namespace {
+
+using sync_test::Model;
 
 using namespace std::chrono_literals;
 using stream_internal::CommOp;
@@ -31,67 +34,6 @@ constexpr auto kTimeout = 5000ms;
 bool Contains(const Status& s, const std::string& text) {
   return s.message().find(text) != std::string::npos;
 }
-
-// A small model: BF16 and F32 tensors, one of them 2-D so that receivers
-// can hold row and column slices of it.
-struct Model {
-  std::vector<SyncTensor> tensors;
-  std::vector<std::vector<uint8_t>> bytes;
-
-  static Model Make(uint64_t seed) {
-    Model m;
-    const std::vector<std::tuple<std::string, DType, std::vector<int64_t>>> specs = {
-        {"a.weight", DType::kBF16, {64, 48}},
-        {"b.bias", DType::kF32, {300}},
-        {"c.weight", DType::kBF16, {5000}},
-        {"d.empty", DType::kBF16, {0, 4}},
-    };
-    std::mt19937_64 rng(seed);
-    for (const auto& [name, dtype, shape] : specs) {
-      int64_t n = 1;
-      for (int64_t d : shape) n *= d;
-      std::vector<uint8_t> b(n * DTypeSize(dtype));
-      for (uint8_t& x : b) x = static_cast<uint8_t>(rng());
-      m.bytes.push_back(std::move(b));
-      m.tensors.push_back({name, dtype, shape, {}});
-    }
-    m.Rebind();
-    return m;
-  }
-  void Rebind() {
-    for (size_t i = 0; i < tensors.size(); ++i) tensors[i].data = bytes[i];
-  }
-  // Changes about `fraction` of the elements, some to NaN payloads and -0.0.
-  void Step(uint64_t seed, double fraction) {
-    std::mt19937_64 rng(seed);
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      const size_t w = DTypeSize(tensors[i].dtype);
-      const size_t n = bytes[i].size() / w;
-      for (size_t e = 0; e < n; ++e) {
-        if (std::uniform_real_distribution<double>(0, 1)(rng) >= fraction) continue;
-        uint8_t* p = bytes[i].data() + e * w;
-        switch (rng() % 4) {
-          case 0:  // -0.0
-            std::memset(p, 0, w);
-            p[w - 1] = 0x80;
-            break;
-          case 1:  // a NaN with a payload
-            std::memset(p, 0xFF, w);
-            p[0] = static_cast<uint8_t>(rng() | 1);
-            break;
-          default: p[0] ^= static_cast<uint8_t>(rng() | 1);
-        }
-      }
-    }
-  }
-  const std::vector<uint8_t>& Of(const std::string& name) const {
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      if (tensors[i].name == name) return bytes[i];
-    }
-    static const std::vector<uint8_t> none;
-    return none;
-  }
-};
 
 // What a receiver holds of a tensor.
 enum class Hold { kWhole, kRows, kColumns };
@@ -569,6 +511,74 @@ TEST(SyncArguments, ARegistrationThatCannotBeHeldIsRefused) {
   EXPECT_TRUE(Contains((*r)->Register("w", DType::kBF16, {32}, big), "registered twice"));
   EXPECT_EQ((*r)->ReceiveSync().status().code(), StatusCode::kUnavailable);
   EXPECT_EQ((*r)->Register("v", DType::kBF16, {32}, big).code(), StatusCode::kFailedPrecondition);
+}
+
+// The file a peer process writes after each sync, once it holds `want`
+// (polled: the peer writes it after its report).
+bool PeerHolds(const std::string& path, const Model& m, std::chrono::milliseconds limit) {
+  std::vector<uint8_t> want;
+  for (const std::vector<uint8_t>& b : m.bytes) want.insert(want.end(), b.begin(), b.end());
+  const auto end = std::chrono::steady_clock::now() + limit;
+  for (;;) {
+    std::vector<uint8_t> got;
+    if (FILE* f = std::fopen(path.c_str(), "rb")) {
+      uint8_t buf[4096];
+      size_t n = 0;
+      while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) got.insert(got.end(), buf, buf + n);
+      std::fclose(f);
+    }
+    if (got == want) return true;
+    if (std::chrono::steady_clock::now() >= end) return false;
+    std::this_thread::sleep_for(10ms);
+  }
+}
+
+TEST_F(SyncTest, AReceiverKilledMidSyncFailsItInTimeAndIsReseededOnceRestarted) {
+  SetUpGroup(2);
+  Model m = Model::Make(0);
+  const std::string file = dir_.path() + "/receiver2.bin";
+  const auto peer_args = [&](int die_at) {
+    return std::vector<std::string>{
+        DS_SYNC_PEER_PATH,      "file:" + dir_.path(),           "2", "3", file,
+        std::to_string(die_at), std::to_string(kTimeout.count())};
+  };
+  comm_test::Children peers;
+  ASSERT_EQ(peers.Spawn(peer_args(3)), 0);
+  std::unique_ptr<StreamSender> sender = MakeSender(Factory(0));
+  ReceiverRig local(m, Hold::kRows, Factory(1));
+  local.Start();
+  for (int step = 0; step < 2; ++step) {
+    m.Step(60 + step, 0.05);
+    Result<SyncStats> s = sender->Sync(m.tensors);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    EXPECT_TRUE(PeerHolds(file, m, 5000ms));
+  }
+  const std::vector<std::vector<uint8_t>> before = Snapshots(*sender, m);
+  m.Step(70, 0.05);
+  const auto start = std::chrono::steady_clock::now();
+  Result<SyncStats> failed = sender->Sync(m.tensors);  // the peer dies applying it
+  const auto took = std::chrono::steady_clock::now() - start;
+  ASSERT_FALSE(failed.ok());
+  EXPECT_TRUE(failed.status().code() == StatusCode::kUnavailable ||
+              failed.status().code() == StatusCode::kDeadlineExceeded)
+      << failed.status().ToString();
+  EXPECT_TRUE(Contains(failed.status(), "receiver 2: ")) << failed.status().ToString();
+  EXPECT_LT(took, kTimeout + 1000ms);
+  EXPECT_EQ(peers.Wait(0, 5000ms), 128 + SIGKILL);
+  EXPECT_EQ(Snapshots(*sender, m), before);
+  EXPECT_EQ(sender->committed_sync_id(), 2u);
+
+  // Restarted, it joins the group the sender forms again, and is seeded.
+  ASSERT_TRUE(peers.Respawn(0, peer_args(0)));
+  for (int step = 0; step < 3; ++step) {
+    m.Step(80 + step, 0.05);
+    Result<SyncStats> s = sender->Sync(m.tensors);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    EXPECT_EQ(s->seeded, step == 0 ? 2u : 0u);
+    EXPECT_TRUE(local.Matches(m).ok()) << local.Matches(m).ToString();
+    EXPECT_TRUE(PeerHolds(file, m, 5000ms)) << "step " << step;
+  }
+  Finish(sender, {&local});
 }
 
 }  // namespace

@@ -1,0 +1,77 @@
+// Shared by the stream sync tests and their peer process.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "deltasync/dtype.h"
+#include "deltasync/stream.h"
+
+namespace deltasync::sync_test {
+
+// A small model: BF16 and F32 tensors, one of them 2-D so that receivers
+// can hold row and column slices of it.
+struct Model {
+  std::vector<SyncTensor> tensors;
+  std::vector<std::vector<uint8_t>> bytes;
+
+  static Model Make(uint64_t seed) {
+    Model m;
+    const std::vector<std::tuple<std::string, DType, std::vector<int64_t>>> specs = {
+        {"a.weight", DType::kBF16, {64, 48}},
+        {"b.bias", DType::kF32, {300}},
+        {"c.weight", DType::kBF16, {5000}},
+        {"d.empty", DType::kBF16, {0, 4}},
+    };
+    std::mt19937_64 rng(seed);
+    for (const auto& [name, dtype, shape] : specs) {
+      int64_t n = 1;
+      for (int64_t d : shape) n *= d;
+      std::vector<uint8_t> b(n * DTypeSize(dtype));
+      for (uint8_t& x : b) x = static_cast<uint8_t>(rng());
+      m.bytes.push_back(std::move(b));
+      m.tensors.push_back({name, dtype, shape, {}});
+    }
+    m.Rebind();
+    return m;
+  }
+  void Rebind() {
+    for (size_t i = 0; i < tensors.size(); ++i) tensors[i].data = bytes[i];
+  }
+  // Changes about `fraction` of the elements, some to NaN payloads and -0.0.
+  void Step(uint64_t seed, double fraction) {
+    std::mt19937_64 rng(seed);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const size_t w = DTypeSize(tensors[i].dtype);
+      const size_t n = bytes[i].size() / w;
+      for (size_t e = 0; e < n; ++e) {
+        if (std::uniform_real_distribution<double>(0, 1)(rng) >= fraction) continue;
+        uint8_t* p = bytes[i].data() + e * w;
+        switch (rng() % 4) {
+          case 0:  // -0.0
+            std::memset(p, 0, w);
+            p[w - 1] = 0x80;
+            break;
+          case 1:  // a NaN with a payload
+            std::memset(p, 0xFF, w);
+            p[0] = static_cast<uint8_t>(rng() | 1);
+            break;
+          default: p[0] ^= static_cast<uint8_t>(rng() | 1);
+        }
+      }
+    }
+  }
+  const std::vector<uint8_t>& Of(const std::string& name) const {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (tensors[i].name == name) return bytes[i];
+    }
+    static const std::vector<uint8_t> none;
+    return none;
+  }
+};
+
+}  // namespace deltasync::sync_test
