@@ -1,10 +1,13 @@
-// Placements (ShardSpec) and their translation into HF flat coordinates,
-// against a reference computed element by element: coordinates mapped one
-// at a time, and DiffTensor of the whole HF tensors.
+// Placements (ShardSpec), their translation into HF flat coordinates and
+// the sharded gather, each against a reference computed element by
+// element: coordinates mapped one at a time, and DiffTensor of the whole
+// HF tensors.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -12,12 +15,18 @@
 #include <utility>
 #include <vector>
 
+#include "deltasync/checksum.h"
+#include "deltasync/communicator.h"
 #include "deltasync/diff.h"
 #include "deltasync/shard.h"
+#include "stream/communicator_test_util.h"
 #include "stream/shard_changes.h"
+#include "stream/shard_gather.h"
 
 namespace deltasync::stream {
 namespace {
+
+using std::chrono::milliseconds;
 
 uint64_t SplitMix(uint64_t& state) {
   uint64_t z = (state += 0x9E3779B97F4A7C15ull);
@@ -669,6 +678,537 @@ TEST(ShardValidate, FactoriesRefuseBadArguments) {
   // The same HF tensor twice in one fused tensor: overlapping in the HF
   // tensor.
   ExpectInvalid(ShardSpec::Fused(DType::kBF16, 0, {a, a}), "overlap in the HF tensor");
+}
+
+// ---------------------------------------------------------------------------
+// The gather's wire layout and rank 0's checks, over a scripted
+// communicator: the bytes are built here from docs/format.md.
+
+class ScriptedCommunicator : public Communicator {
+ public:
+  ScriptedCommunicator(int rank, int size) : records(size), rank_(rank), size_(size) {}
+  std::string_view name() const override { return "scripted"; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  uint64_t generation() const override { return 0; }
+  CommunicatorCapabilities capabilities() const override {
+    CommunicatorCapabilities c;
+    c.host_buffers = c.point_to_point = c.checks_sizes = true;
+    return c;
+  }
+  milliseconds timeout() const override { return milliseconds(1000); }
+  Status health() const override { return Status::OK(); }
+  Status Send(int peer, std::span<const uint8_t> data) override {
+    sent.push_back({peer, std::vector<uint8_t>(data.begin(), data.end())});
+    return Status::OK();
+  }
+  Status Recv(int peer, std::span<uint8_t> data) override {
+    auto it = payloads.find(peer);
+    if (it == payloads.end())
+      return Status::DeadlineExceeded("nothing from " + std::to_string(peer));
+    if (it->second.size() != data.size()) {
+      return Status::InvalidArgument("peer sent " + std::to_string(it->second.size()) +
+                                     " bytes; this rank expects " + std::to_string(data.size()));
+    }
+    std::memcpy(data.data(), it->second.data(), data.size());
+    received.push_back(peer);
+    payloads.erase(it);
+    return Status::OK();
+  }
+  Status Broadcast(int, std::span<uint8_t>) override { return Status::Unsupported("scripted"); }
+  Status Barrier() override { return Status::Unsupported("scripted"); }
+  Status Gather(int root, std::span<const uint8_t> record, std::span<uint8_t> out) override {
+    gathered.assign(record.begin(), record.end());
+    if (rank_ != root) return Status::OK();
+    if (out.size() != record.size() * size_) return Status::InvalidArgument("gather out size");
+    for (int r = 0; r < size_; ++r) {
+      const std::vector<uint8_t>& rec = r == rank_ ? gathered : records[r];
+      if (rec.size() != record.size()) return Status::InvalidArgument("scripted record size");
+      std::memcpy(out.data() + r * record.size(), rec.data(), rec.size());
+    }
+    return Status::OK();
+  }
+  Status AllGather(std::span<const uint8_t>, std::span<uint8_t>) override {
+    return Status::Unsupported("scripted");
+  }
+
+  std::vector<std::vector<uint8_t>> records;     // what the other ranks gather (root)
+  std::map<int, std::vector<uint8_t>> payloads;  // what they send (root)
+  std::vector<uint8_t> gathered;                 // this rank's record
+  std::vector<std::pair<int, std::vector<uint8_t>>> sent;
+  std::vector<int> received;
+
+ private:
+  int rank_, size_;
+};
+
+void Le(std::vector<uint8_t>* out, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) out->push_back(static_cast<uint8_t>(v >> (8 * i)));
+}
+
+// The batch key, built from the table in docs/format.md.
+uint64_t KeyOf(const std::vector<GatherTensor>& list) {
+  std::vector<uint8_t> enc;
+  for (const GatherTensor& t : list) {
+    Le(&enc, t.name.size(), 2);
+    enc.insert(enc.end(), t.name.begin(), t.name.end());
+    enc.push_back(static_cast<uint8_t>(t.dtype));  // the wire codes are the enum's order
+    enc.push_back(static_cast<uint8_t>(t.shape.size()));
+    for (int64_t d : t.shape) Le(&enc, d, 8);
+  }
+  uint64_t key = 0;
+  for (uint8_t b : ChecksumBytes(ChecksumAlgo::kXxh3_64, enc)) key = key << 8 | b;
+  return key;
+}
+
+std::vector<uint8_t> RecordOf(uint32_t flags, uint64_t batch, uint64_t key, uint64_t m,
+                              uint64_t bytes) {
+  std::vector<uint8_t> r = {'D', 'S', 'S', 'G'};
+  Le(&r, flags, 4);
+  Le(&r, batch, 8);
+  Le(&r, key, 8);
+  Le(&r, m, 8);
+  Le(&r, bytes, 8);
+  return r;
+}
+
+// One tensor's part of a payload.
+struct Part {
+  uint32_t index;
+  std::vector<uint64_t> positions;
+  std::vector<uint8_t> new_values, old_values;
+};
+
+std::vector<uint8_t> PayloadOf(const std::vector<Part>& parts,
+                               const std::vector<uint32_t>& widths) {
+  std::vector<uint8_t> p;
+  for (const Part& part : parts) {
+    Le(&p, part.index, 4);
+    Le(&p, 0, 4);
+    Le(&p, part.positions.size(), 8);
+  }
+  for (const Part& part : parts) {
+    for (uint64_t pos : part.positions) Le(&p, pos, widths[part.index]);
+    p.insert(p.end(), part.new_values.begin(), part.new_values.end());
+    p.insert(p.end(), part.old_values.begin(), part.old_values.end());
+  }
+  return p;
+}
+
+TensorChanges Changes(std::string name, uint64_t numel, uint32_t w, std::vector<uint64_t> pos,
+                      std::vector<uint8_t> nv, std::vector<uint8_t> ov) {
+  TensorChanges tc;
+  tc.name = std::move(name);
+  tc.changes.numel = numel;
+  tc.changes.elem_size = w;
+  tc.changes.wide = numel > UINT32_MAX;
+  if (tc.changes.wide) {
+    tc.changes.pos64 = pos;
+  } else {
+    tc.changes.pos32.assign(pos.begin(), pos.end());
+  }
+  tc.changes.new_values = std::move(nv);
+  tc.changes.old_values = std::move(ov);
+  return tc;
+}
+
+// a: BF16 [3, 4] (12 elements, W 4); b: U8 [10]; h: F32 of 2^33 (W 8).
+const std::vector<GatherTensor> kList = {{"a", DType::kBF16, {3, 4}},
+                                         {"b", DType::kU8, {10}},
+                                         {"h", DType::kF32, {int64_t{1} << 23, 1024}}};
+const std::vector<uint32_t> kWidths = {4, 4, 8};
+
+TEST(ShardGatherWire, ASenderWritesTheDocumentedBytes) {
+  ScriptedCommunicator c(1, 2);
+  // Two entries of b (merged), one of h; none of a.
+  const std::vector<TensorChanges> mine = {
+      Changes("b", 10, 1, {7}, {0x77}, {0x70}),
+      Changes("h", uint64_t{1} << 33, 4, {uint64_t{1} << 32 | 5}, {1, 2, 3, 4}, {5, 6, 7, 8}),
+      Changes("b", 10, 1, {2}, {0x22}, {0x20})};
+  const Result<std::vector<TensorChanges>> r = GatherChanges(c, 42, kList, mine);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(r->empty());
+  const std::vector<uint8_t> payload =
+      PayloadOf({{1, {2, 7}, {0x22, 0x77}, {0x20, 0x70}},
+                 {2, {uint64_t{1} << 32 | 5}, {1, 2, 3, 4}, {5, 6, 7, 8}}},
+                kWidths);
+  ASSERT_EQ(payload.size(), 16u * 2 + 2 * (4 + 2) + 1 * (8 + 8));
+  EXPECT_EQ(c.gathered, RecordOf(0, 42, KeyOf(kList), 2, payload.size()));
+  ASSERT_EQ(c.sent.size(), 1u);
+  EXPECT_EQ(c.sent[0].first, 0);
+  EXPECT_EQ(c.sent[0].second, payload);
+  EXPECT_EQ(Value(GatherBatchKey(kList)), KeyOf(kList));
+}
+
+TEST(ShardGatherWire, ASenderWithNothingSendsNoPayload) {
+  ScriptedCommunicator c(2, 3);
+  const std::vector<TensorChanges> mine = {Changes("a", 12, 2, {}, {}, {})};
+  ASSERT_TRUE(GatherChanges(c, 7, kList, mine).ok());
+  EXPECT_EQ(c.gathered, RecordOf(0, 7, KeyOf(kList), 0, 0));
+  EXPECT_TRUE(c.sent.empty());
+}
+
+TEST(ShardGatherWire, ASenderRefusesBadChangesAndSendsNothing) {
+  const std::vector<std::pair<std::vector<TensorChanges>, std::string>> cases = {
+      {{Changes("zz", 12, 2, {1}, {1, 1}, {2, 2})}, "changes of tensor 'zz': not in the batch"},
+      {{Changes("a", 12, 4, {1}, {1, 1, 1, 1}, {2, 2, 2, 2})}, "element size 4 and numel 12"},
+      {{Changes("a", 13, 2, {1}, {1, 1}, {2, 2})}, "numel 13"},
+      {{Changes("a", 12, 2, {3, 3}, {1, 1, 1, 1}, {2, 2, 2, 2})}, "position 3 at index 1"},
+      {{Changes("a", 12, 2, {12}, {1, 1}, {2, 2})}, "position 12 at index 0"},
+      {{Changes("a", 12, 2, {1}, {1, 1}, {})}, "2 bytes of new and 0 of old"},
+      {{Changes("a", 12, 2, {1}, {1, 1}, {2, 2}), Changes("a", 12, 2, {1}, {3, 3}, {2, 2})},
+       "tensor 'a': position 1 is in the changes of entry 0 and of entry 1"},
+  };
+  for (const auto& [mine, want] : cases) {
+    ScriptedCommunicator c(1, 2);
+    const Result<std::vector<TensorChanges>> r = GatherChanges(c, 7, kList, mine);
+    ExpectInvalid(r, want);
+    EXPECT_EQ(c.gathered, RecordOf(1, 7, KeyOf(kList), 0, 0)) << want;
+    EXPECT_TRUE(c.sent.empty()) << want;
+  }
+  TensorChanges wide_wrong = Changes("a", 12, 2, {1}, {1, 1}, {2, 2});
+  wide_wrong.changes.wide = true;
+  wide_wrong.changes.pos64 = {1};
+  wide_wrong.changes.pos32.clear();
+  ScriptedCommunicator c(1, 2);
+  const std::vector<TensorChanges> wide_mine = {wide_wrong};
+  ExpectInvalid(GatherChanges(c, 7, kList, wide_mine), "positions not in pos32");
+  std::vector<GatherTensor> twice = {kList[0], kList[0]};
+  ScriptedCommunicator d(1, 2);
+  ExpectInvalid(GatherChanges(d, 7, twice, {}), "tensor 'a' is listed twice");
+  EXPECT_EQ(d.gathered, RecordOf(1, 7, KeyOf(twice), 0, 0));
+}
+
+// Rank 0 of 3 with scripted ranks 1 and 2.
+struct Root {
+  ScriptedCommunicator c{0, 3};
+  std::vector<TensorChanges> mine;
+  uint64_t batch = 9;
+  Root() {
+    // Valid defaults: rank 1 sends b {1, 4}, rank 2 sends a {0} and b {3}.
+    Set(1, PayloadOf({{1, {1, 4}, {11, 14}, {1, 4}}}, kWidths), 1);
+    Set(2, PayloadOf({{0, {0}, {0xA0, 0xA1}, {0xB0, 0xB1}}, {1, {3}, {13}, {3}}}, kWidths), 2);
+  }
+  // Rank r's record announces `m` tensors and the payload's size.
+  void Set(int r, std::vector<uint8_t> payload, uint64_t m) {
+    c.records[r] = RecordOf(0, batch, KeyOf(kList), m, payload.size());
+    c.payloads[r] = std::move(payload);
+  }
+  Result<std::vector<TensorChanges>> Run() { return GatherChanges(c, batch, kList, mine); }
+};
+
+TEST(ShardGatherWire, RootMergesRanksInPositionOrder) {
+  Root root;
+  root.mine = {Changes("b", 10, 1, {0, 2, 9}, {10, 12, 19}, {0, 2, 9})};
+  const std::vector<TensorChanges> got = Value(root.Run());
+  EXPECT_EQ(root.c.received, (std::vector<int>{1, 2}));
+  ASSERT_EQ(got.size(), 3u);
+  EXPECT_EQ(got[0].name, "a");
+  EXPECT_TRUE(
+      SameChanges(got[0].changes, Changes("a", 12, 2, {0}, {0xA0, 0xA1}, {0xB0, 0xB1}).changes));
+  EXPECT_TRUE(SameChanges(got[1].changes, Changes("b", 10, 1, {0, 1, 2, 3, 4, 9},
+                                                  {10, 11, 12, 13, 14, 19}, {0, 1, 2, 3, 4, 9})
+                                              .changes));
+  EXPECT_EQ(got[2].name, "h");
+  EXPECT_EQ(got[2].changes.numel, uint64_t{1} << 33);
+  EXPECT_TRUE(got[2].changes.wide);
+  EXPECT_EQ(got[2].changes.count(), 0u);
+}
+
+// Runs root with rank `r`'s record or payload changed by `edit`, and checks
+// the error and that every well-announced payload was still received.
+void ExpectRootRefuses(const std::function<void(Root*)>& edit, StatusCode code,
+                       const std::string& want, std::vector<int> received = {1, 2}) {
+  SCOPED_TRACE(want);
+  Root root;
+  edit(&root);
+  const Result<std::vector<TensorChanges>> r = root.Run();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), code) << r.status().ToString();
+  EXPECT_NE(r.status().message().find(want), std::string::npos) << r.status().message();
+  EXPECT_EQ(root.c.received, received);
+}
+
+TEST(ShardGatherWire, RootRefusesBadRecords) {
+  ExpectRootRefuses([](Root* r) { r->c.records[1][0] = 'X'; }, StatusCode::kCorruption,
+                    "rank 1 sent a gather record that is not one (bad magic)", {2});
+  ExpectRootRefuses([](Root* r) { r->c.records[2][4] = 2; }, StatusCode::kCorruption,
+                    "rank 2 sent unknown gather flags 2");
+  ExpectRootRefuses(
+      [](Root* r) {
+        r->c.records[1] = RecordOf(1, r->batch, KeyOf(kList), 0, 0);
+        r->c.payloads.erase(1);
+      },
+      StatusCode::kInvalidArgument, "rank 1 refused its own changes", {2});
+  ExpectRootRefuses([](Root* r) { r->c.records[1] = RecordOf(0, 8, KeyOf(kList), 1, 28); },
+                    StatusCode::kInvalidArgument, "rank 1 gathers batch 8, rank 0 batch 9");
+  ExpectRootRefuses(
+      [](Root* r) {
+        r->c.records[2] = RecordOf(0, r->batch, KeyOf({kList[0]}), 2, r->c.payloads[2].size());
+      },
+      StatusCode::kInvalidArgument, "rank 2 gathers batch 9 with a different tensor list");
+  ExpectRootRefuses([](Root* r) { r->c.records[1] = RecordOf(0, r->batch, KeyOf(kList), 4, 28); },
+                    StatusCode::kCorruption, "rank 1 announces 4 tensors in 28 bytes");
+  ExpectRootRefuses(
+      [](Root* r) {
+        r->c.records[1] = RecordOf(0, r->batch, KeyOf(kList), 1, 0);
+        r->c.payloads.erase(1);
+      },
+      StatusCode::kCorruption, "rank 1 announces 1 tensors in 0 bytes", {2});
+  // 16 * 3 + 12 * (4 + 4) + 10 * (4 + 2) + 2^33 * (8 + 8).
+  const uint64_t bound = 48 + 96 + 60 + (uint64_t{1} << 37);
+  ExpectRootRefuses(
+      [&](Root* r) { r->c.records[2] = RecordOf(0, r->batch, KeyOf(kList), 2, bound + 1); },
+      StatusCode::kCorruption,
+      "rank 2 announces a payload of " + std::to_string(bound + 1) +
+          " bytes, more than the batch can hold (" + std::to_string(bound) + ")",
+      {1});
+  // A refusal by rank 0 itself still lets every payload in.
+  ExpectRootRefuses([](Root* r) { r->mine = {Changes("zz", 1, 1, {0}, {1}, {2})}; },
+                    StatusCode::kInvalidArgument, "rank 0: changes of tensor 'zz': not in");
+}
+
+TEST(ShardGatherWire, RootRefusesBadPayloads) {
+  auto payload = [](std::vector<uint8_t> p, int m) { return [p, m](Root* r) { r->Set(1, p, m); }; };
+  std::vector<uint8_t> p = PayloadOf({{1, {1, 4}, {11, 14}, {1, 4}}}, kWidths);
+  std::vector<uint8_t> q = p;
+  q[0] = 3;  // tensor index 3 of 3
+  ExpectRootRefuses(payload(q, 1), StatusCode::kCorruption,
+                    "rank 1's payload: index record 0 names tensor 3 (indices strictly increase, "
+                    "below 3)");
+  q = PayloadOf({{1, {1}, {11}, {1}}, {1, {4}, {14}, {4}}}, kWidths);
+  ExpectRootRefuses(payload(q, 2), StatusCode::kCorruption, "index record 1 names tensor 1");
+  q = p;
+  q[4] = 1;
+  ExpectRootRefuses(payload(q, 1), StatusCode::kCorruption,
+                    "index record 0: reserved bytes are not 0");
+  q = PayloadOf({{1, {}, {}, {}}}, kWidths);
+  ExpectRootRefuses(payload(q, 1), StatusCode::kCorruption,
+                    "tensor 'b': 0 changes (1 to numel 10)");
+  q = PayloadOf(
+      {{1, {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10}, std::vector<uint8_t>(11), std::vector<uint8_t>(11)}},
+      kWidths);
+  ExpectRootRefuses(payload(q, 1), StatusCode::kCorruption, "11 changes (1 to numel 10)");
+  q = p;
+  q.push_back(0);
+  ExpectRootRefuses(payload(q, 1), StatusCode::kCorruption,
+                    "rank 1's payload: 29 bytes, its index records give 28");
+  q = PayloadOf({{1, {4, 1}, {11, 14}, {1, 4}}}, kWidths);
+  ExpectRootRefuses(payload(q, 1), StatusCode::kCorruption,
+                    "tensor 'b': the positions of rank 1 are not strictly increasing (1 after 4 "
+                    "at index 1)");
+  q = PayloadOf({{1, {1, 10}, {11, 14}, {1, 4}}}, kWidths);
+  ExpectRootRefuses(payload(q, 1), StatusCode::kCorruption,
+                    "tensor 'b': position 10 of rank 1 is past the tensor's 10 elements");
+  q = PayloadOf({{1, {12}, {11}, {1}}}, kWidths);
+  ExpectRootRefuses(payload(q, 1), StatusCode::kCorruption, "position 12 of rank 1 is past");
+  q = PayloadOf({{1, {1, 3}, {11, 14}, {1, 4}}}, kWidths);
+  ExpectRootRefuses(payload(q, 1), StatusCode::kInvalidArgument,
+                    "tensor 'b': position 3 is in the changes of rank 1 and of rank 2 "
+                    "(overlapping shards)");
+}
+
+// ---------------------------------------------------------------------------
+// The gather over gloo: 4 trainer ranks as threads, each diffing its own
+// shards, against DiffTensor of the whole tensors.
+
+constexpr int kRanks = 4;
+
+// The model every rank holds parts of, and the ranks' placements.
+struct Trainer {
+  std::vector<HfTensor> model;
+  std::vector<GatherTensor> list;
+
+  Trainer() {
+    model = {MakeTensor("embed", DType::kBF16, {50, 12}, 1),
+             MakeTensor("o_proj", DType::kF32, {10, 23}, 2),
+             MakeTensor("norm", DType::kBF16, {37}, 3),
+             MakeTensor("q", DType::kBF16, {16, 8}, 4),
+             MakeTensor("k", DType::kBF16, {8, 8}, 5),
+             MakeTensor("v", DType::kBF16, {8, 8}, 6),
+             MakeTensor("gate", DType::kF64, {12, 6}, 7),
+             MakeTensor("up", DType::kF64, {12, 6}, 8),
+             MakeTensor("bias", DType::kU8, {5}, 9)};
+    // Listed in an order of its own.
+    for (const char* n : {"up", "norm", "embed", "bias", "v", "q", "o_proj", "gate", "k"}) {
+      const HfTensor& t = Find(model, n);
+      list.push_back({t.name, t.dtype, t.shape});
+    }
+  }
+
+  // Rank r's local tensors; with `overlap`, rank 1 also contributes norm.
+  std::vector<ShardSpec> Specs(int r, bool overlap = false) const {
+    std::vector<ShardSpec> s;
+    s.push_back(Value(ShardSpec::Shard("embed", DType::kBF16, {50, 12}, 0, r, kRanks)));
+    s.push_back(Value(ShardSpec::ShardSizes("o_proj", DType::kF32, {10, 23}, 1, {7, 0, 10, 6}, r)));
+    s.push_back(
+        Value(ShardSpec::Replicate("norm", DType::kBF16, {37}, r == 2 || (overlap && r == 1))));
+    s.push_back(Value(
+        ShardSpec::Fused(DType::kBF16, 0,
+                         {Value(ShardSpec::Shard("q", DType::kBF16, {16, 8}, 0, r, kRanks)),
+                          Value(ShardSpec::Shard("k", DType::kBF16, {8, 8}, 0, r, kRanks)),
+                          Value(ShardSpec::Shard("v", DType::kBF16, {8, 8}, 0, r, kRanks))})));
+    s.push_back(Value(
+        ShardSpec::Fused(DType::kF64, 0,
+                         {Value(ShardSpec::Shard("gate", DType::kF64, {12, 6}, 0, r, kRanks)),
+                          Value(ShardSpec::Shard("up", DType::kF64, {12, 6}, 0, r, kRanks))})));
+    s.push_back(Value(ShardSpec::Shard("bias", DType::kU8, {5}, 0, r, kRanks)));
+    return s;
+  }
+
+  // What rank r passes to the gather: each local tensor diffed and
+  // translated.
+  Status Translate(int r, bool overlap, std::vector<TensorChanges>* out) const {
+    out->clear();
+    for (const ShardSpec& spec : Specs(r, overlap)) {
+      DS_ASSIGN_OR_RETURN(std::vector<TensorChanges> tc,
+                          TranslateChanges(spec, LocalDiff(spec, model)));
+      for (TensorChanges& t : tc) out->push_back(std::move(t));
+    }
+    return Status::OK();
+  }
+
+  // New values only where rank r's contributing pieces hold elements.
+  void MutateOnlyRank(int r, uint64_t seed) {
+    for (HfTensor& t : model) t.new_bytes = t.old_bytes;
+    for (const ShardSpec& spec : Specs(r)) {
+      const std::vector<Mapped> map = ReferenceMap(spec);
+      for (const Mapped& m : map) {
+        const ShardPiece& p = spec.pieces[m.piece];
+        if (spec.contributes && p.contributes && SplitMix(seed) % 2 == 0) {
+          HfTensor* t = nullptr;
+          for (HfTensor& u : model) {
+            if (u.name == p.hf_name) t = &u;
+          }
+          Mutate(t, m.hf, seed);
+        }
+      }
+    }
+  }
+};
+
+class ShardGatherGloo : public ::testing::Test {
+ protected:
+  void SetUp() override {
+#if !DS_HAVE_GLOO
+    GTEST_SKIP() << "built without Gloo (DELTASYNC_WITH_GLOO)";
+#else
+    std::vector<Status> errors;
+    comms_ = comm_test::FormInThreads(
+        kRanks,
+        [&](int r) {
+          return comm_test::LoopbackOptions(comm_test::FileRendezvous(dir_.path()), r, kRanks,
+                                            milliseconds(10000), "shard");
+        },
+        &errors);
+    for (const Status& s : errors) ASSERT_TRUE(s.ok()) << s.ToString();
+#endif
+  }
+
+  // Every rank gathers batch `batch`: rank r passes inputs[r] (and its list
+  // from lists[r] when given). Results by rank.
+  std::vector<Result<std::vector<TensorChanges>>> Gather(
+      uint64_t batch, const std::vector<std::vector<TensorChanges>>& inputs,
+      const std::vector<GatherTensor>& list,
+      const std::vector<std::vector<GatherTensor>>* lists = nullptr,
+      const std::vector<uint64_t>* batches = nullptr) {
+    std::vector<Result<std::vector<TensorChanges>>> out(kRanks, Status::Internal("did not run"));
+    comm_test::OnEveryRank(kRanks, [&](int r) {
+      out[r] = GatherChanges(*comms_[r], batches ? (*batches)[r] : batch,
+                             lists ? (*lists)[r] : list, inputs[r]);
+      return Status::OK();
+    });
+    return out;
+  }
+
+  std::vector<std::vector<TensorChanges>> Inputs(const Trainer& t, bool overlap = false) {
+    std::vector<std::vector<TensorChanges>> in(kRanks);
+    for (int r = 0; r < kRanks; ++r) {
+      const Status s = t.Translate(r, overlap, &in[r]);
+      EXPECT_TRUE(s.ok()) << s.ToString();
+    }
+    return in;
+  }
+
+  // Rank 0's result equals DiffTensor of each whole tensor, the others'
+  // are empty.
+  void ExpectWholeDiffs(const Trainer& t,
+                        const std::vector<Result<std::vector<TensorChanges>>>& got) {
+    for (int r = 1; r < kRanks; ++r) {
+      ASSERT_TRUE(got[r].ok()) << "rank " << r << ": " << got[r].status().ToString();
+      EXPECT_TRUE(got[r]->empty());
+    }
+    ASSERT_TRUE(got[0].ok()) << got[0].status().ToString();
+    ASSERT_EQ(got[0]->size(), t.list.size());
+    for (size_t i = 0; i < t.list.size(); ++i) {
+      SCOPED_TRACE(t.list[i].name);
+      EXPECT_EQ((*got[0])[i].name, t.list[i].name);
+      EXPECT_TRUE(SameChanges((*got[0])[i].changes, WholeDiff(Find(t.model, t.list[i].name))));
+    }
+  }
+
+  comm_test::TempDir dir_;
+  std::vector<std::unique_ptr<Communicator>> comms_;
+};
+
+TEST_F(ShardGatherGloo, RankZeroGetsTheWholeTensorsDiffs) {
+  Trainer t;
+  for (size_t i = 0; i < t.model.size(); ++i) MutateRandom(&t.model[i], 0.3, 100 + i);
+  std::vector<std::vector<TensorChanges>> in = Inputs(t);
+  ExpectWholeDiffs(t, Gather(1, in, t.list));
+
+  // Nothing changed: every result empty, nothing sent.
+  for (HfTensor& h : t.model) h.new_bytes = h.old_bytes;
+  ExpectWholeDiffs(t, Gather(2, Inputs(t), t.list));
+
+  // Only rank 3 has changes (ranks 0 to 2 send nothing), then only rank 0.
+  t.MutateOnlyRank(3, 7);
+  in = Inputs(t);
+  for (int r = 0; r < 3; ++r) {
+    for (const TensorChanges& tc : in[r]) ASSERT_EQ(tc.changes.count(), 0u) << r;
+  }
+  ExpectWholeDiffs(t, Gather(3, in, t.list));
+  t.MutateOnlyRank(0, 8);
+  ExpectWholeDiffs(t, Gather(4, Inputs(t), t.list));
+
+  // Every element changed.
+  for (size_t i = 0; i < t.model.size(); ++i) MutateRandom(&t.model[i], 1.0, 200 + i);
+  ExpectWholeDiffs(t, Gather(5, Inputs(t), t.list));
+}
+
+TEST_F(ShardGatherGloo, OverlappingShardsFailOnRankZeroAndTheGroupGoesOn) {
+  Trainer t;
+  for (size_t i = 0; i < t.model.size(); ++i) MutateRandom(&t.model[i], 0.5, 300 + i);
+  // Rank 1 contributes its replica of norm too.
+  std::vector<Result<std::vector<TensorChanges>>> got = Gather(1, Inputs(t, true), t.list);
+  ASSERT_FALSE(got[0].ok());
+  ExpectInvalid(got[0], "tensor 'norm': position ");
+  ExpectInvalid(got[0], " is in the changes of rank 1 and of rank 2 (overlapping shards)");
+  for (int r = 1; r < kRanks; ++r) EXPECT_TRUE(got[r].ok()) << got[r].status().ToString();
+
+  // A rank that refuses its own changes, one at another batch, one with
+  // another list: rank 0 names it, every rank returns, and the next batch
+  // works.
+  std::vector<std::vector<TensorChanges>> in = Inputs(t);
+  in[2].push_back(Changes("nope", 1, 1, {0}, {1}, {2}));
+  got = Gather(2, in, t.list);
+  ExpectInvalid(got[0], "rank 2 refused its own changes");
+  ExpectInvalid(got[2], "changes of tensor 'nope': not in the batch");
+  EXPECT_TRUE(got[1].ok() && got[3].ok());
+
+  const std::vector<uint64_t> batches = {3, 3, 3, 4};
+  got = Gather(3, Inputs(t), t.list, nullptr, &batches);
+  ExpectInvalid(got[0], "rank 3 gathers batch 4, rank 0 batch 3");
+
+  std::vector<std::vector<GatherTensor>> lists(kRanks, t.list);
+  lists[1].pop_back();
+  in = Inputs(t);
+  std::erase_if(in[1], [&](const TensorChanges& c) { return c.name == t.list.back().name; });
+  got = Gather(5, in, t.list, &lists);
+  ExpectInvalid(got[0], "rank 1 gathers batch 5 with a different tensor list");
+
+  ExpectWholeDiffs(t, Gather(6, Inputs(t), t.list));
+  for (int r = 0; r < kRanks; ++r) EXPECT_TRUE(comms_[r]->health().ok());
 }
 
 }  // namespace
