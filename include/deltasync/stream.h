@@ -39,6 +39,7 @@
 
 #include "deltasync/communicator.h"
 #include "deltasync/dtype.h"
+#include "deltasync/shard.h"
 #include "deltasync/status.h"
 
 namespace deltasync {
@@ -73,6 +74,22 @@ struct SyncTensor {
   std::span<const uint8_t> data;
 };
 
+// A sharded trainer's model: every HF tensor the sync covers, named as in
+// the checkpoint. Every trainer rank passes the same list.
+struct ModelTensor {
+  std::string name;
+  DType dtype = DType::kBF16;
+  std::vector<int64_t> shape;
+};
+
+// One of a trainer rank's local tensors: where its elements lie in the HF
+// tensors (include/deltasync/shard.h), and its bytes (spec.local_shape of
+// spec.dtype, row-major, host memory).
+struct ShardedTensor {
+  ShardSpec spec;
+  std::span<const uint8_t> data;
+};
+
 struct SenderOptions {
   StreamEncoding encoding = StreamEncoding::kIndices;
   // A flush frame's size bound: the sender holds at most one such bucket
@@ -95,6 +112,9 @@ struct SyncStats {
   uint64_t frames = 0;         // frames built (each sent to every receiver of its kind)
   uint64_t bytes_sent = 0;     // over all receivers, envelopes included
   bool verify_all = false;
+  // The most bytes of frame buckets and diff scratch the sync held at once,
+  // beside the snapshot (capacities, measured at the end of the sync).
+  uint64_t buffer_bytes = 0;
   double diff_s = 0;      // diff against the snapshot and digest updates
   double encode_s = 0;    // building frames
   double transfer_s = 0;  // sending them
@@ -103,12 +123,34 @@ struct SyncStats {
   double total_s = 0;
 };
 
-// Rank 0 of a stream group.
+// Rank 0 of a stream group; with a sharded trainer, one on every trainer
+// rank.
 class StreamSender {
  public:
+  // A trainer that holds every tensor whole: Sync.
   static Result<std::unique_ptr<StreamSender>> Create(CommunicatorFactory connect,
                                                       SenderOptions options = {});
+  // One trainer rank of a sharded trainer: SyncShards. `trainer_group`
+  // forms the trainer ranks' own group (its rank is this trainer rank);
+  // `stream_group` forms the stream group, on trainer rank 0 only (empty on
+  // the others). Each rank diffs its shards against its own snapshot of
+  // them and only the changed elements travel to rank 0 (docs/format.md,
+  // "Stream: sharded gather"), which streams them on. Rank 0 also keeps the
+  // committed state of the whole model, in the HF tensors' coordinates,
+  // from which it seeds receivers and resends what a failed sync changed.
+  static Result<std::unique_ptr<StreamSender>> CreateSharded(CommunicatorFactory trainer_group,
+                                                             CommunicatorFactory stream_group,
+                                                             SenderOptions options = {});
   virtual ~StreamSender() = default;
+
+  // Called on every trainer rank with the same `model` and its own local
+  // tensors (their pieces inside the model's tensors, each element of the
+  // model held by some rank that contributes). The result as Sync's, on
+  // every rank: rank 0 tells the others whether the sync committed, and
+  // their snapshots advance with it. Stats are rank 0's (the others fill in
+  // sync_id, changed and diff_s).
+  virtual Result<SyncStats> SyncShards(std::span<const ModelTensor> model,
+                                       std::span<const ShardedTensor> shards) = 0;
 
   // Brings every receiver to `tensors`. OK when every receiver applied and
   // verified it (the snapshot then holds `tensors`). Otherwise the error

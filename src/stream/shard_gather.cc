@@ -300,7 +300,8 @@ Result<uint64_t> GatherBatchKey(std::span<const GatherTensor> tensors) {
 
 Result<std::vector<TensorChanges>> GatherChanges(Communicator& group, uint64_t batch_id,
                                                  std::span<const GatherTensor> tensors,
-                                                 std::span<const TensorChanges> mine) {
+                                                 std::span<const TensorChanges> mine,
+                                                 const Status& refusal) {
   const int rank = group.rank();
   const int size = group.size();
   const std::string me = "sharded gather of batch " + std::to_string(batch_id) + ", " + Rank(rank);
@@ -321,6 +322,7 @@ Result<std::vector<TensorChanges>> GatherChanges(Communicator& group, uint64_t b
     }
     own_status = PrepareOwn(tensors, listed, mine, &own);
   }
+  if (own_status.ok() && !refusal.ok()) own_status = refusal;
   own_status = own_status.WithContext(me);
 
   Record record;

@@ -50,8 +50,13 @@ Result<uint64_t> GatherBatchKey(std::span<const GatherTensor> tensors);
 // ranks send the same position of a tensor (naming both, the tensor and
 // the position), and with Corruption for a record or payload that breaks
 // the format. These leave the group usable.
+//
+// A rank that could not make its changes passes its error as `refusal`: it
+// then refuses (sends no payload) and returns that error, and rank 0 fails
+// the batch naming it.
 Result<std::vector<TensorChanges>> GatherChanges(Communicator& group, uint64_t batch_id,
                                                  std::span<const GatherTensor> tensors,
-                                                 std::span<const TensorChanges> mine);
+                                                 std::span<const TensorChanges> mine,
+                                                 const Status& refusal = Status::OK());
 
 }  // namespace deltasync::stream

@@ -13,6 +13,8 @@
 #include "deltasync/tensor.h"
 #include "deltasync/timing.h"
 #include "stream/frame.h"
+#include "stream/shard_changes.h"
+#include "stream/shard_gather.h"
 #include "stream/state_digest.h"
 #include "stream/sync_messages.h"
 
@@ -85,12 +87,36 @@ struct Peer {
   std::string layout;                                      // the held names, one key per set
 };
 
+// Where a tensor's changes and values come from, one unit of work at a
+// time: `changes` fills the unit's changes against the snapshot (positions
+// from the unit's first element, new and old values); `dense` gives the
+// unit's current values (valid until the next call).
+struct UnitSource {
+  std::function<Status(uint64_t first, uint64_t count, ChangeSet* out)> changes;
+  std::function<Result<std::span<const uint8_t>>(uint64_t first, uint64_t count)> dense;
+};
+
+// A tensor by name, dtype and shape, with or without bytes.
+struct TensorMeta {
+  std::string_view name;
+  DType dtype;
+  const std::vector<int64_t>* shape;
+  std::span<const uint8_t> data;  // empty for a sharded model's
+};
+
 class Sender final : public StreamSender {
  public:
   Sender(CommunicatorFactory connect, SenderOptions options)
       : connect_(std::move(connect)), options_(options) {}
+  Sender(CommunicatorFactory trainer, CommunicatorFactory connect, SenderOptions options)
+      : connect_(std::move(connect)),
+        trainer_connect_(std::move(trainer)),
+        options_(options),
+        sharded_(true) {}
 
   Result<SyncStats> Sync(std::span<const SyncTensor> tensors) override;
+  Result<SyncStats> SyncShards(std::span<const ModelTensor> model,
+                               std::span<const ShardedTensor> shards) override;
   Result<std::span<const uint8_t>> Snapshot(std::string_view name) const override;
   uint64_t committed_sync_id() const override { return committed_id_; }
 
@@ -108,8 +134,24 @@ class Sender final : public StreamSender {
     bool open = false;
   };
 
-  Status CheckTensors(std::span<const SyncTensor> tensors,
-                      std::vector<std::pair<TensorState*, const SyncTensor*>>* order);
+  // One sync's state on rank 0, from BeginSync to EndSync.
+  struct Round {
+    uint64_t sync_id = 0;
+    SyncStats stats;
+    std::vector<std::unique_ptr<Group>> groups;
+    std::vector<Group*> group_of;
+    Status streamed;
+    Clock::time_point start;
+  };
+
+  Status CheckModel(std::span<const TensorMeta> tensors, std::vector<TensorState*>* order);
+  Status BeginSync(Round* round);
+  // Records, reports, and the decision; on success `commit` advances the
+  // snapshot.
+  Result<SyncStats> EndSync(Round* round, const std::vector<TensorState*>& order,
+                            const std::function<void()>& commit);
+  Result<SyncStats> SyncShardsAsRank0(std::span<const ModelTensor> model,
+                                      std::span<const ShardedTensor> shards);
   Status Connect();
   Status Handshake(uint64_t sync_id);
   void Drop() {
@@ -120,19 +162,35 @@ class Sender final : public StreamSender {
   Status Flush(Group& g, bool last, SyncStats* stats);
   template <typename AddFn>
   Status Add(Group& g, uint64_t sync_id, SyncStats* stats, AddFn&& add);
-  Status StreamTensor(TensorState& t, const SyncTensor& x, uint64_t sync_id,
-                      std::vector<std::unique_ptr<Group>>& groups, SyncStats* stats);
+  Status StreamTensor(TensorState& t, const UnitSource& src, Round* round);
   Status SendRecords(Peer& peer, Group& g, uint64_t sync_id, bool verify_all,
-                     const std::vector<std::pair<TensorState*, const SyncTensor*>>& order,
-                     SyncStats* stats);
+                     const std::vector<TensorState*>& order, SyncStats* stats);
+  // Sharded: this rank's shards checked and diffed, translated to the HF
+  // tensors' coordinates.
+  Status DiffShards(std::span<const ModelTensor> model, std::span<const ShardedTensor> shards,
+                    std::map<std::string, std::vector<stream::TensorChanges>, std::less<>>* mine,
+                    SyncStats* stats);
+  Status ConnectTrainers();
+  // A failure of the trainer group: every rank starts again from a full
+  // send (rank 0 also reseeds every receiver).
+  void LoseTrainers();
+  void CommitShards(std::span<const ShardedTensor> shards);
 
   CommunicatorFactory connect_;
+  CommunicatorFactory trainer_connect_;
   SenderOptions options_;
+  bool sharded_ = false;
+  std::unique_ptr<Communicator> trainers_;
+  std::vector<std::vector<uint8_t>> local_snapshots_;  // sharded: this rank's shards
+  bool have_local_ = false;
+  uint64_t local_syncs_ = 0;  // sharded ranks other than 0: syncs taken part in
+  std::vector<uint8_t> scratch_;
   std::unique_ptr<Communicator> comm_;
   bool welcomed_ = false;
   std::vector<Peer> peers_;
   std::map<std::string, TensorState, std::less<>> tensors_;
   bool have_snapshot_ = false;
+  uint64_t bucket_reserve_ = 0;
   uint64_t next_sync_id_ = 1;
   uint64_t committed_id_ = 0;
   DiffOptions diff_;
@@ -140,21 +198,20 @@ class Sender final : public StreamSender {
   std::vector<uint64_t> scratch_positions_;
 };
 
-Status Sender::CheckTensors(std::span<const SyncTensor> tensors,
-                            std::vector<std::pair<TensorState*, const SyncTensor*>>* order) {
+Status Sender::CheckModel(std::span<const TensorMeta> tensors, std::vector<TensorState*>* order) {
   std::set<std::string_view> seen;
-  for (const SyncTensor& x : tensors) {
-    const std::string what = "tensor '" + x.name + "'";
+  for (const TensorMeta& x : tensors) {
+    const std::string what = "tensor '" + std::string(x.name) + "'";
     if (x.name.empty() || x.name.size() > stream::kMaxTensorNameBytes) {
-      return Status::InvalidArgument("tensor name '" + x.name + "': empty or over " +
+      return Status::InvalidArgument("tensor name '" + std::string(x.name) + "': empty or over " +
                                      std::to_string(stream::kMaxTensorNameBytes) + " bytes");
     }
     if (!seen.insert(x.name).second) return Status::InvalidArgument(what + " is passed twice");
-    if (x.shape.size() > stream::kMaxTensorDims) {
+    if (x.shape->size() > stream::kMaxTensorDims) {
       return Status::InvalidArgument(what + ": more than " +
                                      std::to_string(stream::kMaxTensorDims) + " dimensions");
     }
-    DS_ASSIGN_OR_RETURN(int64_t numel, ShapeNumel(x.shape));
+    DS_ASSIGN_OR_RETURN(int64_t numel, ShapeNumel(*x.shape));
     const size_t w = DTypeSize(x.dtype);
     if (w != 1 && w != 2 && w != 4 && w != 8) {
       return Status::InvalidArgument(what + ": dtype " + std::string(DTypeName(x.dtype)) +
@@ -163,9 +220,9 @@ Status Sender::CheckTensors(std::span<const SyncTensor> tensors,
     if (static_cast<uint64_t>(numel) >= stream::kMaxStreamNumel) {
       return Status::InvalidArgument(what + ": too many elements for the stream");
     }
-    if (x.data.size() != static_cast<uint64_t>(numel) * w) {
+    if (!sharded_ && x.data.size() != static_cast<uint64_t>(numel) * w) {
       return Status::InvalidArgument(what + ": " + std::to_string(x.data.size()) +
-                                     " bytes, shape " + stream::ShapeText(x.shape) + " of " +
+                                     " bytes, shape " + stream::ShapeText(*x.shape) + " of " +
                                      std::string(DTypeName(x.dtype)) + " needs " +
                                      std::to_string(numel * w));
     }
@@ -176,9 +233,9 @@ Status Sender::CheckTensors(std::span<const SyncTensor> tensors,
       }
       continue;
     }
-    if (it->second.dtype != x.dtype || it->second.shape != x.shape) {
+    if (it->second.dtype != x.dtype || it->second.shape != *x.shape) {
       return Status::InvalidArgument(what + ": " + std::string(DTypeName(x.dtype)) + " " +
-                                     stream::ShapeText(x.shape) + ", the first sync had " +
+                                     stream::ShapeText(*x.shape) + ", the first sync had " +
                                      std::string(DTypeName(it->second.dtype)) + " " +
                                      stream::ShapeText(it->second.shape));
     }
@@ -190,24 +247,32 @@ Status Sender::CheckTensors(std::span<const SyncTensor> tensors,
       }
     }
   }
+  uint64_t model_bytes = 0;
   if (tensors_.empty()) {
-    for (const SyncTensor& x : tensors) {
+    for (const TensorMeta& x : tensors) {
       TensorState t;
-      t.name = x.name;
+      t.name = std::string(x.name);
       t.dtype = x.dtype;
-      t.shape = x.shape;
+      t.shape = *x.shape;
       t.w = static_cast<uint32_t>(DTypeSize(x.dtype));
-      t.numel = x.data.size() / t.w;
+      t.numel = static_cast<uint64_t>(*ShapeNumel(*x.shape));
       const uint64_t room = (options_.bucket_bytes - kFrameReserve) / (2 * (8 + t.w));
       t.unit = std::max<uint64_t>(1, room);
       t.dirty.assign(t.units(), 0);
-      tensors_.emplace(x.name, std::move(t));
+      // A sharded rank 0 builds its snapshot from what the ranks send.
+      if (sharded_) t.snapshot.assign(t.numel * t.w, 0);
+      tensors_.emplace(t.name, std::move(t));
     }
   }
   order->clear();
-  for (const SyncTensor& x : tensors) order->emplace_back(&tensors_.find(x.name)->second, &x);
+  for (const TensorMeta& x : tensors) {
+    TensorState* t = &tensors_.find(x.name)->second;
+    model_bytes += t->numel * t->w;
+    order->push_back(t);
+  }
+  bucket_reserve_ = std::min(options_.bucket_bytes, 2 * model_bytes + (uint64_t{1} << 20));
   std::sort(order->begin(), order->end(),
-            [](const auto& a, const auto& b) { return a.first->name < b.first->name; });
+            [](const TensorState* a, const TensorState* b) { return a->name < b->name; });
   return Status::OK();
 }
 
@@ -306,6 +371,9 @@ Status Sender::Begin(Group& g, uint64_t sync_id, bool last, bool verify_all) {
   h.kind = g.seed ? FrameKind::kSeed : FrameKind::kDelta;
   h.last = last;
   h.verify_all = verify_all;
+  // Reserved once, so that a frame never reallocates (and a small model
+  // does not take a whole bucket).
+  if (g.bucket.capacity() == 0) g.bucket.reserve(bucket_reserve_);
   DS_RETURN_IF_ERROR(g.writer.Begin(h, options_.bucket_bytes, &g.bucket));
   g.open = true;
   return Status::OK();
@@ -346,37 +414,45 @@ Status Sender::Add(Group& g, uint64_t sync_id, SyncStats* stats, AddFn&& add) {
                           std::to_string(options_.bucket_bytes) + " bytes");
 }
 
-Status Sender::StreamTensor(TensorState& t, const SyncTensor& x, uint64_t sync_id,
-                            std::vector<std::unique_ptr<Group>>& groups, SyncStats* stats) {
-  // The blocks receivers hold of this tensor, and their digests' change.
+Status Sender::StreamTensor(TensorState& t, const UnitSource& src, Round* round) {
+  SyncStats* stats = &round->stats;
+  const uint64_t sync_id = round->sync_id;
+  // The blocks receivers hold of this tensor, and their digests' change
+  // (before the first commit: the digests themselves).
   std::map<BlockKey, StateDigest> delta;
   for (const Peer& p : peers_) {
     auto it = p.blocks.find(t.name);
     if (it != p.blocks.end()) delta.emplace(KeyOf(it->second), StateDigest{});
   }
   t.changed.assign(t.units(), 0);
-  diff_.elem_size = t.w;
-  diff_.refresh_snapshot = false;
-  diff_.keep_old_values = true;
   const TensorRange whole{t.name, t.dtype, t.shape, 0, t.numel};
   for (uint64_t u = 0; u < t.units(); ++u) {
     const uint64_t first = u * t.unit;
     const uint64_t count = std::min(t.unit, t.numel - first);
-    const std::span<const uint8_t> xu = x.data.subspan(first * t.w, count * t.w);
     TensorRange range = whole;
     range.first = first;
     range.count = count;
+    std::optional<std::span<const uint8_t>> dense_view;
+    const auto dense = [&]() -> Result<std::span<const uint8_t>> {
+      if (!dense_view) {
+        DS_ASSIGN_OR_RETURN(std::span<const uint8_t> v, src.dense(first, count));
+        dense_view = v;
+      }
+      return *dense_view;
+    };
     bool resend = false;  // the whole unit, dense
+    changes_.Clear();
+    const auto t0 = Clock::now();
     if (have_snapshot_) {
-      const auto t0 = Clock::now();
-      std::span<uint8_t> su(t.snapshot.data() + first * t.w, count * t.w);
-      DS_RETURN_IF_ERROR(DiffTensor(xu, su, diff_, &changes_));
+      const std::span<const uint8_t> su(t.snapshot.data() + first * t.w, count * t.w);
+      DS_RETURN_IF_ERROR(src.changes(first, count, &changes_));
       stats->changed += changes_.count();
       resend = t.dirty[u] != 0;
       if (resend || changes_.count() > 0) t.changed[u] = 1;
       for (auto& [key, d] : delta) {
         const DigestBlock b = BlockOf(key);
         if (resend) {
+          DS_ASSIGN_OR_RETURN(std::span<const uint8_t> xu, dense());
           DS_ASSIGN_OR_RETURN(StateDigest now, stream::ComputeBlockPartDigest(xu, t.w, first, b));
           DS_ASSIGN_OR_RETURN(StateDigest was, stream::ComputeBlockPartDigest(su, t.w, first, b));
           d += now - was;
@@ -394,12 +470,21 @@ Status Sender::StreamTensor(TensorState& t, const SyncTensor& x, uint64_t sync_i
           }
         }
       }
-      stats->diff_s += SecondsSince(t0);
+    } else {
+      t.changed[u] = 1;
+      for (auto& [key, d] : delta) {
+        DS_ASSIGN_OR_RETURN(std::span<const uint8_t> xu, dense());
+        DS_ASSIGN_OR_RETURN(StateDigest part,
+                            stream::ComputeBlockPartDigest(xu, t.w, first, BlockOf(key)));
+        d += part;
+      }
     }
-    for (const std::unique_ptr<Group>& gp : groups) {
+    stats->diff_s += SecondsSince(t0);
+    for (const std::unique_ptr<Group>& gp : round->groups) {
       Group& g = *gp;
       if (!g.holds.count(t.name)) continue;
       if (g.seed || resend) {
+        DS_ASSIGN_OR_RETURN(std::span<const uint8_t> xu, dense());
         DS_RETURN_IF_ERROR(
             Add(g, sync_id, stats, [&](FlushWriter& w) { return w.AddDense(range, xu); }));
         if (!g.seed) stats->sent_elements += count;
@@ -410,6 +495,10 @@ Status Sender::StreamTensor(TensorState& t, const SyncTensor& x, uint64_t sync_i
         StreamEncoding e = options_.encoding;
         if (e == StreamEncoding::kIndices && n * (pw + t.w) >= count * t.w) {
           e = StreamEncoding::kDense;
+        }
+        std::span<const uint8_t> xu;
+        if (e == StreamEncoding::kDense) {
+          DS_ASSIGN_OR_RETURN(xu, dense());
         }
         DS_RETURN_IF_ERROR(Add(g, sync_id, stats, [&](FlushWriter& w) -> Result<bool> {
           switch (e) {
@@ -429,20 +518,13 @@ Status Sender::StreamTensor(TensorState& t, const SyncTensor& x, uint64_t sync_i
   // The digest each held block must have at the end of the sync.
   t.expected.clear();
   for (const auto& [key, d] : delta) {
-    if (have_snapshot_) {
-      t.expected[key] = t.committed.at(key) + d;
-    } else {
-      DS_ASSIGN_OR_RETURN(StateDigest full,
-                          stream::ComputeBlockPartDigest(x.data, t.w, 0, BlockOf(key)));
-      t.expected[key] = full;
-    }
+    t.expected[key] = have_snapshot_ ? t.committed.at(key) + d : d;
   }
   return Status::OK();
 }
 
 Status Sender::SendRecords(Peer& peer, Group& g, uint64_t sync_id, bool verify_all,
-                           const std::vector<std::pair<TensorState*, const SyncTensor*>>& order,
-                           SyncStats* stats) {
+                           const std::vector<TensorState*>& order, SyncStats* stats) {
   // A frame of this receiver's own: its group's count of frames is where
   // its flush index goes on, and other members go on from there too.
   const uint32_t base = g.frames;
@@ -470,7 +552,7 @@ Status Sender::SendRecords(Peer& peer, Group& g, uint64_t sync_id, bool verify_a
     return Status::OK();
   };
   DS_RETURN_IF_ERROR(begin());
-  for (const auto& [t, x] : order) {
+  for (TensorState* t : order) {
     auto it = peer.blocks.find(t->name);
     if (it == peer.blocks.end()) continue;
     if (!g.seed && !verify_all && !g.named.count(t->name)) continue;
@@ -485,64 +567,58 @@ Status Sender::SendRecords(Peer& peer, Group& g, uint64_t sync_id, bool verify_a
   return send(true);
 }
 
-Result<SyncStats> Sender::Sync(std::span<const SyncTensor> tensors) {
-  const auto start = Clock::now();
-  std::vector<std::pair<TensorState*, const SyncTensor*>> order;
-  if (options_.bucket_bytes < kMinBucketBytes ||
-      options_.bucket_bytes > stream::kMaxFlushFrameBytes) {
-    return Status::InvalidArgument("bucket_bytes " + std::to_string(options_.bucket_bytes) +
-                                   ": at least 64 KiB and at most 2^40");
-  }
-  DS_RETURN_IF_ERROR(CheckTensors(tensors, &order));
+Status Sender::BeginSync(Round* round) {
+  round->start = Clock::now();
   if (!comm_) DS_RETURN_IF_ERROR(Connect());
-  const uint64_t sync_id = next_sync_id_++;
-  const std::string sync_name = "sync " + std::to_string(sync_id);
+  round->sync_id = next_sync_id_++;
+  const std::string sync_name = "sync " + std::to_string(round->sync_id);
   if (!welcomed_) {
-    if (Status s = Handshake(sync_id); !s.ok()) {
+    if (Status s = Handshake(round->sync_id); !s.ok()) {
       Drop();
       if (s.code() == StatusCode::kInvalidArgument) return s;
       return Status(s.code(), sync_name + ": the handshake failed: " + s.message());
     }
   }
-  SyncStats stats;
-  stats.sync_id = sync_id;
+  SyncStats& stats = round->stats;
+  stats.sync_id = round->sync_id;
   stats.receivers = static_cast<uint32_t>(peers_.size());
-  stats.verify_all = options_.verify_every > 0 && sync_id % options_.verify_every == 0;
-
+  stats.verify_all = options_.verify_every > 0 && round->sync_id % options_.verify_every == 0;
   // Receivers of one kind and layout take the same frames.
-  std::vector<std::unique_ptr<Group>> groups;
-  std::vector<Group*> group_of(peers_.size());
-  {
-    std::map<std::pair<bool, std::string>, Group*> by_key;
-    for (size_t i = 0; i < peers_.size(); ++i) {
-      Peer& p = peers_[i];
-      const bool seed = p.need_seed || !have_snapshot_;
-      Group*& g = by_key[{seed, p.layout}];
-      if (g == nullptr) {
-        groups.push_back(std::make_unique<Group>());
-        g = groups.back().get();
-        g->seed = seed;
-        g->writer.set_zstd_level(options_.zstd_level);
-        for (const auto& [name, block] : p.blocks) g->holds.insert(name);
-      }
-      g->members.push_back(i);
-      group_of[i] = g;
-      stats.seeded += seed ? 1 : 0;
+  std::map<std::pair<bool, std::string>, Group*> by_key;
+  round->group_of.assign(peers_.size(), nullptr);
+  for (size_t i = 0; i < peers_.size(); ++i) {
+    Peer& p = peers_[i];
+    const bool seed = p.need_seed || !have_snapshot_;
+    Group*& g = by_key[{seed, p.layout}];
+    if (g == nullptr) {
+      round->groups.push_back(std::make_unique<Group>());
+      g = round->groups.back().get();
+      g->seed = seed;
+      g->writer.set_zstd_level(options_.zstd_level);
+      for (const auto& [name, block] : p.blocks) g->holds.insert(name);
     }
+    g->members.push_back(i);
+    round->group_of[i] = g;
+    stats.seeded += seed ? 1 : 0;
   }
+  return Status::OK();
+}
 
-  // Everything is sent; then every receiver reports.
-  Status streamed = Status::OK();
-  for (const auto& [t, x] : order) {
-    streamed = StreamTensor(*t, *x, sync_id, groups, &stats);
-    if (!streamed.ok()) break;
-  }
-  for (const std::unique_ptr<Group>& g : groups) {
+Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>& order,
+                                  const std::function<void()>& commit) {
+  SyncStats& stats = round->stats;
+  Status& streamed = round->streamed;
+  for (const std::unique_ptr<Group>& g : round->groups) {
     if (streamed.ok() && g->open) streamed = Flush(*g, false, &stats);
   }
   for (size_t i = 0; i < peers_.size() && streamed.ok(); ++i) {
-    streamed = SendRecords(peers_[i], *group_of[i], sync_id, stats.verify_all, order, &stats);
+    streamed = SendRecords(peers_[i], *round->group_of[i], round->sync_id, stats.verify_all, order,
+                           &stats);
   }
+  stats.buffer_bytes = changes_.pos32.capacity() * 4 + changes_.pos64.capacity() * 8 +
+                       changes_.new_values.capacity() + changes_.old_values.capacity() +
+                       scratch_.capacity();
+  for (const std::unique_ptr<Group>& g : round->groups) stats.buffer_bytes += g->bucket.capacity();
   std::vector<std::string> failures;
   std::vector<bool> failed(peers_.size(), false);
   StatusCode code = StatusCode::kOk;
@@ -576,52 +652,405 @@ Result<SyncStats> Sender::Sync(std::span<const SyncTensor> tensors) {
 
   if (failures.empty()) {
     const auto t0 = Clock::now();
-    for (const auto& [t, x] : order) {
-      if (!have_snapshot_) {
-        t->snapshot.assign(x->data.begin(), x->data.end());
-      } else {
-        for (uint64_t u = 0; u < t->units(); ++u) {
-          if (!t->changed[u]) continue;
-          const uint64_t first = u * t->unit;
-          const uint64_t count = std::min(t->unit, t->numel - first);
-          std::memcpy(t->snapshot.data() + first * t->w, x->data.data() + first * t->w,
-                      count * t->w);
-        }
-      }
+    commit();
+    for (TensorState* t : order) {
       std::fill(t->dirty.begin(), t->dirty.end(), 0);
       t->changed.clear();
       for (const auto& [key, d] : t->expected) t->committed[key] = d;
     }
     have_snapshot_ = true;
     for (Peer& p : peers_) p.need_seed = false;
-    committed_id_ = sync_id;
+    committed_id_ = round->sync_id;
     stats.commit_s = SecondsSince(t0);
-    stats.total_s = SecondsSince(start);
+    stats.total_s = SecondsSince(round->start);
     return stats;
   }
 
   // Nothing advances. What this sync changed is resent until one commits;
   // a receiver that failed while being seeded still needs its seed, and
   // one seeded now holds the sync's values, which the resend covers.
-  for (const auto& [t, x] : order) {
+  for (TensorState* t : order) {
     for (uint64_t u = 0; u < t->changed.size(); ++u) t->dirty[u] |= t->changed[u];
     t->changed.clear();
   }
   for (size_t i = 0; i < peers_.size(); ++i) {
-    if (group_of[i]->seed && !failed[i] && have_snapshot_ && comm_) peers_[i].need_seed = false;
+    if (round->group_of[i]->seed && !failed[i] && have_snapshot_ && comm_) {
+      peers_[i].need_seed = false;
+    }
   }
-  const size_t receivers = peers_.size();
-  std::string msg = sync_name + ": ";
+  std::string msg = "sync " + std::to_string(round->sync_id) + ": ";
   if (comm_) {
-    msg +=
-        std::to_string(failures.size()) + " of " + std::to_string(receivers) + " receivers failed";
+    msg += std::to_string(failures.size()) + " of " + std::to_string(peers_.size()) +
+           " receivers failed";
   } else {
     msg +=
         "the stream group broke (it is formed again, and every receiver reseeded, at the "
         "next sync)";
   }
   for (const std::string& f : failures) msg += "; " + f;
-  return Status(code, msg);
+  return Status(code == StatusCode::kOk ? StatusCode::kAborted : code, msg);
+}
+
+Result<SyncStats> Sender::Sync(std::span<const SyncTensor> tensors) {
+  if (sharded_) return Status::FailedPrecondition("a sharded sender syncs with SyncShards");
+  std::vector<TensorMeta> metas;
+  for (const SyncTensor& x : tensors) metas.push_back({x.name, x.dtype, &x.shape, x.data});
+  std::vector<TensorState*> order;
+  DS_RETURN_IF_ERROR(CheckModel(metas, &order));
+  std::map<std::string_view, std::span<const uint8_t>> data;
+  for (const SyncTensor& x : tensors) data[x.name] = x.data;
+  Round round;
+  DS_RETURN_IF_ERROR(BeginSync(&round));
+  diff_.refresh_snapshot = false;
+  diff_.keep_old_values = true;
+  for (TensorState* t : order) {
+    const std::span<const uint8_t> x = data.at(t->name);
+    UnitSource src;
+    src.changes = [&](uint64_t first, uint64_t count, ChangeSet* out) {
+      diff_.elem_size = t->w;
+      std::span<uint8_t> su(t->snapshot.data() + first * t->w, count * t->w);
+      return DiffTensor(x.subspan(first * t->w, count * t->w), su, diff_, out);
+    };
+    src.dense = [&](uint64_t first, uint64_t count) -> Result<std::span<const uint8_t>> {
+      return x.subspan(first * t->w, count * t->w);
+    };
+    round.streamed = StreamTensor(*t, src, &round);
+    if (!round.streamed.ok()) break;
+  }
+  return EndSync(&round, order, [&] {
+    for (TensorState* t : order) {
+      const std::span<const uint8_t> x = data.at(t->name);
+      if (t->snapshot.empty()) {
+        t->snapshot.assign(x.begin(), x.end());
+        continue;
+      }
+      for (uint64_t u = 0; u < t->changed.size(); ++u) {
+        if (!t->changed[u]) continue;
+        const uint64_t first = u * t->unit;
+        const uint64_t count = std::min(t->unit, t->numel - first);
+        std::memcpy(t->snapshot.data() + first * t->w, x.data() + first * t->w, count * t->w);
+      }
+    }
+  });
+}
+
+Status Sender::ConnectTrainers() {
+  if (trainers_) return Status::OK();
+  Result<std::unique_ptr<Communicator>> c = trainer_connect_();
+  if (!c.ok()) {
+    return Status(c.status().code(), "forming the trainer group: " + c.status().message());
+  }
+  if ((*c)->rank() == 0 && !connect_) {
+    return Status::InvalidArgument("trainer rank 0 needs the stream group's factory");
+  }
+  trainers_ = std::move(*c);
+  return Status::OK();
+}
+
+Status Sender::DiffShards(
+    std::span<const ModelTensor> model, std::span<const ShardedTensor> shards,
+    std::map<std::string, std::vector<stream::TensorChanges>, std::less<>>* mine,
+    SyncStats* stats) {
+  std::map<std::string_view, const ModelTensor*> by_name;
+  for (const ModelTensor& m : model) by_name[m.name] = &m;
+  if (have_local_ && local_snapshots_.size() != shards.size()) {
+    return Status::InvalidArgument("this rank passed " + std::to_string(shards.size()) +
+                                   " shards; its first sync passed " +
+                                   std::to_string(local_snapshots_.size()));
+  }
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const ShardedTensor& sh = shards[i];
+    DS_RETURN_IF_ERROR(sh.spec.Validate());
+    const std::string what =
+        "shard " + std::to_string(i) + " (of '" +
+        (sh.spec.pieces.empty() ? std::string("?") : sh.spec.pieces[0].hf_name) + "')";
+    const uint64_t w = DTypeSize(sh.spec.dtype);
+    const uint64_t numel = static_cast<uint64_t>(sh.spec.local_numel());
+    if (sh.data.size() != numel * w) {
+      return Status::InvalidArgument(what + ": " + std::to_string(sh.data.size()) +
+                                     " bytes, its spec needs " + std::to_string(numel * w));
+    }
+    for (const ShardPiece& p : sh.spec.pieces) {
+      auto it = by_name.find(p.hf_name);
+      if (it == by_name.end()) {
+        return Status::InvalidArgument(what + ": tensor '" + p.hf_name + "' is not in the model");
+      }
+      if (it->second->dtype != sh.spec.dtype || it->second->shape != p.hf_shape) {
+        return Status::InvalidArgument(what + ": tensor '" + p.hf_name + "' is " +
+                                       std::string(DTypeName(it->second->dtype)) + " " +
+                                       stream::ShapeText(it->second->shape) + " in the model, " +
+                                       std::string(DTypeName(sh.spec.dtype)) + " " +
+                                       stream::ShapeText(p.hf_shape) + " in the shard");
+      }
+    }
+    if (have_local_ && local_snapshots_[i].size() != sh.data.size()) {
+      return Status::InvalidArgument(what + ": another size than in the first sync");
+    }
+  }
+  const auto t0 = Clock::now();
+  ChangeSet local;
+  DiffOptions o;
+  o.refresh_snapshot = false;
+  o.keep_old_values = true;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const ShardedTensor& sh = shards[i];
+    const uint32_t w = static_cast<uint32_t>(DTypeSize(sh.spec.dtype));
+    if (have_local_) {
+      o.elem_size = w;
+      DS_RETURN_IF_ERROR(DiffTensor(sh.data, local_snapshots_[i], o, &local));
+    } else {
+      // Before the first commit every element is sent: rank 0 builds its
+      // copy of the model from them.
+      local.Clear();
+      local.numel = sh.data.size() / w;
+      local.elem_size = w;
+      local.wide = local.numel >= (uint64_t{1} << 32);
+      for (uint64_t k = 0; k < local.numel; ++k) {
+        if (local.wide) {
+          local.pos64.push_back(k);
+        } else {
+          local.pos32.push_back(static_cast<uint32_t>(k));
+        }
+      }
+      local.new_values.assign(sh.data.begin(), sh.data.end());
+      local.old_values.assign(sh.data.begin(), sh.data.end());
+    }
+    stats->changed += local.count();
+    DS_ASSIGN_OR_RETURN(std::vector<stream::TensorChanges> hf,
+                        stream::TranslateChanges(sh.spec, local));
+    for (stream::TensorChanges& tc : hf) {
+      if (tc.changes.count() == 0) continue;
+      (*mine)[tc.name].push_back(std::move(tc));
+    }
+  }
+  stats->diff_s += SecondsSince(t0);
+  return Status::OK();
+}
+
+void Sender::LoseTrainers() {
+  trainers_.reset();
+  have_local_ = false;
+  if (sharded_ && connect_) {
+    // Rank 0: its copy is rebuilt from the full send that follows, and every
+    // receiver reseeded from it.
+    Drop();
+    have_snapshot_ = false;
+    for (auto& [name, t] : tensors_) {
+      std::fill(t.snapshot.begin(), t.snapshot.end(), 0);
+      std::fill(t.dirty.begin(), t.dirty.end(), 0);
+      t.committed.clear();
+    }
+  }
+}
+
+void Sender::CommitShards(std::span<const ShardedTensor> shards) {
+  local_snapshots_.resize(shards.size());
+  for (size_t i = 0; i < shards.size(); ++i) {
+    local_snapshots_[i].assign(shards[i].data.begin(), shards[i].data.end());
+  }
+  have_local_ = true;
+}
+
+// Batches of the sharded gather: the model's tensors in name order, cut
+// where their dense bytes pass `budget` (every rank cuts alike).
+std::vector<std::vector<const ModelTensor*>> Batches(std::span<const ModelTensor> model,
+                                                     uint64_t budget) {
+  std::vector<const ModelTensor*> sorted;
+  for (const ModelTensor& m : model) sorted.push_back(&m);
+  std::sort(sorted.begin(), sorted.end(),
+            [](const ModelTensor* a, const ModelTensor* b) { return a->name < b->name; });
+  std::vector<std::vector<const ModelTensor*>> out;
+  uint64_t bytes = 0;
+  for (const ModelTensor* m : sorted) {
+    Result<int64_t> n = ShapeNumel(m->shape);
+    const uint64_t b = (n.ok() ? static_cast<uint64_t>(*n) : 0) * DTypeSize(m->dtype);
+    if (out.empty() || (bytes > 0 && bytes + b > budget)) {
+      out.emplace_back();
+      bytes = 0;
+    }
+    out.back().push_back(m);
+    bytes += b;
+  }
+  return out;
+}
+
+Result<SyncStats> Sender::SyncShards(std::span<const ModelTensor> model,
+                                     std::span<const ShardedTensor> shards) {
+  if (!sharded_) return Status::FailedPrecondition("this sender syncs whole tensors with Sync");
+  DS_RETURN_IF_ERROR(ConnectTrainers());
+  if (trainers_->rank() == 0) return SyncShardsAsRank0(model, shards);
+
+  SyncStats stats;
+  std::map<std::string, std::vector<stream::TensorChanges>, std::less<>> mine;
+  // A rank that cannot diff still takes part, sending nothing, so that the
+  // others are not left waiting; rank 0 fails the sync.
+  Status local = DiffShards(model, shards, &mine, &stats);
+  const auto batches = Batches(model, 4 * options_.bucket_bytes);
+  Status gathered = Status::OK();
+  for (size_t b = 0; b < batches.size() && gathered.ok(); ++b) {
+    std::vector<stream::GatherTensor> list;
+    std::vector<stream::TensorChanges> batch;
+    for (const ModelTensor* m : batches[b]) {
+      list.push_back({m->name, m->dtype, m->shape});
+      auto it = mine.find(m->name);
+      if (it == mine.end() || !local.ok()) continue;
+      for (stream::TensorChanges& tc : it->second) batch.push_back(std::move(tc));
+    }
+    Status g = stream::GatherChanges(*trainers_, b, list, batch, local).status();
+    // This rank's own refusal leaves the group usable; anything else not.
+    if (!g.ok() && (local.ok() || trainers_->health().ok() == false)) gathered = g;
+  }
+  uint8_t decision = 0;
+  Status told = gathered.ok() ? trainers_->Broadcast(0, std::span(&decision, 1)) : gathered;
+  ++local_syncs_;
+  if (!told.ok()) {
+    LoseTrainers();
+    return Status(told.code(), "sharded sync: " + told.message());
+  }
+  if (!local.ok()) return local;
+  if (decision != 1) {
+    return Status::Aborted("sharded sync: rank 0 failed the sync (its error says why)");
+  }
+  CommitShards(shards);
+  stats.sync_id = local_syncs_;
+  return stats;
+}
+
+Result<SyncStats> Sender::SyncShardsAsRank0(std::span<const ModelTensor> model,
+                                            std::span<const ShardedTensor> shards) {
+  std::vector<TensorMeta> metas;
+  for (const ModelTensor& m : model) metas.push_back({m.name, m.dtype, &m.shape, {}});
+  std::vector<TensorState*> order;
+  Status checked = CheckModel(metas, &order);
+  std::map<std::string, std::vector<stream::TensorChanges>, std::less<>> mine;
+  SyncStats local_stats;
+  Status local = checked.ok() ? DiffShards(model, shards, &mine, &local_stats) : checked;
+  Round round;
+  Status begun = local.ok() ? BeginSync(&round) : local;
+  round.stats.changed = 0;
+  round.stats.diff_s = local_stats.diff_s;
+  // The gathered changes, kept until the decision: the commit writes them
+  // into the snapshot.
+  std::map<std::string, ChangeSet, std::less<>> kept;
+  const auto batches = Batches(model, 4 * options_.bucket_bytes);
+  Status gathered = Status::OK();
+  for (size_t b = 0; b < batches.size(); ++b) {
+    std::vector<stream::GatherTensor> list;
+    std::vector<stream::TensorChanges> batch;
+    for (const ModelTensor* m : batches[b]) {
+      list.push_back({m->name, m->dtype, m->shape});
+      auto it = mine.find(m->name);
+      if (it == mine.end() || !local.ok()) continue;
+      for (stream::TensorChanges& tc : it->second) batch.push_back(std::move(tc));
+    }
+    const auto t0 = Clock::now();
+    Result<std::vector<stream::TensorChanges>> all =
+        stream::GatherChanges(*trainers_, b, list, batch, local);
+    round.stats.diff_s += SecondsSince(t0);
+    if (!all.ok()) {
+      // A refusal (this rank's or another's) fails the sync, but every
+      // batch is still exchanged so that no rank is left waiting.
+      if (gathered.ok()) gathered = all.status();
+      if (!trainers_->health().ok()) break;
+      continue;
+    }
+    if (!gathered.ok()) continue;
+    if (!begun.ok() || !round.streamed.ok()) continue;
+    for (stream::TensorChanges& tc : *all) {
+      TensorState& t = tensors_.find(tc.name)->second;
+      const ChangeSet& cs = tc.changes;
+      // The unit's slice of the tensor's changes, positions made relative.
+      const auto slice = [&](uint64_t first, uint64_t count, uint64_t* lo, uint64_t* hi) {
+        uint64_t a = 0, z = cs.count();
+        while (a < z) {  // first position >= first
+          const uint64_t mid = (a + z) / 2;
+          if (cs.position(mid) < first)
+            a = mid + 1;
+          else
+            z = mid;
+        }
+        *lo = a;
+        z = cs.count();
+        while (a < z) {  // first position >= first + count
+          const uint64_t mid = (a + z) / 2;
+          if (cs.position(mid) < first + count)
+            a = mid + 1;
+          else
+            z = mid;
+        }
+        *hi = a;
+      };
+      UnitSource src;
+      src.changes = [&](uint64_t first, uint64_t count, ChangeSet* out) -> Status {
+        uint64_t lo = 0, hi = 0;
+        slice(first, count, &lo, &hi);
+        out->Clear();
+        out->numel = count;
+        out->elem_size = t.w;
+        for (uint64_t k = lo; k < hi; ++k) {
+          const uint64_t p = cs.position(k);
+          // The ranks' snapshots and rank 0's copy hold one committed state.
+          if (std::memcmp(cs.old_values.data() + k * t.w, t.snapshot.data() + p * t.w, t.w) != 0) {
+            return Status::Internal("tensor '" + t.name + "' element " + std::to_string(p) +
+                                    ": a trainer rank's snapshot differs from rank 0's copy of "
+                                    "the committed state");
+          }
+          out->pos32.push_back(static_cast<uint32_t>(p - first));
+        }
+        out->new_values.assign(cs.new_values.begin() + lo * t.w, cs.new_values.begin() + hi * t.w);
+        out->old_values.assign(cs.old_values.begin() + lo * t.w, cs.old_values.begin() + hi * t.w);
+        return Status::OK();
+      };
+      src.dense = [&](uint64_t first, uint64_t count) -> Result<std::span<const uint8_t>> {
+        uint64_t lo = 0, hi = 0;
+        slice(first, count, &lo, &hi);
+        scratch_.assign(t.snapshot.begin() + first * t.w,
+                        t.snapshot.begin() + (first + count) * t.w);
+        for (uint64_t k = lo; k < hi; ++k) {
+          std::memcpy(scratch_.data() + (cs.position(k) - first) * t.w,
+                      cs.new_values.data() + k * t.w, t.w);
+        }
+        return std::span<const uint8_t>(scratch_);
+      };
+      round.streamed = StreamTensor(t, src, &round);
+      if (!round.streamed.ok()) break;
+      kept[tc.name] = std::move(tc.changes);
+    }
+  }
+  if (!gathered.ok() && !trainers_->health().ok()) {
+    // The trainer group is broken for every rank; so is this sync for
+    // every receiver.
+    LoseTrainers();
+    return Status(gathered.code(), "sharded sync: the gather failed: " + gathered.message());
+  }
+  if (!gathered.ok() && round.streamed.ok()) round.streamed = gathered;
+  Result<SyncStats> ended = begun;
+  if (begun.ok()) {
+    if (!local.ok()) round.streamed = local;
+    ended = EndSync(&round, order, [&] {
+      for (TensorState* t : order) {
+        auto it = kept.find(t->name);
+        if (it == kept.end()) continue;
+        const ChangeSet& cs = it->second;
+        for (uint64_t k = 0; k < cs.count(); ++k) {
+          std::memcpy(t->snapshot.data() + cs.position(k) * t->w, cs.new_values.data() + k * t->w,
+                      t->w);
+        }
+      }
+    });
+  }
+  uint8_t decision = ended.ok() ? 1 : 0;
+  if (Status s = trainers_->Broadcast(0, std::span(&decision, 1)); !s.ok()) {
+    // The other ranks may not have the decision, so no rank's snapshot can
+    // be trusted to match the others': all start again from a full send.
+    LoseTrainers();
+    return Status(s.code(), "sharded sync: telling the trainer ranks: " + s.message());
+  }
+  if (!ended.ok()) return ended.status();
+  CommitShards(shards);
+  ended->changed = 0;
+  for (const auto& [name, cs] : kept) ended->changed += cs.count();
+  return ended;
 }
 
 Result<std::span<const uint8_t>> Sender::Snapshot(std::string_view name) const {
@@ -650,6 +1079,19 @@ Result<StreamEncoding> ParseStreamEncoding(std::string_view name) {
   }
   return Status::InvalidArgument("stream encoding '" + std::string(name) +
                                  "': expected dense, indices or sparse");
+}
+
+Result<std::unique_ptr<StreamSender>> StreamSender::CreateSharded(CommunicatorFactory trainer_group,
+                                                                  CommunicatorFactory stream_group,
+                                                                  SenderOptions options) {
+  if (!trainer_group) return Status::InvalidArgument("StreamSender: no trainer group factory");
+  if (options.bucket_bytes < kMinBucketBytes ||
+      options.bucket_bytes > stream::kMaxFlushFrameBytes) {
+    return Status::InvalidArgument("bucket_bytes " + std::to_string(options.bucket_bytes) +
+                                   ": at least 64 KiB and at most 2^40");
+  }
+  return std::unique_ptr<StreamSender>(
+      new Sender(std::move(trainer_group), std::move(stream_group), options));
 }
 
 Result<std::unique_ptr<StreamSender>> StreamSender::Create(CommunicatorFactory connect,

@@ -5,12 +5,14 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <mutex>
 #include <random>
 #include <thread>
 
+#include "deltasync/shard.h"
 #include "deltasync/stream.h"
 #include "stream/communicator_test_util.h"
 #include "stream/fault_communicator.h"
@@ -579,6 +581,201 @@ TEST_F(SyncTest, AReceiverKilledMidSyncFailsItInTimeAndIsReseededOnceRestarted) 
     EXPECT_TRUE(PeerHolds(file, m, 5000ms)) << "step " << step;
   }
   Finish(sender, {&local});
+}
+
+// ---------------------------------------------------------------------------
+// A sharded trainer: 4 ranks, each holding its own pieces of the model.
+
+// The model's tensors as a Model, for the receivers and the checks.
+Model ShardedModel(uint64_t seed) {
+  Model m = Model::Make(seed);
+  std::mt19937_64 rng(seed + 1);
+  for (const auto& [name, shape] : std::vector<std::pair<std::string, std::vector<int64_t>>>{
+           {"e.weight", {24, 37}}, {"q.weight", {16, 48}}, {"k.weight", {8, 48}}}) {
+    std::vector<uint8_t> b(shape[0] * shape[1] * 2);
+    for (uint8_t& x : b) x = static_cast<uint8_t>(rng());
+    m.bytes.push_back(std::move(b));
+    m.tensors.push_back({name, DType::kBF16, shape, {}});
+  }
+  m.Rebind();
+  return m;
+}
+
+// Rank r's local tensors: a.weight Shard(0), c.weight uneven, e.weight
+// Shard(1) (37 columns: 10, 10, 10, 7), b.bias replicated (rank 2 sends),
+// q and k fused along dim 0 and split in 2 for tensor parallelism (ranks 2
+// and 3 replicate ranks 0 and 1 and do not send), d.empty whole on rank 0.
+// The spec, or a failed test naming why (an empty spec then).
+ShardSpec Spec(Result<ShardSpec> r) {
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  return r.ok() ? std::move(*r) : ShardSpec{};
+}
+
+std::vector<ShardSpec> RankSpecs(int r) {
+  std::vector<ShardSpec> out;
+  out.push_back(Spec(ShardSpec::Shard("a.weight", DType::kBF16, {64, 48}, 0, r, 4)));
+  out.push_back(
+      Spec(ShardSpec::ShardSizes("c.weight", DType::kBF16, {5000}, 0, {2000, 1500, 1500, 0}, r)));
+  out.push_back(Spec(ShardSpec::Shard("e.weight", DType::kBF16, {24, 37}, 1, r, 4)));
+  out.push_back(Spec(ShardSpec::Replicate("b.bias", DType::kF32, {300}, r == 2)));
+  ShardSpec fused = Spec(
+      ShardSpec::Fused(DType::kBF16, 0,
+                       {Spec(ShardSpec::Shard("q.weight", DType::kBF16, {16, 48}, 0, r % 2, 2)),
+                        Spec(ShardSpec::Shard("k.weight", DType::kBF16, {8, 48}, 0, r % 2, 2))}));
+  fused.contributes = r < 2;
+  out.push_back(fused);
+  if (r == 0) out.push_back(Spec(ShardSpec::Whole("d.empty", DType::kBF16, {0, 4})));
+  return out;
+}
+
+// A local tensor's bytes, read out of the whole tensors element by element.
+std::vector<uint8_t> Extract(const ShardSpec& spec, const Model& m) {
+  const size_t w = DTypeSize(spec.dtype);
+  std::vector<uint8_t> out(spec.local_numel() * w);
+  const size_t nd = spec.local_shape.size();
+  for (const ShardPiece& p : spec.pieces) {
+    const std::vector<uint8_t>& hf = m.Of(p.hf_name);
+    std::vector<int64_t> c(nd, 0);
+    for (int64_t e = 0; e < p.elements(); ++e) {
+      int64_t rem = e, local = 0, global = 0;
+      for (size_t d = nd; d-- > 0;) {
+        c[d] = rem % p.extent[d];
+        rem /= p.extent[d];
+      }
+      for (size_t d = 0; d < nd; ++d) {
+        local = local * spec.local_shape[d] + p.local_offset[d] + c[d];
+        global = global * p.hf_shape[d] + p.hf_offset[d] + c[d];
+      }
+      std::memcpy(out.data() + local * w, hf.data() + global * w, w);
+    }
+  }
+  return out;
+}
+
+TEST_F(SyncTest, FourShardedTrainerRanksKeepThreeReceiversBitExactOverTwentySyncs) {
+  SetUpGroup(3);
+  Model m = ShardedModel(9);
+  std::vector<ModelTensor> model;
+  for (const SyncTensor& t : m.tensors) model.push_back({t.name, t.dtype, t.shape});
+  constexpr int kRanks = 4;
+  std::vector<std::unique_ptr<StreamSender>> ranks;
+  for (int r = 0; r < kRanks; ++r) {
+    const CommunicatorOptions o = comm_test::LoopbackOptions(comm_test::FileRendezvous(dir_.path()),
+                                                             r, kRanks, kTimeout, "trainers");
+    SenderOptions so;
+    so.bucket_bytes = 64 << 10;
+    so.verify_every = 5;
+    so.encoding = static_cast<StreamEncoding>(r % 3);  // only rank 0's counts
+    Result<std::unique_ptr<StreamSender>> s = StreamSender::CreateSharded(
+        [o] { return CreateCommunicator("gloo", o); }, r == 0 ? Factory(0) : nullptr, so);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    ranks.push_back(std::move(*s));
+  }
+  ReceiverOptions failing;
+  failing.apply_hook = [](uint64_t sync_id, std::string_view, uint64_t) {
+    return sync_id == 7 ? Status::IOError("injected at sync 7") : Status::OK();
+  };
+  ReceiverRig whole(m, Hold::kWhole, Factory(1));
+  ReceiverRig rows(m, Hold::kRows, Factory(2));
+  ReceiverRig cols(m, Hold::kColumns, Factory(3), failing);
+  for (ReceiverRig* r : {&whole, &rows, &cols}) r->Start();
+
+  for (int step = 0; step < 20; ++step) {
+    if (step > 0) m.Step(500 + step, step % 4 == 0 ? 0.5 : 0.03);
+    std::vector<std::vector<std::vector<uint8_t>>> bytes(kRanks);
+    std::vector<Status> results(kRanks);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kRanks; ++r) {
+      threads.emplace_back([&, r] {
+        std::vector<ShardedTensor> shards;
+        for (const ShardSpec& spec : RankSpecs(r)) bytes[r].push_back(Extract(spec, m));
+        const std::vector<ShardSpec> specs = RankSpecs(r);
+        for (size_t i = 0; i < specs.size(); ++i) shards.push_back({specs[i], bytes[r][i]});
+        Result<SyncStats> got = ranks[r]->SyncShards(model, shards);
+        results[r] = got.ok() ? Status::OK() : got.status();
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    const uint64_t sync_id = step + 1;
+    if (sync_id == 7) {
+      EXPECT_TRUE(Contains(results[0], "receiver 3: ")) << results[0].ToString();
+      EXPECT_TRUE(Contains(results[0], "injected at sync 7")) << results[0].ToString();
+      for (int r = 1; r < kRanks; ++r) {
+        EXPECT_EQ(results[r].code(), StatusCode::kAborted) << results[r].ToString();
+      }
+      continue;
+    }
+    for (int r = 0; r < kRanks; ++r) {
+      ASSERT_TRUE(results[r].ok())
+          << "sync " << sync_id << " rank " << r << ": " << results[r].ToString();
+    }
+    for (ReceiverRig* rig : {&whole, &rows, &cols}) {
+      Status same = rig->Matches(m);
+      EXPECT_TRUE(same.ok()) << "sync " << sync_id << ": " << same.ToString();
+    }
+    for (const SyncTensor& t : m.tensors) {
+      Result<std::span<const uint8_t>> snap = ranks[0]->Snapshot(t.name);
+      ASSERT_TRUE(snap.ok());
+      EXPECT_TRUE(std::equal(snap->begin(), snap->end(), t.data.begin(), t.data.end()))
+          << "sync " << sync_id << ": rank 0's copy of " << t.name;
+    }
+  }
+  for (ReceiverRig* r : {&whole, &rows, &cols}) r->RequestStop();
+  ranks.clear();
+  for (ReceiverRig* r : {&whole, &rows, &cols}) r->Stop();
+  // The failed receiver was reseeded once; the others never after the first.
+  const std::vector<ReceiveStats> cs = cols.stats();
+  EXPECT_EQ(std::count_if(cs.begin(), cs.end(), [](const ReceiveStats& s) { return s.seed; }), 2);
+  const std::vector<ReceiveStats> ws = whole.stats();
+  EXPECT_EQ(std::count_if(ws.begin(), ws.end(), [](const ReceiveStats& s) { return s.seed; }), 1);
+}
+
+TEST_F(SyncTest, AShardedRankWithBadInputFailsTheSyncOnEveryRankAndTheNextSucceeds) {
+  SetUpGroup(1);
+  Model m = ShardedModel(10);
+  std::vector<ModelTensor> model;
+  for (const SyncTensor& t : m.tensors) model.push_back({t.name, t.dtype, t.shape});
+  std::vector<std::unique_ptr<StreamSender>> ranks;
+  for (int r = 0; r < 4; ++r) {
+    const CommunicatorOptions o = comm_test::LoopbackOptions(comm_test::FileRendezvous(dir_.path()),
+                                                             r, 4, kTimeout, "trainers");
+    Result<std::unique_ptr<StreamSender>> s = StreamSender::CreateSharded(
+        [o] { return CreateCommunicator("gloo", o); }, r == 0 ? Factory(0) : nullptr);
+    ASSERT_TRUE(s.ok());
+    ranks.push_back(std::move(*s));
+  }
+  ReceiverRig rig(m, Hold::kWhole, Factory(1));
+  rig.Start();
+  for (int step = 0; step < 3; ++step) {
+    m.Step(700 + step, 0.05);
+    std::vector<Status> results(4);
+    std::vector<std::thread> threads;
+    std::vector<std::vector<std::vector<uint8_t>>> bytes(4);
+    for (int r = 0; r < 4; ++r) {
+      threads.emplace_back([&, r] {
+        const std::vector<ShardSpec> specs = RankSpecs(r);
+        std::vector<ShardedTensor> shards;
+        for (const ShardSpec& spec : specs) bytes[r].push_back(Extract(spec, m));
+        // At step 1, rank 3 passes a shard of the wrong size.
+        if (step == 1 && r == 3) bytes[r][0].pop_back();
+        for (size_t i = 0; i < specs.size(); ++i) shards.push_back({specs[i], bytes[r][i]});
+        Result<SyncStats> got = ranks[r]->SyncShards(model, shards);
+        results[r] = got.ok() ? Status::OK() : got.status();
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    if (step == 1) {
+      EXPECT_TRUE(Contains(results[3], "bytes, its spec needs")) << results[3].ToString();
+      EXPECT_TRUE(Contains(results[0], "rank 3")) << results[0].ToString();
+      EXPECT_FALSE(results[1].ok());
+      continue;
+    }
+    for (int r = 0; r < 4; ++r) EXPECT_TRUE(results[r].ok()) << r << ": " << results[r].ToString();
+    EXPECT_TRUE(rig.Matches(m).ok()) << rig.Matches(m).ToString();
+  }
+  rig.RequestStop();
+  ranks.clear();
+  rig.Stop();
 }
 
 }  // namespace

@@ -61,7 +61,9 @@ int main(int argc, char** argv) {
     const std::string tmp = out + ".tmp";
     FILE* f = std::fopen(tmp.c_str(), "wb");
     if (f == nullptr) return 1;
-    for (const std::vector<uint8_t>& b : m.bytes) std::fwrite(b.data(), 1, b.size(), f);
+    for (const std::vector<uint8_t>& b : m.bytes) {
+      if (!b.empty()) std::fwrite(b.data(), 1, b.size(), f);
+    }
     std::fclose(f);
     std::rename(tmp.c_str(), out.c_str());
   }

@@ -1,0 +1,560 @@
+#include "bench_stream.h"
+
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "cli_util.h"
+#include "deltasync/communicator.h"
+#include "deltasync/diff.h"
+#include "deltasync/synth.h"
+#include "deltasync/timing.h"
+
+extern char** environ;
+
+namespace deltasync::cli {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+// The namespace and veth pair of the shaped links: the sender stays in the
+// host's namespace at kSenderAddress, every receiver runs in kNamespace at
+// kReceiverAddress, and tc shapes both ends of the pair.
+constexpr const char* kNamespace = "dsbench";
+constexpr const char* kHostVeth = "dsb0";
+constexpr const char* kNsVeth = "dsb1";
+constexpr const char* kSenderAddress = "10.77.0.1";
+constexpr const char* kReceiverAddress = "10.77.0.2";
+
+double Gib(uint64_t b) { return static_cast<double>(b) / (1u << 30); }
+double Mib(uint64_t b) { return static_cast<double>(b) / (1u << 20); }
+
+std::string SelfPath() {
+  std::error_code ec;
+  const fs::path p = fs::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string() : p.string();
+}
+
+// The process's peak resident set (VmHWM), in bytes.
+uint64_t PeakRss() {
+  uint64_t kib = 0;
+  if (FILE* f = std::fopen("/proc/self/status", "r")) {
+    char line[256];
+    while (std::fgets(line, sizeof(line), f) != nullptr) {
+      unsigned long long v = 0;
+      if (std::sscanf(line, "VmHWM: %llu kB", &v) == 1) kib = v;
+    }
+    std::fclose(f);
+  }
+  return kib * 1024;
+}
+
+int Shell(const std::string& command) {
+  const int rc = std::system((command + " >/dev/null 2>&1").c_str());
+  return WIFEXITED(rc) ? WEXITSTATUS(rc) : 1;
+}
+
+// The veth pair and namespace, made once and removed at the end.
+class ShapedLink {
+ public:
+  ~ShapedLink() {
+    if (made_) Shell(std::string("ip netns del ") + kNamespace);
+  }
+  // Empty when made; otherwise why not.
+  std::string Make() {
+    Shell(std::string("ip netns del ") + kNamespace);  // a previous run's
+    const std::string ns = std::string("ip netns exec ") + kNamespace + " ";
+    const std::vector<std::string> steps = {
+        std::string("ip netns add ") + kNamespace,
+        std::string("ip link add ") + kHostVeth + " type veth peer name " + kNsVeth,
+        std::string("ip link set ") + kNsVeth + " netns " + kNamespace,
+        std::string("ip addr add ") + kSenderAddress + "/24 dev " + kHostVeth,
+        std::string("ip link set ") + kHostVeth + " up",
+        ns + "ip addr add " + kReceiverAddress + "/24 dev " + kNsVeth,
+        ns + "ip link set " + kNsVeth + " up",
+        ns + "ip link set lo up",
+    };
+    for (const std::string& s : steps) {
+      if (Shell(s) != 0) {
+        if (made_ || s.find("netns add") == std::string::npos) {
+          Shell(std::string("ip netns del ") + kNamespace);
+        }
+        return "'" + s + "' failed (this needs root and iproute2)";
+      }
+      made_ = true;
+    }
+    return "";
+  }
+  // Token-bucket shaping of both directions at `gbit`; 0 removes it.
+  bool Shape(double gbit) {
+    const std::string ns = std::string("ip netns exec ") + kNamespace + " ";
+    Shell(std::string("tc qdisc del dev ") + kHostVeth + " root");
+    Shell(ns + "tc qdisc del dev " + kNsVeth + " root");
+    if (gbit <= 0) return true;
+    // A burst of 10 ms at the rate keeps tbf from under-running it.
+    const uint64_t burst = std::max<uint64_t>(64 << 10, static_cast<uint64_t>(gbit * 1e9 / 8 / 100));
+    std::ostringstream q;
+    q << "root tbf rate " << gbit << "gbit burst " << burst << " latency 100ms";
+    return Shell(std::string("tc qdisc add dev ") + kHostVeth + " " + q.str()) == 0 &&
+           Shell(ns + "tc qdisc add dev " + kNsVeth + " " + q.str()) == 0;
+  }
+
+ private:
+  bool made_ = false;
+};
+
+// A child process, its output in files, reaped by Wait.
+class Child {
+ public:
+  Status Start(const std::vector<std::string>& argv, const std::string& stem) {
+    stem_ = stem;
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, (stem + ".out").c_str(),
+                                     O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, (stem + ".err").c_str(),
+                                     O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    std::vector<char*> cargv;
+    for (const std::string& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
+    cargv.push_back(nullptr);
+    const int rc = posix_spawnp(&pid_, cargv[0], &actions, nullptr, cargv.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    if (rc != 0) return Status::FromErrno(rc, "cannot run " + argv[0]);
+    return Status::OK();
+  }
+  ~Child() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      int st = 0;
+      waitpid(pid_, &st, 0);
+    }
+  }
+  // The child's JSON report (its stdout), or its error.
+  Result<json> Wait() {
+    int st = 0;
+    waitpid(pid_, &st, 0);
+    pid_ = -1;
+    std::ifstream out(stem_ + ".out"), err(stem_ + ".err");
+    std::stringstream o, e;
+    o << out.rdbuf();
+    e << err.rdbuf();
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+      std::string why = e.str();
+      while (!why.empty() && why.back() == '\n') why.pop_back();
+      return Status::Internal("a receiver process failed: " + why);
+    }
+    json j = json::parse(o.str(), nullptr, false);
+    if (!j.is_object()) return Status::Internal("a receiver process printed no report");
+    return j;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  std::string stem_;
+};
+
+struct Link {
+  std::string name;  // "loopback", "10 Gbit/s"
+  double gbit = 0;   // 0: loopback
+};
+
+struct Run {
+  int receivers = 0;
+  std::string what;  // "full" or an encoding
+  double seconds = 0;
+  SyncStats stats;   // delta syncs
+  double seed_s = 0;
+  double peer_apply_s = 0, peer_verify_s = 0, peer_receive_s = 0;
+  uint64_t peer_peak_beyond_weights = 0;
+};
+
+class Bench {
+ public:
+  Bench(const StreamBenchConfig& c, std::string dir) : c_(c), dir_(std::move(dir)) {}
+
+  Status Prepare() {
+    DS_ASSIGN_OR_RETURN(scale_, SynthScaleForBytes(c_.preset, c_.target_bytes));
+    SynthConfig sc;
+    sc.preset = c_.preset;
+    sc.scale = scale_;
+    sc.lr = c_.lr;
+    sc.seed = c_.seed;
+    DS_ASSIGN_OR_RETURN(trainer_, SynthTrainer::Create(sc));
+    for (int64_t i = 0; i < c_.warmup_steps; ++i) trainer_->Step();
+    for (const TensorView& v : trainer_->Weights()) {
+      before_.emplace_back(v.bytes.begin(), v.bytes.end());
+      model_bytes_ += v.nbytes();
+    }
+    trainer_->Step();
+    changed_ = trainer_->last_step_stats().changed_fraction();
+    for (size_t i = 0; i < trainer_->Weights().size(); ++i) {
+      const TensorView v = trainer_->Weights()[i];
+      old_.push_back({v.name, v.dtype, v.shape, before_[i]});
+      new_.push_back({v.name, v.dtype, v.shape, v.bytes});
+    }
+    // The diff's read of the weights: both states once, one thread, as the
+    // sender reads them; the best of three.
+    read_s_ = 1e30;
+    for (int r = 0; r < 3; ++r) {
+      const auto t0 = Clock::now();
+      for (size_t i = 0; i < new_.size(); ++i) {
+        DS_RETURN_IF_ERROR(CountChanged(new_[i].data, old_[i].data, 2).status());
+      }
+      read_s_ = std::min(read_s_, SecondsSince(t0));
+    }
+    return Status::OK();
+  }
+
+  Status RunLink(const Link& link, ShapedLink* shaped) {
+    for (int n : c_.receivers) {
+      DS_ASSIGN_OR_RETURN(Run full, RunFull(link, shaped, n));
+      runs_[link.name].push_back(full);
+      for (StreamEncoding e : c_.encodings) {
+        DS_ASSIGN_OR_RETURN(Run r, RunDelta(link, shaped, n, e));
+        runs_[link.name].push_back(r);
+      }
+    }
+    return Status::OK();
+  }
+
+  json Report() const;
+  void Print() const;
+  std::vector<Link> links;
+  std::vector<std::string> skipped;
+
+ private:
+  CommunicatorOptions Options(const Link& link, const std::string& group, int size) {
+    CommunicatorOptions o;
+    o.rank = 0;
+    o.size = size;
+    o.rendezvous.kind = Rendezvous::Kind::kFile;
+    o.rendezvous.path = dir_ + "/rdv-" + group;
+    o.group = group;
+    o.timeout = c_.timeout;
+    o.connect_timeout = std::chrono::milliseconds(60000);
+    o.hostname = link.gbit > 0 ? kSenderAddress : "127.0.0.1";
+    return o;
+  }
+
+  Status StartPeers(const Link& link, const std::string& group, int n, const std::string& mode,
+                    int syncs, std::vector<std::unique_ptr<Child>>* peers) {
+    for (int r = 1; r <= n; ++r) {
+      std::vector<std::string> argv;
+      if (link.gbit > 0) argv = {"ip", "netns", "exec", kNamespace};
+      const CommunicatorOptions o = Options(link, group, n + 1);
+      std::ostringstream scale;
+      scale.precision(17);
+      scale << scale_;
+      for (const std::string& a :
+           {SelfPath(), std::string("bench-stream-peer"), std::string("--rendezvous"),
+            RendezvousSpec(o.rendezvous), std::string("--group"), group, std::string("--rank"),
+            std::to_string(r), std::string("--size"), std::to_string(n + 1),
+            std::string("--hostname"),
+            std::string(link.gbit > 0 ? kReceiverAddress : "127.0.0.1"), std::string("--preset"),
+            c_.preset, std::string("--scale"), scale.str(), std::string("--mode"), mode,
+            std::string("--syncs"), std::to_string(syncs), std::string("--timeout-ms"),
+            std::to_string(c_.timeout.count())}) {
+        argv.push_back(a);
+      }
+      auto child = std::make_unique<Child>();
+      DS_RETURN_IF_ERROR(child->Start(argv, dir_ + "/" + group + "-" + std::to_string(r)));
+      peers->push_back(std::move(child));
+    }
+    return Status::OK();
+  }
+
+  Result<Run> RunFull(const Link& link, ShapedLink* shaped, int n) {
+    const std::string group = "full-" + std::to_string(static_cast<int>(link.gbit)) + "-" +
+                              std::to_string(n);
+    std::vector<std::unique_ptr<Child>> peers;
+    DS_RETURN_IF_ERROR(StartPeers(link, group, n, "broadcast", 1, &peers));
+    DS_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> comm,
+                        CreateCommunicator("gloo", Options(link, group, n + 1)));
+    DS_RETURN_IF_ERROR(comm->Barrier());
+    if (shaped != nullptr && !shaped->Shape(link.gbit)) return Status::Internal("tc failed");
+    std::vector<uint8_t> scratch;
+    const auto t0 = Clock::now();
+    for (const SyncTensor& t : new_) {
+      scratch.assign(t.data.begin(), t.data.end());  // Broadcast takes a mutable span
+      DS_RETURN_IF_ERROR(comm->Broadcast(0, scratch));
+    }
+    DS_RETURN_IF_ERROR(comm->Barrier());
+    Run run;
+    run.receivers = n;
+    run.what = "full";
+    run.seconds = SecondsSince(t0);
+    if (shaped != nullptr) shaped->Shape(0);
+    for (auto& p : peers) DS_RETURN_IF_ERROR(p->Wait().status());
+    return run;
+  }
+
+  Result<Run> RunDelta(const Link& link, ShapedLink* shaped, int n, StreamEncoding e) {
+    const std::string group = std::string(StreamEncodingName(e)) + "-" +
+                              std::to_string(static_cast<int>(link.gbit)) + "-" +
+                              std::to_string(n);
+    std::vector<std::unique_ptr<Child>> peers;
+    DS_RETURN_IF_ERROR(StartPeers(link, group, n, "stream", 2, &peers));
+    SenderOptions so;
+    so.encoding = e;
+    so.bucket_bytes = c_.bucket_bytes;
+    const CommunicatorOptions o = Options(link, group, n + 1);
+    DS_ASSIGN_OR_RETURN(std::unique_ptr<StreamSender> sender,
+                        StreamSender::Create([o] { return CreateCommunicator("gloo", o); }, so));
+    Run run;
+    run.receivers = n;
+    run.what = std::string(StreamEncodingName(e));
+    // The seed goes unshaped (it is not what is measured here).
+    DS_ASSIGN_OR_RETURN(SyncStats seed, sender->Sync(old_));
+    run.seed_s = seed.total_s;
+    if (shaped != nullptr && !shaped->Shape(link.gbit)) return Status::Internal("tc failed");
+    const auto t0 = Clock::now();
+    DS_ASSIGN_OR_RETURN(run.stats, sender->Sync(new_));
+    run.seconds = SecondsSince(t0);
+    if (shaped != nullptr) shaped->Shape(0);
+    sender.reset();
+    for (auto& p : peers) {
+      DS_ASSIGN_OR_RETURN(json j, p->Wait());
+      const json& last = j["syncs"].back();
+      run.peer_apply_s = std::max(run.peer_apply_s, last["apply_s"].get<double>());
+      run.peer_verify_s = std::max(run.peer_verify_s, last["verify_s"].get<double>());
+      run.peer_receive_s = std::max(run.peer_receive_s, last["receive_s"].get<double>());
+      const uint64_t peak = j["peak_rss_bytes"].get<uint64_t>();
+      const uint64_t weights = j["weights_bytes"].get<uint64_t>();
+      run.peer_peak_beyond_weights =
+          std::max(run.peer_peak_beyond_weights, peak > weights ? peak - weights : 0);
+    }
+    return run;
+  }
+
+  double LinkBytesPerSecond(const std::string& link) const {
+    for (const Run& r : runs_.at(link)) {
+      if (r.what == "full" && r.receivers == 1) return model_bytes_ / r.seconds;
+    }
+    return 0;
+  }
+
+  const StreamBenchConfig& c_;
+  std::string dir_;
+  double scale_ = 1;
+  std::unique_ptr<SynthTrainer> trainer_;
+  std::vector<std::vector<uint8_t>> before_;
+  std::vector<SyncTensor> old_, new_;
+  uint64_t model_bytes_ = 0;
+  double changed_ = 0;
+  double read_s_ = 0;
+  std::map<std::string, std::vector<Run>> runs_;
+};
+
+json Bench::Report() const {
+  json out;
+  out["mode"] = "stream";
+  out["config"] = {{"preset", c_.preset}, {"bytes", model_bytes_}, {"lr", c_.lr},
+                   {"seed", c_.seed}, {"bucket_bytes", c_.bucket_bytes}};
+  out["changed_fraction"] = changed_;
+  out["diff_read_s"] = read_s_;
+  out["skipped"] = skipped;
+  for (const Link& link : links) {
+    const double bps = LinkBytesPerSecond(link.name);
+    json rows = json::array();
+    for (const Run& r : runs_.at(link.name)) {
+      json row = {{"receivers", r.receivers}, {"what", r.what}, {"seconds", r.seconds}};
+      if (r.what != "full") {
+        const double bound = read_s_ + (bps > 0 ? r.stats.bytes_sent / bps : 0);
+        row["bound_s"] = bound;
+        row["bytes_sent"] = r.stats.bytes_sent;
+        row["diff_s"] = r.stats.diff_s;
+        row["encode_s"] = r.stats.encode_s;
+        row["transfer_s"] = r.stats.transfer_s;
+        row["report_s"] = r.stats.report_s;
+        row["commit_s"] = r.stats.commit_s;
+        row["receiver_receive_s"] = r.peer_receive_s;
+        row["receiver_apply_s"] = r.peer_apply_s;
+        row["receiver_verify_s"] = r.peer_verify_s;
+        row["sender_buffer_bytes"] = r.stats.buffer_bytes;
+        row["receiver_peak_beyond_weights_bytes"] = r.peer_peak_beyond_weights;
+      }
+      rows.push_back(row);
+    }
+    out["links"][link.name] = {{"bytes_per_s", bps}, {"runs", rows}};
+  }
+  return out;
+}
+
+void Bench::Print() const {
+  std::printf("deltasync bench --stream: %s, %.2f GiB BF16, lr %g, %.2f%% of elements changed, "
+              "bucket %s\n",
+              c_.preset.c_str(), Gib(model_bytes_), c_.lr, 100 * changed_,
+              FormatBytes(c_.bucket_bytes).c_str());
+  std::printf("the diff's read of both states (one thread): %.3f s\n", read_s_);
+  for (const std::string& s : skipped) std::printf("skipped: %s\n", s.c_str());
+  for (const Link& link : links) {
+    const double bps = LinkBytesPerSecond(link.name);
+    std::printf("\n%s (full broadcast to 1 receiver: %.2f GB/s)\n", link.name.c_str(), bps / 1e9);
+    std::printf("%4s %-8s %8s %7s %8s %7s %7s %7s %7s %7s %7s %8s %8s %9s %9s\n", "recv", "sync",
+                "time s", "x full", "bound s", "x bound", "diff", "encode", "send", "report",
+                "commit", "rx apply", "rx vrfy", "sent MiB", "rx mem MiB");
+    double full_s = 0;
+    for (const Run& r : runs_.at(link.name)) {
+      if (r.what == "full") {
+        full_s = r.seconds;
+        std::printf("%4d %-8s %8.3f %7s\n", r.receivers, "full", r.seconds, "1.00");
+        continue;
+      }
+      const double bound = read_s_ + (bps > 0 ? r.stats.bytes_sent / bps : 0);
+      std::printf("%4d %-8s %8.3f %7.3f %8.3f %7.2f %7.3f %7.3f %7.3f %7.3f %7.3f %8.3f %8.3f "
+                  "%9.1f %9.1f\n",
+                  r.receivers, r.what.c_str(), r.seconds, r.seconds / full_s, bound,
+                  r.seconds / bound, r.stats.diff_s, r.stats.encode_s, r.stats.transfer_s,
+                  r.stats.report_s, r.stats.commit_s, r.peer_apply_s, r.peer_verify_s,
+                  Mib(r.stats.bytes_sent), Mib(r.peer_peak_beyond_weights));
+    }
+  }
+  std::printf("\nsender buffers beside its snapshot: at most %s (bucket %s)\n",
+              [&] {
+                uint64_t m = 0;
+                for (const auto& [name, runs] : runs_) {
+                  for (const Run& r : runs) m = std::max(m, r.stats.buffer_bytes);
+                }
+                return FormatBytes(m);
+              }()
+                  .c_str(),
+              FormatBytes(c_.bucket_bytes).c_str());
+}
+
+}  // namespace
+
+int RunStreamBench(const StreamBenchConfig& config, bool json_out) {
+  std::string dir = config.workdir;
+  if (dir.empty()) {
+    std::string tmpl = "/tmp/deltasync-bench-stream-XXXXXX";
+    if (mkdtemp(tmpl.data()) == nullptr) return Fail("cannot make a temp dir under /tmp");
+    dir = tmpl;
+  }
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  Bench bench(config, dir);
+  if (Status s = bench.Prepare(); !s.ok()) return Fail(s);
+  std::unique_ptr<ShapedLink> shaped;
+  std::vector<Link> links = {{"loopback", 0}};
+  if (!config.shaped_gbit.empty()) {
+    shaped = std::make_unique<ShapedLink>();
+    const std::string why = geteuid() == 0 ? shaped->Make() : "not root";
+    if (why.empty()) {
+      for (double g : config.shaped_gbit) {
+        std::ostringstream name;
+        name << g << " Gbit/s veth";
+        links.push_back({name.str(), g});
+      }
+    } else {
+      bench.skipped.push_back("shaped links (" + why + ")");
+      shaped.reset();
+    }
+  }
+  for (const Link& link : links) {
+    if (Status s = bench.RunLink(link, link.gbit > 0 ? shaped.get() : nullptr); !s.ok()) {
+      return Fail(s.WithContext(link.name));
+    }
+    bench.links.push_back(link);
+  }
+  if (json_out) {
+    std::cout << bench.Report().dump(2) << std::endl;
+  } else {
+    bench.Print();
+  }
+  if (config.workdir.empty()) fs::remove_all(dir, ec);
+  return 0;
+}
+
+// bench-stream-peer --rendezvous SPEC --group G --rank R --size N --hostname H
+//   --preset P --scale S --mode stream|broadcast --syncs K --timeout-ms T
+// Holds the preset's tensors (zeros), takes K syncs (stream) or K
+// broadcasts of every tensor (broadcast), and prints one JSON object: its
+// per-sync figures, its peak resident set and its weights' bytes.
+int RunStreamBenchPeer(const std::vector<std::string>& args) {
+  std::map<std::string, std::string> a;
+  for (size_t i = 0; i + 1 < args.size(); i += 2) a[args[i]] = args[i + 1];
+  for (const char* k : {"--rendezvous", "--group", "--rank", "--size", "--hostname", "--preset",
+                        "--scale", "--mode", "--syncs", "--timeout-ms"}) {
+    if (!a.count(k)) return Fail(std::string("bench-stream-peer: missing ") + k);
+  }
+  Result<Rendezvous> where = ParseRendezvous(a["--rendezvous"]);
+  if (!where.ok()) return Fail(where.status());
+  CommunicatorOptions o;
+  o.rendezvous = *where;
+  o.group = a["--group"];
+  o.rank = std::atoi(a["--rank"].c_str());
+  o.size = std::atoi(a["--size"].c_str());
+  o.hostname = a["--hostname"];
+  o.timeout = std::chrono::milliseconds(std::atoll(a["--timeout-ms"].c_str()));
+  o.connect_timeout = std::chrono::milliseconds(60000);
+  Result<std::vector<SynthTensorSpec>> specs =
+      SynthPresetSpecs(a["--preset"], std::strtod(a["--scale"].c_str(), nullptr));
+  if (!specs.ok()) return Fail(specs.status());
+  std::vector<std::vector<uint8_t>> bufs;
+  uint64_t weights = 0;
+  for (const SynthTensorSpec& s : *specs) {
+    int64_t n = 1;
+    for (int64_t d : s.shape) n *= d;
+    bufs.emplace_back(static_cast<size_t>(n) * 2, 0);
+    weights += bufs.back().size();
+  }
+  const int syncs = std::atoi(a["--syncs"].c_str());
+  json out;
+  out["syncs"] = json::array();
+  if (a["--mode"] == "broadcast") {
+    Result<std::unique_ptr<Communicator>> comm = CreateCommunicator("gloo", o);
+    if (!comm.ok()) return Fail(comm.status());
+    for (int k = 0; k < syncs; ++k) {
+      if (Status s = (*comm)->Barrier(); !s.ok()) return Fail(s);
+      for (std::vector<uint8_t>& b : bufs) {
+        if (Status s = (*comm)->Broadcast(0, b); !s.ok()) return Fail(s);
+      }
+      if (Status s = (*comm)->Barrier(); !s.ok()) return Fail(s);
+      out["syncs"].push_back(json::object());
+    }
+  } else {
+    Result<std::unique_ptr<StreamReceiver>> r =
+        StreamReceiver::Create([o] { return CreateCommunicator("gloo", o); });
+    if (!r.ok()) return Fail(r.status());
+    for (size_t i = 0; i < specs->size(); ++i) {
+      if (Status s = (*r)->Register((*specs)[i].name, DType::kBF16, (*specs)[i].shape, bufs[i]);
+          !s.ok()) {
+        return Fail(s);
+      }
+    }
+    for (int k = 0; k < syncs; ++k) {
+      Result<ReceiveStats> s = (*r)->ReceiveSync();
+      if (!s.ok()) return Fail(s.status());
+      out["syncs"].push_back({{"seed", s->seed},
+                              {"wait_s", s->wait_s},
+                              {"receive_s", s->receive_s},
+                              {"apply_s", s->apply_s},
+                              {"verify_s", s->verify_s},
+                              {"bytes", s->bytes}});
+    }
+  }
+  out["peak_rss_bytes"] = PeakRss();
+  out["weights_bytes"] = weights;
+  std::cout << out.dump() << std::endl;
+  return 0;
+}
+
+}  // namespace deltasync::cli
