@@ -52,14 +52,15 @@ std::string SelfPath() {
   return ec ? std::string() : p.string();
 }
 
-// The process's peak resident set (VmHWM), in bytes.
-uint64_t PeakRss() {
+// A field of /proc/self/status ("VmHWM", "VmRSS"), in bytes.
+uint64_t OwnMemory(const char* field) {
   uint64_t kib = 0;
   if (FILE* f = std::fopen("/proc/self/status", "r")) {
     char line[256];
+    const std::string format = std::string(field) + ": %llu kB";
     while (std::fgets(line, sizeof(line), f) != nullptr) {
       unsigned long long v = 0;
-      if (std::sscanf(line, "VmHWM: %llu kB", &v) == 1) kib = v;
+      if (std::sscanf(line, format.c_str(), &v) == 1) kib = v;
     }
     std::fclose(f);
   }
@@ -109,7 +110,8 @@ class ShapedLink {
     Shell(ns + "tc qdisc del dev " + kNsVeth + " root");
     if (gbit <= 0) return true;
     // A burst of 10 ms at the rate keeps tbf from under-running it.
-    const uint64_t burst = std::max<uint64_t>(64 << 10, static_cast<uint64_t>(gbit * 1e9 / 8 / 100));
+    const uint64_t burst =
+        std::max<uint64_t>(64 << 10, static_cast<uint64_t>(gbit * 1e9 / 8 / 100));
     std::ostringstream q;
     q << "root tbf rate " << gbit << "gbit burst " << burst << " latency 100ms";
     return Shell(std::string("tc qdisc add dev ") + kHostVeth + " " + q.str()) == 0 &&
@@ -180,7 +182,7 @@ struct Run {
   int receivers = 0;
   std::string what;  // "full" or an encoding
   double seconds = 0;
-  SyncStats stats;   // delta syncs
+  SyncStats stats;  // delta syncs
   double seed_s = 0;
   double peer_apply_s = 0, peer_verify_s = 0, peer_receive_s = 0;
   uint64_t peer_peak_beyond_weights = 0;
@@ -263,15 +265,28 @@ class Bench {
       std::ostringstream scale;
       scale.precision(17);
       scale << scale_;
-      for (const std::string& a :
-           {SelfPath(), std::string("bench-stream-peer"), std::string("--rendezvous"),
-            RendezvousSpec(o.rendezvous), std::string("--group"), group, std::string("--rank"),
-            std::to_string(r), std::string("--size"), std::to_string(n + 1),
-            std::string("--hostname"),
-            std::string(link.gbit > 0 ? kReceiverAddress : "127.0.0.1"), std::string("--preset"),
-            c_.preset, std::string("--scale"), scale.str(), std::string("--mode"), mode,
-            std::string("--syncs"), std::to_string(syncs), std::string("--timeout-ms"),
-            std::to_string(c_.timeout.count())}) {
+      for (const std::string& a : {SelfPath(),
+                                   std::string("bench-stream-peer"),
+                                   std::string("--rendezvous"),
+                                   RendezvousSpec(o.rendezvous),
+                                   std::string("--group"),
+                                   group,
+                                   std::string("--rank"),
+                                   std::to_string(r),
+                                   std::string("--size"),
+                                   std::to_string(n + 1),
+                                   std::string("--hostname"),
+                                   std::string(link.gbit > 0 ? kReceiverAddress : "127.0.0.1"),
+                                   std::string("--preset"),
+                                   c_.preset,
+                                   std::string("--scale"),
+                                   scale.str(),
+                                   std::string("--mode"),
+                                   mode,
+                                   std::string("--syncs"),
+                                   std::to_string(syncs),
+                                   std::string("--timeout-ms"),
+                                   std::to_string(c_.timeout.count())}) {
         argv.push_back(a);
       }
       auto child = std::make_unique<Child>();
@@ -282,8 +297,8 @@ class Bench {
   }
 
   Result<Run> RunFull(const Link& link, ShapedLink* shaped, int n) {
-    const std::string group = "full-" + std::to_string(static_cast<int>(link.gbit)) + "-" +
-                              std::to_string(n);
+    const std::string group =
+        "full-" + std::to_string(static_cast<int>(link.gbit)) + "-" + std::to_string(n);
     std::vector<std::unique_ptr<Child>> peers;
     DS_RETURN_IF_ERROR(StartPeers(link, group, n, "broadcast", 1, &peers));
     DS_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> comm,
@@ -308,8 +323,7 @@ class Bench {
 
   Result<Run> RunDelta(const Link& link, ShapedLink* shaped, int n, StreamEncoding e) {
     const std::string group = std::string(StreamEncodingName(e)) + "-" +
-                              std::to_string(static_cast<int>(link.gbit)) + "-" +
-                              std::to_string(n);
+                              std::to_string(static_cast<int>(link.gbit)) + "-" + std::to_string(n);
     std::vector<std::unique_ptr<Child>> peers;
     DS_RETURN_IF_ERROR(StartPeers(link, group, n, "stream", 2, &peers));
     SenderOptions so;
@@ -336,10 +350,12 @@ class Bench {
       run.peer_apply_s = std::max(run.peer_apply_s, last["apply_s"].get<double>());
       run.peer_verify_s = std::max(run.peer_verify_s, last["verify_s"].get<double>());
       run.peer_receive_s = std::max(run.peer_receive_s, last["receive_s"].get<double>());
+      // Beyond the process with its weights in place (binary, libraries
+      // and the zeroed weights themselves).
       const uint64_t peak = j["peak_rss_bytes"].get<uint64_t>();
-      const uint64_t weights = j["weights_bytes"].get<uint64_t>();
+      const uint64_t floor = j["floor_rss_bytes"].get<uint64_t>();
       run.peer_peak_beyond_weights =
-          std::max(run.peer_peak_beyond_weights, peak > weights ? peak - weights : 0);
+          std::max(run.peer_peak_beyond_weights, peak > floor ? peak - floor : 0);
     }
     return run;
   }
@@ -366,8 +382,11 @@ class Bench {
 json Bench::Report() const {
   json out;
   out["mode"] = "stream";
-  out["config"] = {{"preset", c_.preset}, {"bytes", model_bytes_}, {"lr", c_.lr},
-                   {"seed", c_.seed}, {"bucket_bytes", c_.bucket_bytes}};
+  out["config"] = {{"preset", c_.preset},
+                   {"bytes", model_bytes_},
+                   {"lr", c_.lr},
+                   {"seed", c_.seed},
+                   {"bucket_bytes", c_.bucket_bytes}};
   out["changed_fraction"] = changed_;
   out["diff_read_s"] = read_s_;
   out["skipped"] = skipped;
@@ -399,10 +418,11 @@ json Bench::Report() const {
 }
 
 void Bench::Print() const {
-  std::printf("deltasync bench --stream: %s, %.2f GiB BF16, lr %g, %.2f%% of elements changed, "
-              "bucket %s\n",
-              c_.preset.c_str(), Gib(model_bytes_), c_.lr, 100 * changed_,
-              FormatBytes(c_.bucket_bytes).c_str());
+  std::printf(
+      "deltasync bench --stream: %s, %.2f GiB BF16, lr %g, %.2f%% of elements changed, "
+      "bucket %s\n",
+      c_.preset.c_str(), Gib(model_bytes_), c_.lr, 100 * changed_,
+      FormatBytes(c_.bucket_bytes).c_str());
   std::printf("the diff's read of both states (one thread): %.3f s\n", read_s_);
   for (const std::string& s : skipped) std::printf("skipped: %s\n", s.c_str());
   for (const Link& link : links) {
@@ -410,7 +430,7 @@ void Bench::Print() const {
     std::printf("\n%s (full broadcast to 1 receiver: %.2f GB/s)\n", link.name.c_str(), bps / 1e9);
     std::printf("%4s %-8s %8s %7s %8s %7s %7s %7s %7s %7s %7s %8s %8s %9s %9s\n", "recv", "sync",
                 "time s", "x full", "bound s", "x bound", "diff", "encode", "send", "report",
-                "commit", "rx apply", "rx vrfy", "sent MiB", "rx mem MiB");
+                "commit", "rx apply", "rx vrfy", "sent MiB", "rx +mem MiB");
     double full_s = 0;
     for (const Run& r : runs_.at(link.name)) {
       if (r.what == "full") {
@@ -419,24 +439,26 @@ void Bench::Print() const {
         continue;
       }
       const double bound = read_s_ + (bps > 0 ? r.stats.bytes_sent / bps : 0);
-      std::printf("%4d %-8s %8.3f %7.3f %8.3f %7.2f %7.3f %7.3f %7.3f %7.3f %7.3f %8.3f %8.3f "
-                  "%9.1f %9.1f\n",
-                  r.receivers, r.what.c_str(), r.seconds, r.seconds / full_s, bound,
-                  r.seconds / bound, r.stats.diff_s, r.stats.encode_s, r.stats.transfer_s,
-                  r.stats.report_s, r.stats.commit_s, r.peer_apply_s, r.peer_verify_s,
-                  Mib(r.stats.bytes_sent), Mib(r.peer_peak_beyond_weights));
+      std::printf(
+          "%4d %-8s %8.3f %7.3f %8.3f %7.2f %7.3f %7.3f %7.3f %7.3f %7.3f %8.3f %8.3f "
+          "%9.1f %9.1f\n",
+          r.receivers, r.what.c_str(), r.seconds, r.seconds / full_s, bound, r.seconds / bound,
+          r.stats.diff_s, r.stats.encode_s, r.stats.transfer_s, r.stats.report_s, r.stats.commit_s,
+          r.peer_apply_s, r.peer_verify_s, Mib(r.stats.bytes_sent),
+          Mib(r.peer_peak_beyond_weights));
     }
   }
-  std::printf("\nsender buffers beside its snapshot: at most %s (bucket %s)\n",
-              [&] {
-                uint64_t m = 0;
-                for (const auto& [name, runs] : runs_) {
-                  for (const Run& r : runs) m = std::max(m, r.stats.buffer_bytes);
-                }
-                return FormatBytes(m);
-              }()
-                  .c_str(),
-              FormatBytes(c_.bucket_bytes).c_str());
+  std::printf(
+      "\nsender buffers beside its snapshot: at most %s (bucket %s)\n",
+      [&] {
+        uint64_t m = 0;
+        for (const auto& [name, runs] : runs_) {
+          for (const Run& r : runs) m = std::max(m, r.stats.buffer_bytes);
+        }
+        return FormatBytes(m);
+      }()
+          .c_str(),
+      FormatBytes(c_.bucket_bytes).c_str());
 }
 
 }  // namespace
@@ -516,6 +538,9 @@ int RunStreamBenchPeer(const std::vector<std::string>& args) {
     bufs.emplace_back(static_cast<size_t>(n) * 2, 0);
     weights += bufs.back().size();
   }
+  // What the process holds with its weights in place: the floor of what
+  // receiving adds.
+  const uint64_t floor = OwnMemory("VmRSS");
   const int syncs = std::atoi(a["--syncs"].c_str());
   json out;
   out["syncs"] = json::array();
@@ -551,7 +576,8 @@ int RunStreamBenchPeer(const std::vector<std::string>& args) {
                               {"bytes", s->bytes}});
     }
   }
-  out["peak_rss_bytes"] = PeakRss();
+  out["peak_rss_bytes"] = OwnMemory("VmHWM");
+  out["floor_rss_bytes"] = floor;
   out["weights_bytes"] = weights;
   std::cout << out.dump() << std::endl;
   return 0;

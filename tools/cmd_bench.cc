@@ -17,8 +17,11 @@
 #include <string>
 #include <thread>
 
+#include <sstream>
+
 #include "bench_e2e.h"
 #include "bench_runner.h"
+#include "bench_stream.h"
 #include "cli_util.h"
 
 namespace deltasync::cli {
@@ -192,7 +195,20 @@ void PrintReport(const BenchConfig& config, const BenchResult& r) {
 
 }  // namespace
 
+// The receiver processes of `bench --stream` (not for users: hidden).
+void RegisterBenchStreamPeer(CLI::App& app, CommandFn* run) {
+  auto args = std::make_shared<std::vector<std::string>>();
+  CLI::App* cmd = app.add_subcommand("bench-stream-peer", "");
+  cmd->group("");
+  cmd->allow_extras();
+  cmd->callback([args, run, cmd] {
+    *args = cmd->remaining();
+    *run = [args]() -> int { return RunStreamBenchPeer(*args); };
+  });
+}
+
 void RegisterBench(CLI::App& app, CommandFn* run) {
+  RegisterBenchStreamPeer(app, run);
   struct Opts {
     std::string preset = "qwen2.5-0.5b";
     std::string bytes = "512MiB";
@@ -207,6 +223,8 @@ void RegisterBench(CLI::App& app, CommandFn* run) {
     std::string workdir, peer, python = "/usr/bin/python3";
     bool keep = false;
     bool cold_store = false;
+    bool stream = false;
+    std::string receivers = "1,2,4", links = "10,1", bucket = "64MiB";
   };
   auto opts = std::make_shared<Opts>();
   CLI::App* cmd = app.add_subcommand(
@@ -234,6 +252,17 @@ void RegisterBench(CLI::App& app, CommandFn* run) {
                 "Time the disk transport end to end instead: deltasync publish + pull (sparse, "
                 "xor, full) next to the Python peer, on checkpoint dirs (default --bytes 1GiB, "
                 "--repeat 1)");
+  cmd->add_flag("--stream", opts->stream,
+                "Time the online transport instead: a delta sync per wire encoding against a "
+                "full broadcast of the same weights over gloo, receivers as processes, on "
+                "loopback and over veth links shaped with tc (default --bytes 1GiB)");
+  cmd->add_option("--receivers", opts->receivers, "--stream: receiver counts, comma-separated")
+      ->capture_default_str();
+  cmd->add_option("--links", opts->links,
+                  "--stream: shaped link speeds in Gbit/s, comma-separated, or none (needs root)")
+      ->capture_default_str();
+  cmd->add_option("--bucket", opts->bucket, "--stream: flush frame size bound")
+      ->capture_default_str();
   cmd->add_option("--workdir", opts->workdir,
                   "--e2e: empty or new directory to work in (default: a temp dir under /tmp)");
   cmd->add_flag("--keep", opts->keep, "--e2e: keep the work directory");
@@ -245,6 +274,55 @@ void RegisterBench(CLI::App& app, CommandFn* run) {
       ->capture_default_str();
   cmd->callback([opts, run, cmd] {
     *run = [opts, cmd]() -> int {
+      if (opts->stream) {
+        for (const char* other : {"--threads", "--encodings", "--e2e", "--repeat", "--peer",
+                                  "--python", "--cold-store", "--keep"}) {
+          if (cmd->count(other) > 0)
+            return Fail(std::string(other) + " does not apply to --stream");
+        }
+        StreamBenchConfig sc;
+        sc.preset = opts->preset;
+        if (cmd->count("--bytes") > 0) {
+          Result<uint64_t> bytes = ParseByteSize(opts->bytes);
+          if (!bytes.ok()) return Fail(bytes.status());
+          if (*bytes == 0) return Fail("--bytes must be at least 1 byte");
+          sc.target_bytes = *bytes;
+        }
+        Result<uint64_t> bucket = ParseByteSize(opts->bucket);
+        if (!bucket.ok()) return Fail(bucket.status());
+        sc.bucket_bytes = *bucket;
+        sc.lr = opts->lr;
+        sc.seed = opts->seed;
+        if (opts->warmup_steps < 0) return Fail("--warmup-steps must not be negative");
+        sc.warmup_steps = opts->warmup_steps;
+        sc.workdir = opts->workdir;
+        sc.receivers.clear();
+        std::stringstream rs(opts->receivers);
+        for (std::string item; std::getline(rs, item, ',');) {
+          const int n = std::atoi(item.c_str());
+          if (n < 1 || n > 64) return Fail("--receivers: '" + item + "' is not a count in [1, 64]");
+          sc.receivers.push_back(n);
+        }
+        if (sc.receivers.empty() || sc.receivers.front() != 1) {
+          return Fail("--receivers must start with 1 (the link's speed is measured with one)");
+        }
+        sc.shaped_gbit.clear();
+        if (opts->links != "none") {
+          std::stringstream ls(opts->links);
+          for (std::string item; std::getline(ls, item, ',');) {
+            char* end = nullptr;
+            const double g = std::strtod(item.c_str(), &end);
+            if (end == item.c_str() || *end != '\0' || g <= 0 || g > 400) {
+              return Fail("--links: '" + item + "' is not a speed in Gbit/s (or use none)");
+            }
+            sc.shaped_gbit.push_back(g);
+          }
+        }
+        return RunStreamBench(sc, opts->json);
+      }
+      for (const char* stream_only : {"--receivers", "--links", "--bucket"}) {
+        if (cmd->count(stream_only) > 0) return Fail(std::string(stream_only) + " needs --stream");
+      }
       if (opts->e2e) {
         for (const char* other : {"--threads", "--encodings"}) {
           if (cmd->count(other) > 0) return Fail(std::string(other) + " does not apply to --e2e");
