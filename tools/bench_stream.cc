@@ -19,6 +19,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "child_process.h"
 #include "cli_util.h"
 #include "deltasync/communicator.h"
 #include "deltasync/diff.h"
@@ -120,57 +121,6 @@ class ShapedLink {
 
  private:
   bool made_ = false;
-};
-
-// A child process, its output in files, reaped by Wait.
-class Child {
- public:
-  Status Start(const std::vector<std::string>& argv, const std::string& stem) {
-    stem_ = stem;
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
-    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, (stem + ".out").c_str(),
-                                     O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, (stem + ".err").c_str(),
-                                     O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    std::vector<char*> cargv;
-    for (const std::string& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
-    cargv.push_back(nullptr);
-    const int rc = posix_spawnp(&pid_, cargv[0], &actions, nullptr, cargv.data(), environ);
-    posix_spawn_file_actions_destroy(&actions);
-    if (rc != 0) return Status::FromErrno(rc, "cannot run " + argv[0]);
-    return Status::OK();
-  }
-  ~Child() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      int st = 0;
-      waitpid(pid_, &st, 0);
-    }
-  }
-  // The child's JSON report (its stdout), or its error.
-  Result<json> Wait() {
-    int st = 0;
-    waitpid(pid_, &st, 0);
-    pid_ = -1;
-    std::ifstream out(stem_ + ".out"), err(stem_ + ".err");
-    std::stringstream o, e;
-    o << out.rdbuf();
-    e << err.rdbuf();
-    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
-      std::string why = e.str();
-      while (!why.empty() && why.back() == '\n') why.pop_back();
-      return Status::Internal("a receiver process failed: " + why);
-    }
-    json j = json::parse(o.str(), nullptr, false);
-    if (!j.is_object()) return Status::Internal("a receiver process printed no report");
-    return j;
-  }
-
- private:
-  pid_t pid_ = -1;
-  std::string stem_;
 };
 
 struct Link {

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "cli_util.h"
+#include "demo_online.h"
 #include "demo_runner.h"
 
 namespace deltasync::cli {
@@ -302,11 +303,25 @@ int RunBenchAgent(const AgentBenchConfig& config, bool json) {
 
 }  // namespace
 
+// One trainer rank or receiver of `demo --online` (not for users: hidden).
+void RegisterOnlineDemoPeer(CLI::App& app, CommandFn* run) {
+  auto args = std::make_shared<std::vector<std::string>>();
+  CLI::App* cmd = app.add_subcommand("demo-online-peer", "");
+  cmd->group("");
+  cmd->allow_extras();
+  cmd->callback([args, run, cmd] {
+    *args = cmd->remaining();
+    *run = [args]() -> int { return RunOnlineDemoPeer(*args); };
+  });
+}
+
 void RegisterDemo(CLI::App& app, CommandFn* run) {
+  RegisterOnlineDemoPeer(app, run);
   struct Opts {
     DemoConfig demo;
     std::string bytes = "512MiB", encoding = "sparse";
-    bool json = false, bench_agent = false;
+    bool json = false, bench_agent = false, online = false;
+    int ranks = 2, receivers = 2;
     AgentBenchConfig bench;
   };
   auto o = std::make_shared<Opts>();
@@ -335,6 +350,17 @@ void RegisterDemo(CLI::App& app, CommandFn* run) {
                   "default: a fresh one under $TMPDIR)");
   cmd->add_flag("--keep", o->demo.keep, "Keep the work dir instead of removing it at the end");
   cmd->add_flag("--json", o->json, "Machine-readable output (one JSON document at the end)");
+  cmd->add_flag("--online", o->online,
+                "Instead, the online transport: a sharded trainer's ranks (--ranks processes) "
+                "stream every step to --receivers processes over gloo on loopback, each "
+                "receiver checked bit for bit after every step (default --bytes 64MiB, "
+                "--encoding indices: dense | indices | sparse)");
+  cmd->add_option("--ranks", o->ranks, "--online: trainer ranks")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 16));
+  cmd->add_option("--receivers", o->receivers, "--online: receivers")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 16));
   cmd->add_flag("--bench-agent", o->bench_agent,
                 "Instead of the demo, measure the agent: /pull_weights against a direct "
                 "library pull of the same versions, and pulls with and without /status load");
@@ -355,8 +381,36 @@ void RegisterDemo(CLI::App& app, CommandFn* run) {
                   "--bench-agent: pause of each /status thread between requests (0 = none)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  cmd->callback([o, run] {
-    *run = [o]() -> int {
+  cmd->callback([o, run, cmd] {
+    *run = [o, cmd]() -> int {
+      if (o->online) {
+        for (const char* other : {"--bench-agent", "--keep", "--bench-versions"}) {
+          if (cmd->count(other) > 0)
+            return Fail(std::string(other) + " does not apply to --online");
+        }
+        OnlineDemoConfig oc;
+        if (cmd->count("--preset") > 0) oc.preset = o->demo.preset;
+        if (cmd->count("--steps") > 0) oc.steps = static_cast<int>(o->demo.steps);
+        oc.seed = o->demo.seed;
+        oc.lr = o->demo.lr;
+        oc.ranks = o->ranks;
+        oc.receivers = o->receivers;
+        oc.workdir = o->demo.workdir;
+        if (cmd->count("--bytes") > 0) {
+          Result<uint64_t> bytes = ParseByteSize(o->bytes);
+          if (!bytes.ok()) return Fail(bytes.status().WithContext("--bytes"));
+          oc.target_bytes = *bytes;
+        }
+        if (cmd->count("--encoding") > 0) {
+          Result<StreamEncoding> e = ParseStreamEncoding(o->encoding);
+          if (!e.ok()) return Fail(e.status().WithContext("--encoding"));
+          oc.encoding = *e;
+        }
+        return RunOnlineDemo(oc, o->json);
+      }
+      for (const char* online_only : {"--ranks", "--receivers"}) {
+        if (cmd->count(online_only) > 0) return Fail(std::string(online_only) + " needs --online");
+      }
       // The demo is its own HTTP client: a connection the agent closes
       // early must fail that request (EPIPE), not kill the process.
       ::signal(SIGPIPE, SIG_IGN);
