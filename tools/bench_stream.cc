@@ -47,12 +47,6 @@ constexpr const char* kReceiverAddress = "10.77.0.2";
 double Gib(uint64_t b) { return static_cast<double>(b) / (1u << 30); }
 double Mib(uint64_t b) { return static_cast<double>(b) / (1u << 20); }
 
-std::string SelfPath() {
-  std::error_code ec;
-  const fs::path p = fs::read_symlink("/proc/self/exe", ec);
-  return ec ? std::string() : p.string();
-}
-
 // A field of /proc/self/status ("VmHWM", "VmRSS"), in bytes.
 uint64_t OwnMemory(const char* field) {
   uint64_t kib = 0;
@@ -414,12 +408,13 @@ void Bench::Print() const {
 }  // namespace
 
 int RunStreamBench(const StreamBenchConfig& config, bool json_out) {
-  std::string dir = config.workdir;
-  if (dir.empty()) {
+  ScratchDir scratch{config.workdir, config.workdir.empty()};
+  if (scratch.owned) {
     std::string tmpl = "/tmp/deltasync-bench-stream-XXXXXX";
     if (mkdtemp(tmpl.data()) == nullptr) return Fail("cannot make a temp dir under /tmp");
-    dir = tmpl;
+    scratch.path = tmpl;
   }
+  const std::string dir = scratch.path;
   std::error_code ec;
   fs::create_directories(dir, ec);
   Bench bench(config, dir);
@@ -451,7 +446,6 @@ int RunStreamBench(const StreamBenchConfig& config, bool json_out) {
   } else {
     bench.Print();
   }
-  if (config.workdir.empty()) fs::remove_all(dir, ec);
   return 0;
 }
 

@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -71,6 +72,24 @@ class Child {
  private:
   pid_t pid_ = -1;
   std::string stem_;
+};
+
+// This executable's path, to start it again as a child; empty if unknown.
+inline std::string SelfPath() {
+  std::error_code ec;
+  const std::filesystem::path p = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string() : p.string();
+}
+
+// A work directory removed with its contents when it goes out of scope,
+// unless it was the user's own (`owned` false).
+struct ScratchDir {
+  std::string path;
+  bool owned = true;
+  ~ScratchDir() {
+    std::error_code ec;
+    if (owned && !path.empty()) std::filesystem::remove_all(path, ec);
+  }
 };
 
 }  // namespace deltasync::cli

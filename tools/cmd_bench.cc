@@ -290,6 +290,7 @@ void RegisterBench(CLI::App& app, CommandFn* run) {
         }
         Result<uint64_t> bucket = ParseByteSize(opts->bucket);
         if (!bucket.ok()) return Fail(bucket.status());
+        if (*bucket < (uint64_t{64} << 10)) return Fail("--bucket must be at least 64KiB");
         sc.bucket_bytes = *bucket;
         sc.lr = opts->lr;
         sc.seed = opts->seed;

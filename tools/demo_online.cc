@@ -30,12 +30,6 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 using nlohmann::json;
 
-std::string SelfPath() {
-  std::error_code ec;
-  const fs::path p = fs::read_symlink("/proc/self/exe", ec);
-  return ec ? std::string() : p.string();
-}
-
 // What every process of the demo agrees on.
 struct Shared {
   std::string dir, preset;
@@ -196,12 +190,14 @@ int RunOnlineDemo(const OnlineDemoConfig& c, bool json_out) {
   if (c.receivers < 1 || c.receivers > 16) return Fail("--receivers must be in [1, 16]");
   if (c.steps < 1) return Fail("--steps must be at least 1");
   Shared sh;
-  sh.dir = c.workdir;
-  if (sh.dir.empty()) {
+  ScratchDir scratch{c.workdir, c.workdir.empty()};
+  if (scratch.owned) {
     std::string tmpl = "/tmp/deltasync-demo-online-XXXXXX";
     if (mkdtemp(tmpl.data()) == nullptr) return Fail("cannot make a temp dir under /tmp");
-    sh.dir = tmpl;
-  } else {
+    scratch.path = tmpl;
+  }
+  sh.dir = scratch.path;
+  if (!scratch.owned) {
     std::error_code ec;
     fs::create_directories(sh.dir, ec);
     if (!fs::is_empty(sh.dir, ec)) return Fail("--workdir " + sh.dir + " is not empty");
@@ -291,8 +287,6 @@ int RunOnlineDemo(const OnlineDemoConfig& c, bool json_out) {
         << json({{"mode", "online"}, {"steps", rows}, {"all_exact", all_exact && ran.ok()}}).dump(2)
         << std::endl;
   }
-  std::error_code ec;
-  if (c.workdir.empty()) fs::remove_all(sh.dir, ec);
   if (!ran.ok()) return Fail(ran.WithContext("demo --online"));
   if (!peers.ok()) return Fail(peers.WithContext("demo --online"));
   if (!json_out) std::printf("every receiver matched the trainer after every step\n");
