@@ -1,5 +1,7 @@
 #include "cli_util.h"
 
+#include <memory>
+
 #include <unistd.h>
 
 #include <cstdint>
@@ -117,6 +119,19 @@ Status ApplyPublishFlags(const PublishFlags& flags, PublisherOptions* options) {
   DS_ASSIGN_OR_RETURN(options->encoding, ParseEncoding(flags.encoding));
   DS_ASSIGN_OR_RETURN(options->checksum, ParseChecksumAlgo(flags.checksum));
   return Status::OK();
+}
+
+void RegisterHiddenCommand(CLI::App& app, const std::string& name,
+                           std::function<int(const std::vector<std::string>&)> body,
+                           CommandFn* run) {
+  auto args = std::make_shared<std::vector<std::string>>();
+  CLI::App* cmd = app.add_subcommand(name, "");
+  cmd->group("");
+  cmd->allow_extras();
+  cmd->callback([args, run, cmd, body] {
+    *args = cmd->remaining();
+    *run = [args, body]() -> int { return body(*args); };
+  });
 }
 
 }  // namespace deltasync::cli

@@ -48,6 +48,12 @@ void AddPublishFlags(CLI::App* cmd, const std::string& receivers, PublishFlags* 
 // InvalidArgument/Unsupported for an unknown encoding or checksum.
 Status ApplyPublishFlags(const PublishFlags& flags, PublisherOptions* options);
 
+// Registers a hidden subcommand `name` (for the child processes of a demo
+// or benchmark, not for users) whose arguments, unparsed, go to `body`.
+void RegisterHiddenCommand(CLI::App& app, const std::string& name,
+                           std::function<int(const std::vector<std::string>&)> body,
+                           CommandFn* run);
+
 // The whole CLI: registers every subcommand, parses argv, runs the chosen
 // one and returns the process exit code. main() of `deltasync`, and of the
 // test build that adds fault injection (tools/crash_pause_test_main.cc).

@@ -195,20 +195,8 @@ void PrintReport(const BenchConfig& config, const BenchResult& r) {
 
 }  // namespace
 
-// The receiver processes of `bench --stream` (not for users: hidden).
-void RegisterBenchStreamPeer(CLI::App& app, CommandFn* run) {
-  auto args = std::make_shared<std::vector<std::string>>();
-  CLI::App* cmd = app.add_subcommand("bench-stream-peer", "");
-  cmd->group("");
-  cmd->allow_extras();
-  cmd->callback([args, run, cmd] {
-    *args = cmd->remaining();
-    *run = [args]() -> int { return RunStreamBenchPeer(*args); };
-  });
-}
-
 void RegisterBench(CLI::App& app, CommandFn* run) {
-  RegisterBenchStreamPeer(app, run);
+  RegisterHiddenCommand(app, "bench-stream-peer", RunStreamBenchPeer, run);
   struct Opts {
     std::string preset = "qwen2.5-0.5b";
     std::string bytes = "512MiB";

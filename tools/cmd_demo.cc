@@ -303,20 +303,8 @@ int RunBenchAgent(const AgentBenchConfig& config, bool json) {
 
 }  // namespace
 
-// One trainer rank or receiver of `demo --online` (not for users: hidden).
-void RegisterOnlineDemoPeer(CLI::App& app, CommandFn* run) {
-  auto args = std::make_shared<std::vector<std::string>>();
-  CLI::App* cmd = app.add_subcommand("demo-online-peer", "");
-  cmd->group("");
-  cmd->allow_extras();
-  cmd->callback([args, run, cmd] {
-    *args = cmd->remaining();
-    *run = [args]() -> int { return RunOnlineDemoPeer(*args); };
-  });
-}
-
 void RegisterDemo(CLI::App& app, CommandFn* run) {
-  RegisterOnlineDemoPeer(app, run);
+  RegisterHiddenCommand(app, "demo-online-peer", RunOnlineDemoPeer, run);
   struct Opts {
     DemoConfig demo;
     std::string bytes = "512MiB", encoding = "sparse";

@@ -874,6 +874,21 @@ std::vector<std::vector<const ModelTensor*>> Batches(std::span<const ModelTensor
   return out;
 }
 
+// One batch's tensor list and this rank's changes of them (moved out of
+// `mine`; none when `mine` is null: the rank refuses).
+void BatchInput(const std::vector<const ModelTensor*>& tensors,
+                std::map<std::string, std::vector<stream::TensorChanges>, std::less<>>* mine,
+                std::vector<stream::GatherTensor>* list,
+                std::vector<stream::TensorChanges>* batch) {
+  for (const ModelTensor* m : tensors) {
+    list->push_back({m->name, m->dtype, m->shape});
+    if (mine == nullptr) continue;
+    auto it = mine->find(m->name);
+    if (it == mine->end()) continue;
+    for (stream::TensorChanges& tc : it->second) batch->push_back(std::move(tc));
+  }
+}
+
 Result<SyncStats> Sender::SyncShards(std::span<const ModelTensor> model,
                                      std::span<const ShardedTensor> shards) {
   if (!sharded_) return Status::FailedPrecondition("this sender syncs whole tensors with Sync");
@@ -890,12 +905,7 @@ Result<SyncStats> Sender::SyncShards(std::span<const ModelTensor> model,
   for (size_t b = 0; b < batches.size() && gathered.ok(); ++b) {
     std::vector<stream::GatherTensor> list;
     std::vector<stream::TensorChanges> batch;
-    for (const ModelTensor* m : batches[b]) {
-      list.push_back({m->name, m->dtype, m->shape});
-      auto it = mine.find(m->name);
-      if (it == mine.end() || !local.ok()) continue;
-      for (stream::TensorChanges& tc : it->second) batch.push_back(std::move(tc));
-    }
+    BatchInput(batches[b], local.ok() ? &mine : nullptr, &list, &batch);
     Status g = stream::GatherChanges(*trainers_, b, list, batch, local).status();
     // This rank's own refusal leaves the group usable; anything else not.
     if (!g.ok() && (local.ok() || trainers_->health().ok() == false)) gathered = g;
@@ -937,12 +947,7 @@ Result<SyncStats> Sender::SyncShardsAsRank0(std::span<const ModelTensor> model,
   for (size_t b = 0; b < batches.size(); ++b) {
     std::vector<stream::GatherTensor> list;
     std::vector<stream::TensorChanges> batch;
-    for (const ModelTensor* m : batches[b]) {
-      list.push_back({m->name, m->dtype, m->shape});
-      auto it = mine.find(m->name);
-      if (it == mine.end() || !local.ok()) continue;
-      for (stream::TensorChanges& tc : it->second) batch.push_back(std::move(tc));
-    }
+    BatchInput(batches[b], local.ok() ? &mine : nullptr, &list, &batch);
     const auto t0 = Clock::now();
     Result<std::vector<stream::TensorChanges>> all =
         stream::GatherChanges(*trainers_, b, list, batch, local);
