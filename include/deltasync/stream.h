@@ -147,8 +147,8 @@ class StreamSender {
   // tensors (their pieces inside the model's tensors, each element of the
   // model held by some rank that contributes). The result as Sync's, on
   // every rank: rank 0 tells the others whether the sync committed, and
-  // their snapshots advance with it. Stats are rank 0's (the others fill in
-  // sync_id, changed and diff_s).
+  // their snapshots advance with it. Stats are rank 0's; the others fill in
+  // changed and diff_s, and as sync_id how many syncs they took part in.
   virtual Result<SyncStats> SyncShards(std::span<const ModelTensor> model,
                                        std::span<const ShardedTensor> shards) = 0;
 
