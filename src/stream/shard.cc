@@ -509,7 +509,10 @@ Status MergeChangeRuns(std::string_view tensor, std::span<const ChangeRun> runs,
   }
   uint64_t o = 0;
   while (!heads.empty()) {
-    const auto [p, s] = heads.top();
+    // Plain copies: lambdas cannot capture structured bindings (C++20 as
+    // clang 14 implements it).
+    const uint64_t p = heads.top().first;
+    const size_t s = heads.top().second;
     heads.pop();
     // Everything of list s below the next list's head goes out as one run.
     const uint64_t bound = heads.empty() ? UINT64_MAX : heads.top().first;
