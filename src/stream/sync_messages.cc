@@ -111,15 +111,6 @@ Result<nlohmann::json> RecvJson(Communicator& comm, int peer, MessageType expect
   return body;
 }
 
-std::string ShapeText(std::span<const int64_t> shape) {
-  std::string out = "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i > 0) out += ", ";
-    out += std::to_string(shape[i]);
-  }
-  return out + "]";
-}
-
 nlohmann::json HelloBody(const std::vector<Registration>& tensors) {
   nlohmann::json list = nlohmann::json::array();
   for (const Registration& t : tensors) {

@@ -64,9 +64,6 @@ nlohmann::json HelloBody(const std::vector<Registration>& tensors);
 // Unsupported).
 Result<std::vector<Registration>> ParseHello(const nlohmann::json& body);
 
-// "[2, 3]".
-std::string ShapeText(std::span<const int64_t> shape);
-
 // A receiver's report (docs/format.md, "Messages").
 struct Report {
   Status status;      // OK, or the receiver's error

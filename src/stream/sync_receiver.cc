@@ -203,9 +203,9 @@ Status Receiver::TakeFrame(bool envelope_last, SyncState* sync, ReceiveStats* st
     const Destination& d = it->second;
     if (e.dtype != d.dtype || e.shape != d.shape) {
       return Status::InvalidArgument(entry + " is " + std::string(DTypeName(e.dtype)) + " " +
-                                     stream::ShapeText(e.shape) + " in the frame, " +
+                                     ShapeToString(e.shape) + " in the frame, " +
                                      std::string(DTypeName(d.dtype)) + " " +
-                                     stream::ShapeText(d.shape) + " here");
+                                     ShapeToString(d.shape) + " here");
     }
   }
   for (const stream::FlushDigest& r : reader_.digests()) {

@@ -221,10 +221,9 @@ Status Sender::CheckModel(std::span<const TensorMeta> tensors, std::vector<Tenso
       return Status::InvalidArgument(what + ": too many elements for the stream");
     }
     if (!sharded_ && x.data.size() != static_cast<uint64_t>(numel) * w) {
-      return Status::InvalidArgument(what + ": " + std::to_string(x.data.size()) +
-                                     " bytes, shape " + stream::ShapeText(*x.shape) + " of " +
-                                     std::string(DTypeName(x.dtype)) + " needs " +
-                                     std::to_string(numel * w));
+      return Status::InvalidArgument(
+          what + ": " + std::to_string(x.data.size()) + " bytes, shape " + ShapeToString(*x.shape) +
+          " of " + std::string(DTypeName(x.dtype)) + " needs " + std::to_string(numel * w));
     }
     auto it = tensors_.find(x.name);
     if (it == tensors_.end()) {
@@ -235,9 +234,9 @@ Status Sender::CheckModel(std::span<const TensorMeta> tensors, std::vector<Tenso
     }
     if (it->second.dtype != x.dtype || it->second.shape != *x.shape) {
       return Status::InvalidArgument(what + ": " + std::string(DTypeName(x.dtype)) + " " +
-                                     stream::ShapeText(*x.shape) + ", the first sync had " +
+                                     ShapeToString(*x.shape) + ", the first sync had " +
                                      std::string(DTypeName(it->second.dtype)) + " " +
-                                     stream::ShapeText(it->second.shape));
+                                     ShapeToString(it->second.shape));
     }
   }
   if (!tensors_.empty() && seen.size() != tensors_.size()) {
@@ -313,9 +312,9 @@ Status Sender::Handshake(uint64_t sync_id) {
         const TensorState& t = it->second;
         if (t.dtype != reg.dtype || t.shape != reg.shape) {
           refusal = "registered tensors differ: tensor '" + reg.name + "' is " +
-                    std::string(DTypeName(t.dtype)) + " " + stream::ShapeText(t.shape) +
+                    std::string(DTypeName(t.dtype)) + " " + ShapeToString(t.shape) +
                     " at the sender, " + std::string(DTypeName(reg.dtype)) + " " +
-                    stream::ShapeText(reg.shape) + " at the receiver";
+                    ShapeToString(reg.shape) + " at the receiver";
           break;
         }
         if (reg.block.end() > t.numel) {
@@ -778,9 +777,9 @@ Status Sender::DiffShards(
       if (it->second->dtype != sh.spec.dtype || it->second->shape != p.hf_shape) {
         return Status::InvalidArgument(what + ": tensor '" + p.hf_name + "' is " +
                                        std::string(DTypeName(it->second->dtype)) + " " +
-                                       stream::ShapeText(it->second->shape) + " in the model, " +
+                                       ShapeToString(it->second->shape) + " in the model, " +
                                        std::string(DTypeName(sh.spec.dtype)) + " " +
-                                       stream::ShapeText(p.hf_shape) + " in the shard");
+                                       ShapeToString(p.hf_shape) + " in the shard");
       }
     }
     if (have_local_ && local_snapshots_[i].size() != sh.data.size()) {
