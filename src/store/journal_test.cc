@@ -458,8 +458,8 @@ TEST(JournalWriterTest, NothingIsAppendedAfterAFailedAppend) {
 // back, and refuse to be replayed.
 TEST(JournalWriterTest, UndoOnlyRecordsRollBackAndRefuseReplay) {
   const TempJournal temp("undo");
-  const uint64_t numel = 200000;
-  auto changes = [numel](const std::vector<uint32_t>& positions) {
+  constexpr uint64_t numel = 200000;
+  auto changes = [](const std::vector<uint32_t>& positions) {
     ChangeSet c;
     c.numel = numel;
     c.elem_size = 2;

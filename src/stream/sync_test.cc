@@ -44,8 +44,8 @@ enum class Hold { kWhole, kRows, kColumns };
 // what each sync returned.
 class ReceiverRig {
  public:
-  ReceiverRig(const Model& m, Hold hold, CommunicatorFactory connect, ReceiverOptions options = {})
-      : hold_(hold) {
+  ReceiverRig(const Model& m, Hold hold, CommunicatorFactory connect,
+              ReceiverOptions options = {}) {
     Result<std::unique_ptr<StreamReceiver>> r =
         StreamReceiver::Create(std::move(connect), std::move(options));
     EXPECT_TRUE(r.ok()) << r.status().ToString();
@@ -128,7 +128,6 @@ class ReceiverRig {
   const std::vector<std::vector<uint8_t>>& buffers() const { return buffers_; }
 
  private:
-  Hold hold_;
   std::unique_ptr<StreamReceiver> receiver_;
   std::vector<std::vector<uint8_t>> buffers_;
   std::vector<std::vector<DestinationRun>> runs_;
