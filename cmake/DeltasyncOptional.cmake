@@ -74,10 +74,19 @@ function(ds_optional_summary)
 endfunction()
 
 # Dependency probes, one per component.
+# nvcc from PATH, $CUDACXX, or CUDA's default place; the host code needs
+# the runtime library too.
 macro(ds_probe_cuda out)
   include(CheckLanguage)
+  if(NOT DEFINED ENV{CUDACXX} AND NOT CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)
+    find_program(ds_nvcc_on_path nvcc)
+    if(NOT ds_nvcc_on_path)
+      set(ENV{CUDACXX} /usr/local/cuda/bin/nvcc)
+    endif()
+  endif()
   check_language(CUDA)
-  if(CMAKE_CUDA_COMPILER)
+  find_package(CUDAToolkit QUIET)
+  if(CMAKE_CUDA_COMPILER AND CUDAToolkit_FOUND AND CUDA_cudart_LIBRARY)
     set(${out} ON)
   else()
     set(${out} OFF)

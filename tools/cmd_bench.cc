@@ -20,6 +20,7 @@
 #include <sstream>
 
 #include "bench_e2e.h"
+#include "bench_gpu.h"
 #include "bench_runner.h"
 #include "bench_stream.h"
 #include "cli_util.h"
@@ -212,6 +213,9 @@ void RegisterBench(CLI::App& app, CommandFn* run) {
     bool keep = false;
     bool cold_store = false;
     bool stream = false;
+    bool gpu = false;
+    std::string sizes = "1GiB,8GiB";
+    double density = 0.015;
     std::string receivers = "1,2,4", links = "10,1", bucket = "64MiB";
   };
   auto opts = std::make_shared<Opts>();
@@ -244,6 +248,14 @@ void RegisterBench(CLI::App& app, CommandFn* run) {
                 "Time the online transport instead: a delta sync per wire encoding against a "
                 "full broadcast of the same weights over gloo, receivers as processes, on "
                 "loopback and over veth links shaped with tc (default --bytes 1GiB)");
+  cmd->add_flag("--gpu", opts->gpu,
+                "Time the CUDA kernels instead (fused diff with the snapshot on the device and in "
+                "pinned memory, scatter, checksums) against a device copy, a PCIe read and the "
+                "torch ops trainers use (through --python), on one GPU");
+  cmd->add_option("--sizes", opts->sizes, "--gpu: tensor sizes in BF16 bytes, comma-separated")
+      ->capture_default_str();
+  cmd->add_option("--density", opts->density, "--gpu: fraction of elements changed per step")
+      ->capture_default_str();
   cmd->add_option("--receivers", opts->receivers, "--stream: receiver counts, comma-separated")
       ->capture_default_str();
   cmd->add_option("--links", opts->links,
@@ -262,6 +274,35 @@ void RegisterBench(CLI::App& app, CommandFn* run) {
       ->capture_default_str();
   cmd->callback([opts, run, cmd] {
     *run = [opts, cmd]() -> int {
+      if (opts->gpu) {
+        for (const char* other : {"--threads", "--encodings", "--e2e", "--stream", "--peer",
+                                  "--cold-store", "--keep", "--bytes", "--receivers", "--links",
+                                  "--bucket", "--preset", "--lr", "--warmup-steps", "--workdir"}) {
+          if (cmd->count(other) > 0) return Fail(std::string(other) + " does not apply to --gpu");
+        }
+        GpuBenchConfig gc;
+        gc.sizes.clear();
+        std::stringstream ss(opts->sizes);
+        for (std::string item; std::getline(ss, item, ',');) {
+          Result<uint64_t> bytes = ParseByteSize(item);
+          if (!bytes.ok()) return Fail(bytes.status());
+          if (*bytes < 1024) return Fail("--sizes: '" + item + "' is below 1KiB");
+          gc.sizes.push_back(*bytes);
+        }
+        if (gc.sizes.empty()) return Fail("--sizes: no size given");
+        if (!(opts->density >= 0 && opts->density <= 1)) return Fail("--density must be in [0, 1]");
+        gc.density = opts->density;
+        if (cmd->count("--repeat") > 0) {
+          if (opts->repeat < 1) return Fail("--repeat must be at least 1");
+          gc.repeat = static_cast<int>(opts->repeat);
+        }
+        gc.seed = opts->seed;
+        gc.python = cmd->count("--python") > 0 ? opts->python : "python3";
+        return RunGpuBench(gc, opts->json);
+      }
+      for (const char* gpu_only : {"--sizes", "--density"}) {
+        if (cmd->count(gpu_only) > 0) return Fail(std::string(gpu_only) + " needs --gpu");
+      }
       if (opts->stream) {
         for (const char* other : {"--threads", "--encodings", "--e2e", "--repeat", "--peer",
                                   "--python", "--cold-store", "--keep"}) {

@@ -1,5 +1,7 @@
 #include "stream/state_digest.h"
 
+#include "core/element_digest.h"
+
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -23,40 +25,15 @@ namespace deltasync::stream {
 
 namespace {
 
-// docs/format.md, "Stream: state digest".
-constexpr uint64_t kMulA = 0x9E3779B97F4A7C15ull;
-constexpr uint64_t kAddA = 0x243F6A8885A308D3ull;
-constexpr uint64_t kMulB = 0xC2B2AE3D27D4EB4Full;
-constexpr uint64_t kAddB = 0x13198A2E03707344ull;
-constexpr uint64_t kFmixA1 = 0xFF51AFD7ED558CCDull;
-constexpr uint64_t kFmixA2 = 0xC4CEB9FE1A85EC53ull;
-constexpr uint64_t kFmixB1 = 0xBF58476D1CE4E5B9ull;
-constexpr uint64_t kFmixB2 = 0x94D049BB133111EBull;
-
-inline uint64_t FmixA(uint64_t x) {
-  x ^= x >> 33;
-  x *= kFmixA1;
-  x ^= x >> 33;
-  x *= kFmixA2;
-  return x ^ (x >> 33);
-}
-
-inline uint64_t FmixB(uint64_t x) {
-  x ^= x >> 30;
-  x *= kFmixB1;
-  x ^= x >> 27;
-  x *= kFmixB2;
-  return x ^ (x >> 31);
-}
-
-constexpr uint64_t WidthCode(uint32_t elem_size) {
-  return elem_size == 1 ? 0 : elem_size == 2 ? 1 : elem_size == 4 ? 2 : 3;
-}
-
-// t of the docs: the position with the width code in bits 56-57.
-inline uint64_t PositionKey(uint64_t position, uint32_t elem_size) {
-  return position | (WidthCode(elem_size) << 56);
-}
+using element_digest::FmixA;
+using element_digest::FmixB;
+using element_digest::kFmixA1;
+using element_digest::kFmixA2;
+using element_digest::kFmixB1;
+using element_digest::kFmixB2;
+using element_digest::kMulA;
+using element_digest::kMulB;
+using element_digest::PositionKey;
 
 template <uint32_t W>
 inline uint64_t LoadBits(const uint8_t* p) {
@@ -96,8 +73,8 @@ bool IsValidElemSize(uint32_t elem_size) {
 template <uint32_t W>
 StateDigest DigestScalar(const uint8_t* p, uint64_t n, uint64_t first) {
   const uint64_t t = PositionKey(first, W);
-  uint64_t ka = t * kMulA + kAddA;
-  uint64_t kb = t * kMulB + kAddB;
+  uint64_t ka = element_digest::KeyA(t);
+  uint64_t kb = element_digest::KeyB(t);
   uint64_t a = 0, b = 0;
   for (uint64_t k = 0; k < n; ++k) {
     const uint64_t v = LoadBits<W>(p + k * W);
@@ -162,7 +139,7 @@ DS_TARGET_AVX2 inline uint64_t SumAvx2(__m256i v) {
 template <uint32_t W>
 DS_TARGET_AVX2 StateDigest DigestAvx2(const uint8_t* p, uint64_t n, uint64_t first) {
   const uint64_t t = PositionKey(first, W);
-  const uint64_t ka0 = t * kMulA + kAddA, kb0 = t * kMulB + kAddB;
+  const uint64_t ka0 = element_digest::KeyA(t), kb0 = element_digest::KeyB(t);
   __m256i ka = _mm256_setr_epi64x(static_cast<int64_t>(ka0), static_cast<int64_t>(ka0 + kMulA),
                                   static_cast<int64_t>(ka0 + 2 * kMulA),
                                   static_cast<int64_t>(ka0 + 3 * kMulA));
@@ -258,9 +235,9 @@ DS_TARGET_AVX512 StateDigest DigestAvx512(const uint8_t* p, uint64_t n, uint64_t
   const uint64_t t = PositionKey(first, W);
   const __m512i lane = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
   Avx512State s;
-  s.ka = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(t * kMulA + kAddA)),
+  s.ka = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(element_digest::KeyA(t))),
                           _mm512_mullo_epi64(lane, _mm512_set1_epi64(static_cast<int64_t>(kMulA))));
-  s.kb = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(t * kMulB + kAddB)),
+  s.kb = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(element_digest::KeyB(t))),
                           _mm512_mullo_epi64(lane, _mm512_set1_epi64(static_cast<int64_t>(kMulB))));
   s.acc_a = _mm512_setzero_si512();
   s.acc_b = _mm512_setzero_si512();
@@ -412,7 +389,7 @@ Status Positions::Check(uint64_t limit) const {
 
 StateDigest ElementDigest(uint64_t position, uint64_t bits, uint32_t elem_size) {
   const uint64_t t = PositionKey(position, elem_size);
-  return {FmixA((t * kMulA + kAddA) ^ bits), FmixB((t * kMulB + kAddB) ^ bits)};
+  return {FmixA((element_digest::KeyA(t)) ^ bits), FmixB((element_digest::KeyB(t)) ^ bits)};
 }
 
 std::string_view DigestKernelName(DigestKernel kernel) {

@@ -1,0 +1,200 @@
+// The GPU data path (module `cuda`, built when CUDA is found:
+// DELTASYNC_WITH_CUDA=AUTO|ON|OFF): the diff, compaction, apply and checksum
+// kernels of the online transport on CUDA tensors. Each kernel gives, for the
+// same bytes, exactly what the CPU code gives (include/deltasync/diff.h; the
+// state digest and the flush checksum of docs/format.md), and the CPU code
+// stays the reference the tests hold them to.
+//
+//   auto ws = cuda::Workspace::Create(/*device=*/0).value();
+//   cuda::DeviceTensor w{"layer.0.weight", DType::kBF16, {4096, 4096}, ptr, stream};
+//   cuda::DeviceTensor snap{"layer.0.weight", DType::kBF16, {4096, 4096}, snap_ptr, stream};
+//   auto changes = cuda::DiffOnDevice(*ws, w, snap, out).value();   // out: cuda::DiffOutput
+//
+// Every call checks its arguments before it launches anything: a pointer
+// that is not where the call needs it (a host pointer given as a device
+// one), a misaligned or non-contiguous tensor, tensors whose dtypes or
+// shapes differ, positions out of range. The error names the tensor and the
+// problem; nothing is written then. CUDA's own errors are checked after
+// every launch and come back as Status, never as a device fault left for a
+// later call to find.
+//
+// Work is ordered on the tensors' stream (the caller's current stream, as
+// torch's is). Calls that return a count or a checksum wait for that stream;
+// the others only enqueue. A Workspace is used by one thread at a time.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "deltasync/dtype.h"
+#include "deltasync/status.h"
+
+namespace deltasync::cuda {
+
+// A cudaStream_t, opaque here; nullptr is the default stream.
+using StreamHandle = void*;
+
+// CUDA devices this process can use; 0 when there is no driver or no GPU
+// (not an error: callers skip the GPU path then).
+int DeviceCount();
+
+// Where a pointer's memory lives.
+enum class MemoryKind : uint8_t {
+  kHost,        // ordinary host memory: no kernel may touch it
+  kPinnedHost,  // page-locked host memory mapped into the device's space
+  kDevice,      // device memory
+  kManaged,     // CUDA managed memory
+};
+std::string_view MemoryKindName(MemoryKind kind);
+// By cudaPointerGetAttributes; FailedPrecondition without a device.
+Result<MemoryKind> QueryMemory(const void* pointer);
+
+// A tensor in device memory (or, where a call says so, pinned host memory),
+// with the stream that orders work on it. `strides` (in elements) may be
+// empty for a contiguous tensor; given, they must be the contiguous ones:
+// every call here works on contiguous tensors and refuses others by name.
+struct DeviceTensor {
+  std::string name;
+  DType dtype = DType::kBF16;
+  std::vector<int64_t> shape;
+  void* data = nullptr;
+  StreamHandle stream = nullptr;
+  std::vector<int64_t> strides;
+
+  // Elements by the shape (0 for a malformed one).
+  uint64_t numel() const;
+  uint64_t nbytes() const { return numel() * DTypeSize(dtype); }
+};
+
+// The 128-bit state digest of docs/format.md ("Stream: state digest"):
+// lane A and lane B, each a sum mod 2^64.
+struct Digest {
+  uint64_t a = 0;
+  uint64_t b = 0;
+  bool operator==(const Digest&) const = default;
+};
+
+// An xxh3-128 hash: Python's xxhash.xxh3_128(data).digest() is high64 then
+// low64, each most significant byte first.
+struct Hash128 {
+  uint64_t high64 = 0;
+  uint64_t low64 = 0;
+  bool operator==(const Hash128&) const = default;
+};
+
+// Device scratch for the kernels (the scan's tile states, partial sums, a
+// pinned slot for results) on one device, grown as calls need it.
+class Workspace {
+ public:
+  // FailedPrecondition without a device; InvalidArgument for a device
+  // index out of range.
+  static Result<std::unique_ptr<Workspace>> Create(int device = 0);
+  virtual ~Workspace() = default;
+  virtual int device() const = 0;
+};
+
+// Device memory, freed on destruction (cudaFree), or page-locked host
+// memory mapped into the device's space (cudaHostAlloc), which kernels read
+// and write over PCIe: the placement for a snapshot that the GPU cannot
+// spare memory for.
+class Buffer {
+ public:
+  static Result<Buffer> Device(uint64_t bytes, int device = 0);
+  static Result<Buffer> PinnedHost(uint64_t bytes);
+  Buffer() = default;
+  Buffer(Buffer&& other) noexcept;
+  Buffer& operator=(Buffer&& other) noexcept;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer();
+
+  void* data() const { return data_; }
+  uint64_t size() const { return size_; }
+  bool pinned_host() const { return pinned_; }
+
+ private:
+  void* data_ = nullptr;
+  uint64_t size_ = 0;
+  bool pinned_ = false;
+};
+
+// Where DiffOnDevice writes what changed, in device memory. Positions are
+// element indices from the tensor's start, ascending, int32 while the
+// tensor has fewer than 2^31 elements and int64 from there (`wide`).
+struct DiffOutput {
+  void* positions = nullptr;     // at least numel elements of int32 or int64
+  void* values = nullptr;        // at least numel elements: the new values
+  void* old_values = nullptr;    // optional, as values: the snapshot's values
+  uint64_t capacity = 0;         // elements each buffer holds
+  bool refresh_snapshot = true;  // write the changed elements into the snapshot
+  bool digest = true;            // compute the digest change
+  uint64_t first_position = 0;   // the tensor's element 0 in the digest's flat coordinates
+};
+
+struct DiffResult {
+  uint64_t count = 0;  // changed elements (positions and values written)
+  bool wide = false;   // positions are int64
+  // With DiffOutput::digest: digest(new) - digest(old) over the changed
+  // elements, at their positions + first_position; add it to the
+  // tensor's running digest.
+  Digest digest_change;
+};
+
+// The fused diff: compares `current` (device memory) with `snapshot`
+// (device or pinned host memory, same dtype and shape) bit-exactly as
+// integers of the element size, writes the changed elements' positions and
+// values (and old values) in order, refreshes the snapshot's changed
+// elements (rewriting only the 16-byte groups that hold a change, so a
+// pinned host snapshot takes only those writes over PCIe) and sums the
+// digest change, in one pass over the two tensors. Waits for the stream.
+// InvalidArgument naming the tensor for any bad argument (above), an output
+// capacity below numel or a tensor of 2^56 elements or more.
+Result<DiffResult> DiffOnDevice(Workspace& ws, const DeviceTensor& current, DeviceTensor& snapshot,
+                                const DiffOutput& out);
+
+// Changes to apply on the device: `count` positions (int32, or int64 with
+// `wide`) into `dest`'s elements, strictly ascending, and their values, all
+// in device memory.
+struct DeviceChanges {
+  const void* positions = nullptr;
+  bool wide = false;
+  const void* values = nullptr;
+  uint64_t count = 0;
+};
+
+// Writes each value at its position in `dest` (device memory), in place:
+// every bit pattern is a value (no NaN staging). The positions are checked
+// on the device first (in range, strictly ascending); InvalidArgument naming
+// the tensor and the first bad index, with `dest` untouched, otherwise.
+// Waits for the stream (the check's outcome).
+Status ScatterOnDevice(Workspace& ws, DeviceTensor& dest, const DeviceChanges& changes);
+
+// The dense seed: copies nbytes() of `source` (host, pinned host or device
+// memory) into `dest` (device memory) on dest's stream. Enqueues only.
+Status CopyToDevice(DeviceTensor& dest, const void* source, uint64_t source_bytes);
+
+// The state digest of `tensor`'s elements (device or pinned host memory)
+// at flat positions first_position, first_position + 1, ... Waits for the
+// stream.
+Result<Digest> StateDigestOnDevice(Workspace& ws, const DeviceTensor& tensor,
+                                   uint64_t first_position = 0);
+
+// The digest change of elements at `changes.positions + base` going from
+// `old_values` to the changes' values (both device memory, elem_size
+// each): digest(new) - digest(old). Positions as ScatterOnDevice checks
+// them, against `limit`. Waits for the stream.
+Result<Digest> DigestChangeOnDevice(Workspace& ws, std::string_view name, uint32_t elem_size,
+                                    const DeviceChanges& changes, const void* old_values,
+                                    uint64_t base, uint64_t limit, StreamHandle stream);
+
+// xxh3-128 (the flush frame's trailer) of `bytes` bytes at `data` (device
+// or pinned host memory), the same value libxxhash's XXH3_128bits gives.
+// Inputs of 240 bytes or fewer are hashed on the host (their hash has other
+// paths and costs nothing). Waits for the stream.
+Result<Hash128> Xxh3_128OnDevice(Workspace& ws, std::string_view name, const void* data,
+                                 uint64_t bytes, StreamHandle stream);
+
+}  // namespace deltasync::cuda

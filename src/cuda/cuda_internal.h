@@ -1,0 +1,129 @@
+// What the host side of the cuda module (runtime.cc) and its kernels (*.cu)
+// share: one launch description per kernel family. Launchers only enqueue
+// and return the launch's error; the host side checks arguments first and
+// turns errors into Status.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace deltasync::cuda::internal {
+
+// The fused diff's tiles: 256 threads, each comparing eight 16-byte groups
+// (four of one-byte elements, whose masks take more registers): 32 KiB of
+// each tensor per tile, so that few tiles pass their offsets along.
+inline constexpr uint32_t kDiffThreads = 256;
+constexpr uint32_t DiffRounds(uint32_t elem_size) { return elem_size == 1 ? 4 : 8; }
+constexpr uint64_t DiffTileElems(uint32_t elem_size) {
+  return uint64_t{kDiffThreads} * DiffRounds(elem_size) * 16 / elem_size;
+}
+
+inline uint64_t DiffTiles(uint64_t numel, uint32_t elem_size) {
+  const uint64_t per_tile = DiffTileElems(elem_size);
+  return (numel + per_tile - 1) / per_tile;
+}
+
+// A pinned host snapshot is read in chunks of this many bytes (a multiple
+// of every tile), copied in by the copy engine while the previous chunk is
+// compared.
+inline constexpr uint64_t kPinnedChunkBytes = uint64_t{32} << 20;
+
+// Results the finishing kernels leave in device memory: the count (diff)
+// or the first bad index (checks), then the two digest lanes.
+struct Results {
+  unsigned long long count;
+  unsigned long long a;
+  unsigned long long b;
+  unsigned long long pad;
+};
+
+struct DiffLaunch {
+  const void* current = nullptr;
+  void* snapshot = nullptr;  // refreshed here
+  // Read here instead: element e of the snapshot at snapshot_read[e -
+  // read_first] (a staged chunk of a pinned snapshot); nullptr: snapshot.
+  const void* snapshot_read = nullptr;
+  uint64_t read_first = 0;
+  // The tiles this launch covers: [first_tile, first_tile + tiles). Tile
+  // states and the ticket carry over from the launches before it.
+  uint64_t first_tile = 0;
+  uint64_t tiles = 0;
+  uint64_t numel = 0;
+  uint32_t elem_size = 2;
+  bool aligned16 = false;  // both tensors 16-byte aligned
+  void* positions = nullptr;
+  bool wide = false;
+  void* values = nullptr;
+  void* old_values = nullptr;
+  bool refresh = true;
+  bool digest = true;
+  uint64_t first_position = 0;
+  // Scratch: DiffTiles() tile states and (with digest) 2 per tile digest
+  // lanes; the tile ticket; where the finishing kernel writes.
+  unsigned long long* tile_state = nullptr;
+  unsigned long long* tile_digest = nullptr;
+  unsigned long long* ticket = nullptr;
+  Results* results = nullptr;
+  cudaStream_t stream = nullptr;
+};
+// Zeroes the tile states and the ticket for `tiles` tiles.
+cudaError_t LaunchDiffReset(const DiffLaunch& launch, uint64_t tiles);
+// Runs the diff over the launch's tiles.
+cudaError_t LaunchDiffTiles(const DiffLaunch& launch);
+// The count and digest change over `tiles` tiles, into results.
+cudaError_t LaunchDiffFinish(const DiffLaunch& launch, uint64_t tiles);
+
+struct ScatterLaunch {
+  void* dest = nullptr;
+  uint32_t elem_size = 2;
+  const void* positions = nullptr;
+  bool wide = false;
+  const void* values = nullptr;
+  uint64_t count = 0;
+  uint64_t limit = 0;  // positions must be below it
+  Results* results = nullptr;
+  cudaStream_t stream = nullptr;
+};
+// Writes in results->count the first index whose position is out of range
+// or not above the one before (UINT64_MAX when none).
+cudaError_t LaunchCheckPositions(const ScatterLaunch& launch);
+cudaError_t LaunchScatter(const ScatterLaunch& launch);
+
+// Partial sums per block of the digest kernels: at most this many blocks.
+inline constexpr uint32_t kDigestMaxBlocks = 2048;
+
+struct DigestLaunch {
+  const void* data = nullptr;  // full digest: the elements
+  uint64_t numel = 0;
+  uint32_t elem_size = 2;
+  bool aligned16 = false;
+  uint64_t first_position = 0;
+  // Digest change: positions (+ base) with old and new values.
+  const void* positions = nullptr;
+  bool wide = false;
+  const void* old_values = nullptr;
+  const void* new_values = nullptr;
+  uint64_t base = 0;
+  unsigned long long* partials = nullptr;  // 2 * kDigestMaxBlocks
+  Results* results = nullptr;
+  cudaStream_t stream = nullptr;
+};
+cudaError_t LaunchStateDigest(const DigestLaunch& launch);
+cudaError_t LaunchDigestChange(const DigestLaunch& launch);
+
+// xxh3-128 of more than 240 bytes: per 1 KiB block sums, then the chain of
+// scrambles. `block_sums` holds 8 lanes per whole block. Writes high64 in
+// results->a and low64 in results->b.
+inline constexpr uint64_t kXxhBlockBytes = 1024;
+struct XxhLaunch {
+  const void* data = nullptr;
+  uint64_t bytes = 0;
+  unsigned long long* block_sums = nullptr;
+  Results* results = nullptr;
+  cudaStream_t stream = nullptr;
+};
+inline uint64_t XxhBlocks(uint64_t bytes) { return (bytes - 1) / kXxhBlockBytes; }
+cudaError_t LaunchXxh3_128(const XxhLaunch& launch);
+
+}  // namespace deltasync::cuda::internal

@@ -1,0 +1,604 @@
+// The host side of the cuda module: devices and buffers, the workspace, and
+// every public call's argument checks before its kernels are launched.
+#include <cuda_runtime.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "cuda/cuda_internal.h"
+#include "deltasync/cuda.h"
+#include "deltasync/tensor.h"
+
+namespace deltasync::cuda {
+
+namespace {
+
+using internal::Results;
+
+// Positions and counts of the stream's digest stay below this.
+constexpr uint64_t kMaxNumel = uint64_t{1} << 56;
+constexpr uint64_t kNarrowLimit = uint64_t{1} << 31;
+
+Status CudaError(cudaError_t err, std::string_view what) {
+  // Clears the sticky-free error state so the next call starts clean.
+  (void)cudaGetLastError();
+  return Status::Internal(std::string(what) + ": CUDA error " + cudaGetErrorName(err) + " (" +
+                          cudaGetErrorString(err) + ")");
+}
+
+#define DS_CUDA_RETURN(expr, what)           \
+  do {                                       \
+    const cudaError_t ds_cuda_err_ = (expr); \
+    if (ds_cuda_err_ != cudaSuccess) {       \
+      return CudaError(ds_cuda_err_, what);  \
+    }                                        \
+  } while (false)
+
+Status NoDevice() {
+  return Status::FailedPrecondition("no CUDA device: the GPU data path needs one");
+}
+
+std::string Quoted(std::string_view name) { return "tensor '" + std::string(name) + "'"; }
+
+bool IsElemSize(uint32_t w) { return w == 1 || w == 2 || w == 4 || w == 8; }
+
+cudaStream_t AsStream(StreamHandle s) { return static_cast<cudaStream_t>(s); }
+
+struct PointerInfo {
+  MemoryKind kind = MemoryKind::kHost;
+  int device = -1;
+  const void* device_pointer = nullptr;
+};
+
+Result<PointerInfo> Inspect(const void* p) {
+  cudaPointerAttributes attr{};
+  const cudaError_t err = cudaPointerGetAttributes(&attr, p);
+  if (err != cudaSuccess) return CudaError(err, "cudaPointerGetAttributes");
+  PointerInfo info;
+  info.device = attr.device;
+  info.device_pointer = attr.devicePointer;
+  switch (attr.type) {
+    case cudaMemoryTypeHost: info.kind = MemoryKind::kPinnedHost; break;
+    case cudaMemoryTypeDevice: info.kind = MemoryKind::kDevice; break;
+    case cudaMemoryTypeManaged: info.kind = MemoryKind::kManaged; break;
+    default: info.kind = MemoryKind::kHost; break;
+  }
+  return info;
+}
+
+// Where a call may read or write a tensor.
+enum class Place { kDevice, kDeviceOrPinned };
+
+// Checks `t` as `role` of a call: known dtype, a valid shape, contiguous,
+// element-aligned, and in memory the call may touch on `device`.
+Status CheckTensor(const DeviceTensor& t, std::string_view role, Place place, int device) {
+  const std::string who = Quoted(t.name) + " (" + std::string(role) + ")";
+  const size_t w = DTypeSize(t.dtype);
+  if (!IsElemSize(static_cast<uint32_t>(w))) {
+    return Status::InvalidArgument(who + ": dtype " + std::string(DTypeName(t.dtype)) +
+                                   " has no element size the kernels take (1, 2, 4 or 8)");
+  }
+  const Result<int64_t> numel = ShapeNumel(t.shape);
+  if (!numel.ok()) return Status::InvalidArgument(who + ": " + numel.status().message());
+  if (static_cast<uint64_t>(*numel) >= kMaxNumel) {
+    return Status::InvalidArgument(who + ": " + std::to_string(*numel) +
+                                   " elements, at or past the 2^56 the digest allows");
+  }
+  if (!t.strides.empty()) {
+    if (t.strides.size() != t.shape.size()) {
+      return Status::InvalidArgument(who + ": " + std::to_string(t.strides.size()) +
+                                     " strides for a shape of " + std::to_string(t.shape.size()) +
+                                     " dimensions");
+    }
+    int64_t expected = 1;
+    for (size_t d = t.shape.size(); d-- > 0;) {
+      if (t.shape[d] != 1 && t.strides[d] != expected) {
+        return Status::InvalidArgument(
+            who + ": not contiguous (stride " + std::to_string(t.strides[d]) + " in dimension " +
+            std::to_string(d) + ", expected " + std::to_string(expected) + ")");
+      }
+      expected *= t.shape[d];
+    }
+  }
+  if (*numel == 0) return Status::OK();
+  if (t.data == nullptr) return Status::InvalidArgument(who + ": null data");
+  if (reinterpret_cast<uintptr_t>(t.data) % w != 0) {
+    return Status::InvalidArgument(who + ": data not aligned to its " + std::to_string(w) +
+                                   "-byte elements");
+  }
+  DS_ASSIGN_OR_RETURN(const PointerInfo info, Inspect(t.data));
+  const bool pinned_ok = place == Place::kDeviceOrPinned && info.kind == MemoryKind::kPinnedHost;
+  if (info.kind != MemoryKind::kDevice && info.kind != MemoryKind::kManaged && !pinned_ok) {
+    return Status::InvalidArgument(
+        who + ": " + std::string(MemoryKindName(info.kind)) + " memory where the call needs " +
+        (place == Place::kDevice ? "device memory" : "device or pinned host memory"));
+  }
+  if (info.kind == MemoryKind::kDevice && info.device != device) {
+    return Status::InvalidArgument(who + ": memory of device " + std::to_string(info.device) +
+                                   ", the workspace is on device " + std::to_string(device));
+  }
+  if (info.kind == MemoryKind::kPinnedHost && info.device_pointer != t.data) {
+    // Kernels use the host address itself (unified addressing).
+    return Status::InvalidArgument(who +
+                                   ": pinned host memory not mapped into the device at "
+                                   "its own address (allocate it mapped and portable)");
+  }
+  return Status::OK();
+}
+
+// A raw device buffer argument (outputs, positions, values).
+Status CheckDevicePointer(const void* p, std::string_view name, std::string_view role,
+                          uint32_t align, int device) {
+  const std::string who = Quoted(name) + " (" + std::string(role) + ")";
+  if (p == nullptr) return Status::InvalidArgument(who + ": null pointer");
+  if (reinterpret_cast<uintptr_t>(p) % align != 0) {
+    return Status::InvalidArgument(who + ": not aligned to " + std::to_string(align) + " bytes");
+  }
+  DS_ASSIGN_OR_RETURN(const PointerInfo info, Inspect(p));
+  if (info.kind == MemoryKind::kHost || info.kind == MemoryKind::kPinnedHost) {
+    return Status::InvalidArgument(who + ": " + std::string(MemoryKindName(info.kind)) +
+                                   " memory where the call needs device memory");
+  }
+  if (info.kind == MemoryKind::kDevice && info.device != device) {
+    return Status::InvalidArgument(who + ": memory of device " + std::to_string(info.device) +
+                                   ", the workspace is on device " + std::to_string(device));
+  }
+  return Status::OK();
+}
+
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+class WorkspaceImpl final : public Workspace {
+ public:
+  explicit WorkspaceImpl(int device) : device_(device) {}
+  ~WorkspaceImpl() override {
+    for (int i = 0; i < 2; ++i) {
+      if (stage_[i] != nullptr) cudaFree(stage_[i]);
+      if (copied_[i] != nullptr) cudaEventDestroy(copied_[i]);
+      if (consumed_[i] != nullptr) cudaEventDestroy(consumed_[i]);
+    }
+    if (start_ != nullptr) cudaEventDestroy(start_);
+    if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
+    if (scratch_ != nullptr) cudaFree(scratch_);
+    if (results_ != nullptr) cudaFree(results_);
+    if (host_results_ != nullptr) cudaFreeHost(host_results_);
+  }
+
+  int device() const override { return device_; }
+
+  Status Init() {
+    DS_CUDA_RETURN(cudaSetDevice(device_), "cudaSetDevice");
+    DS_CUDA_RETURN(cudaMalloc(&results_, sizeof(Results)), "cudaMalloc (workspace results)");
+    DS_CUDA_RETURN(cudaMallocHost(&host_results_, sizeof(Results)),
+                   "cudaMallocHost (workspace results)");
+    return Status::OK();
+  }
+
+  // At least `bytes` of device scratch, 256-byte aligned.
+  Result<unsigned long long*> Scratch(uint64_t bytes) {
+    DS_CUDA_RETURN(cudaSetDevice(device_), "cudaSetDevice");
+    if (bytes > scratch_bytes_) {
+      if (scratch_ != nullptr) {
+        // Earlier work on any stream may still use the old scratch.
+        DS_CUDA_RETURN(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+        cudaFree(scratch_);
+        scratch_ = nullptr;
+        scratch_bytes_ = 0;
+      }
+      const uint64_t grown = std::max<uint64_t>(bytes, uint64_t{1} << 20);
+      DS_CUDA_RETURN(cudaMalloc(&scratch_, grown), "cudaMalloc (workspace scratch)");
+      scratch_bytes_ = grown;
+    }
+    return static_cast<unsigned long long*>(scratch_);
+  }
+
+  Results* results() { return results_; }
+
+  // Two device chunks for staging a pinned snapshot, the stream that copies
+  // into them, and the events that order the copies with the compares.
+  Status EnsureStaging() {
+    if (copy_stream_ != nullptr) return Status::OK();
+    for (int i = 0; i < 2; ++i) {
+      DS_CUDA_RETURN(cudaMalloc(&stage_[i], internal::kPinnedChunkBytes),
+                     "cudaMalloc (staging chunk)");
+      DS_CUDA_RETURN(cudaEventCreateWithFlags(&copied_[i], cudaEventDisableTiming),
+                     "cudaEventCreate");
+      DS_CUDA_RETURN(cudaEventCreateWithFlags(&consumed_[i], cudaEventDisableTiming),
+                     "cudaEventCreate");
+    }
+    DS_CUDA_RETURN(cudaEventCreateWithFlags(&start_, cudaEventDisableTiming), "cudaEventCreate");
+    DS_CUDA_RETURN(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking),
+                   "cudaStreamCreate");
+    return Status::OK();
+  }
+  void* stage(int i) const { return stage_[i]; }
+  cudaEvent_t copied(int i) const { return copied_[i]; }
+  cudaEvent_t consumed(int i) const { return consumed_[i]; }
+  cudaEvent_t start() const { return start_; }
+  cudaStream_t copy_stream() const { return copy_stream_; }
+
+  // Copies the device results back after the stream's work; waits.
+  Result<Results> Fetch(cudaStream_t stream) {
+    DS_CUDA_RETURN(
+        cudaMemcpyAsync(host_results_, results_, sizeof(Results), cudaMemcpyDeviceToHost, stream),
+        "cudaMemcpyAsync (results)");
+    DS_CUDA_RETURN(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    return *host_results_;
+  }
+
+ private:
+  int device_;
+  void* scratch_ = nullptr;
+  uint64_t scratch_bytes_ = 0;
+  Results* results_ = nullptr;
+  Results* host_results_ = nullptr;
+  void* stage_[2] = {nullptr, nullptr};
+  cudaEvent_t copied_[2] = {nullptr, nullptr};
+  cudaEvent_t consumed_[2] = {nullptr, nullptr};
+  cudaEvent_t start_ = nullptr;
+  cudaStream_t copy_stream_ = nullptr;
+};
+
+WorkspaceImpl& Impl(Workspace& ws) { return static_cast<WorkspaceImpl&>(ws); }
+
+uint64_t RoundUp(uint64_t v, uint64_t m) { return (v + m - 1) / m * m; }
+
+}  // namespace
+
+int DeviceCount() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return count;
+}
+
+std::string_view MemoryKindName(MemoryKind kind) {
+  switch (kind) {
+    case MemoryKind::kHost: return "host";
+    case MemoryKind::kPinnedHost: return "pinned host";
+    case MemoryKind::kDevice: return "device";
+    case MemoryKind::kManaged: return "managed";
+  }
+  return "unknown";
+}
+
+Result<MemoryKind> QueryMemory(const void* pointer) {
+  if (DeviceCount() == 0) return NoDevice();
+  DS_ASSIGN_OR_RETURN(const PointerInfo info, Inspect(pointer));
+  return info.kind;
+}
+
+uint64_t DeviceTensor::numel() const {
+  const Result<int64_t> n = ShapeNumel(shape);
+  return n.ok() ? static_cast<uint64_t>(*n) : 0;
+}
+
+Result<std::unique_ptr<Workspace>> Workspace::Create(int device) {
+  const int count = DeviceCount();
+  if (count == 0) return NoDevice();
+  if (device < 0 || device >= count) {
+    return Status::InvalidArgument("CUDA device " + std::to_string(device) + " does not exist (" +
+                                   std::to_string(count) + " visible)");
+  }
+  auto ws = std::make_unique<WorkspaceImpl>(device);
+  DS_RETURN_IF_ERROR(ws->Init());
+  return std::unique_ptr<Workspace>(std::move(ws));
+}
+
+Result<Buffer> Buffer::Device(uint64_t bytes, int device) {
+  if (DeviceCount() == 0) return NoDevice();
+  DS_CUDA_RETURN(cudaSetDevice(device), "cudaSetDevice");
+  Buffer b;
+  DS_CUDA_RETURN(cudaMalloc(&b.data_, std::max<uint64_t>(bytes, 1)),
+                 "cudaMalloc (" + std::to_string(bytes) + " bytes)");
+  b.size_ = bytes;
+  return b;
+}
+
+Result<Buffer> Buffer::PinnedHost(uint64_t bytes) {
+  if (DeviceCount() == 0) return NoDevice();
+  Buffer b;
+  DS_CUDA_RETURN(cudaHostAlloc(&b.data_, std::max<uint64_t>(bytes, 1),
+                               cudaHostAllocMapped | cudaHostAllocPortable),
+                 "cudaHostAlloc (" + std::to_string(bytes) + " bytes)");
+  b.size_ = bytes;
+  b.pinned_ = true;
+  return b;
+}
+
+Buffer::Buffer(Buffer&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)),
+      pinned_(other.pinned_) {}
+
+Buffer& Buffer::operator=(Buffer&& other) noexcept {
+  if (this != &other) {
+    Buffer old(std::move(*this));
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+    pinned_ = other.pinned_;
+  }
+  return *this;
+}
+
+Buffer::~Buffer() {
+  if (data_ == nullptr) return;
+  if (pinned_) {
+    cudaFreeHost(data_);
+  } else {
+    cudaFree(data_);
+  }
+}
+
+Result<DiffResult> DiffOnDevice(Workspace& ws, const DeviceTensor& current, DeviceTensor& snapshot,
+                                const DiffOutput& out) {
+  const int device = ws.device();
+  DS_RETURN_IF_ERROR(CheckTensor(current, "current", Place::kDevice, device));
+  DS_RETURN_IF_ERROR(CheckTensor(snapshot, "snapshot", Place::kDeviceOrPinned, device));
+  if (current.dtype != snapshot.dtype || current.shape != snapshot.shape) {
+    return Status::InvalidArgument(
+        Quoted(current.name) + ": current is " + std::string(DTypeName(current.dtype)) + " " +
+        ShapeToString(current.shape) + ", its snapshot " + std::string(DTypeName(snapshot.dtype)) +
+        " " + ShapeToString(snapshot.shape));
+  }
+  const uint64_t numel = current.numel();
+  const uint32_t w = static_cast<uint32_t>(DTypeSize(current.dtype));
+  DiffResult result;
+  result.wide = numel >= kNarrowLimit;
+  if (out.first_position > kMaxNumel - numel) {
+    return Status::InvalidArgument(Quoted(current.name) + ": first position " +
+                                   std::to_string(out.first_position) +
+                                   " puts its elements past the 2^56 the digest allows");
+  }
+  if (numel == 0) return result;
+  if (out.capacity < numel) {
+    return Status::InvalidArgument(Quoted(current.name) + ": output capacity " +
+                                   std::to_string(out.capacity) + " below its " +
+                                   std::to_string(numel) + " elements");
+  }
+  DS_RETURN_IF_ERROR(
+      CheckDevicePointer(out.positions, current.name, "positions", result.wide ? 8 : 4, device));
+  DS_RETURN_IF_ERROR(CheckDevicePointer(out.values, current.name, "values", w, device));
+  if (out.old_values != nullptr) {
+    DS_RETURN_IF_ERROR(CheckDevicePointer(out.old_values, current.name, "old values", w, device));
+  }
+
+  const uint64_t tiles = internal::DiffTiles(numel, w);
+  const uint64_t state_words = RoundUp(tiles, 32);
+  const uint64_t words = state_words + (out.digest ? 2 * tiles : 0) + 32;
+  DS_ASSIGN_OR_RETURN(unsigned long long* scratch, Impl(ws).Scratch(words * 8));
+
+  internal::DiffLaunch launch;
+  launch.current = current.data;
+  launch.snapshot = snapshot.data;
+  launch.numel = numel;
+  launch.elem_size = w;
+  launch.aligned16 = Aligned16(current.data) && Aligned16(snapshot.data);
+  launch.positions = out.positions;
+  launch.wide = result.wide;
+  launch.values = out.values;
+  launch.old_values = out.old_values;
+  launch.refresh = out.refresh_snapshot;
+  launch.digest = out.digest;
+  launch.first_position = out.first_position;
+  launch.tile_state = scratch;
+  launch.tile_digest = scratch + state_words;
+  launch.ticket = scratch + state_words + (out.digest ? 2 * tiles : 0);
+  launch.results = Impl(ws).results();
+  launch.stream = AsStream(current.stream);
+  const std::string what = "diff of " + Quoted(current.name);
+  DS_CUDA_RETURN(internal::LaunchDiffReset(launch, tiles), what);
+  DS_ASSIGN_OR_RETURN(const PointerInfo snapshot_info, Inspect(snapshot.data));
+  if (snapshot_info.kind != MemoryKind::kPinnedHost) {
+    launch.tiles = tiles;
+    DS_CUDA_RETURN(internal::LaunchDiffTiles(launch), what);
+  } else {
+    // The copy engine brings the snapshot in chunk by chunk, two ahead at
+    // most, while the kernel compares the chunk before; the kernel writes
+    // the changed groups back into the pinned snapshot itself.
+    WorkspaceImpl& impl = Impl(ws);
+    DS_RETURN_IF_ERROR(impl.EnsureStaging());
+    const cudaStream_t copy = impl.copy_stream();
+    DS_CUDA_RETURN(cudaEventRecord(impl.start(), launch.stream), what);
+    DS_CUDA_RETURN(cudaStreamWaitEvent(copy, impl.start(), 0), what);
+    const uint64_t chunk = internal::kPinnedChunkBytes / w;
+    const uint8_t* snap_bytes = static_cast<const uint8_t*>(snapshot.data);
+    int c = 0;
+    for (uint64_t first = 0; first < numel; first += chunk, ++c) {
+      const int slot = c % 2;
+      const uint64_t n = std::min(chunk, numel - first);
+      if (c >= 2) DS_CUDA_RETURN(cudaStreamWaitEvent(copy, impl.consumed(slot), 0), what);
+      DS_CUDA_RETURN(cudaMemcpyAsync(impl.stage(slot), snap_bytes + first * w, n * w,
+                                     cudaMemcpyHostToDevice, copy),
+                     what);
+      DS_CUDA_RETURN(cudaEventRecord(impl.copied(slot), copy), what);
+      DS_CUDA_RETURN(cudaStreamWaitEvent(launch.stream, impl.copied(slot), 0), what);
+      launch.snapshot_read = impl.stage(slot);
+      launch.read_first = first;
+      launch.first_tile = first / internal::DiffTileElems(w);
+      launch.tiles = internal::DiffTiles(n, w);
+      DS_CUDA_RETURN(internal::LaunchDiffTiles(launch), what);
+      DS_CUDA_RETURN(cudaEventRecord(impl.consumed(slot), launch.stream), what);
+    }
+  }
+  DS_CUDA_RETURN(internal::LaunchDiffFinish(launch, tiles), what);
+  DS_ASSIGN_OR_RETURN(const Results r, Impl(ws).Fetch(launch.stream));
+  result.count = r.count;
+  result.digest_change = {r.a, r.b};
+  return result;
+}
+
+namespace {
+
+// Checks changes for `name` against `limit` on the device; InvalidArgument
+// naming the first bad index.
+Status CheckChanges(WorkspaceImpl& ws, std::string_view name, const DeviceChanges& changes,
+                    uint64_t limit, StreamHandle stream) {
+  DS_RETURN_IF_ERROR(
+      CheckDevicePointer(changes.positions, name, "positions", changes.wide ? 8 : 4, ws.device()));
+  internal::ScatterLaunch check;
+  check.positions = changes.positions;
+  check.wide = changes.wide;
+  check.count = changes.count;
+  check.limit = limit;
+  check.results = ws.results();
+  check.stream = AsStream(stream);
+  DS_CUDA_RETURN(internal::LaunchCheckPositions(check), "position check of " + Quoted(name));
+  DS_ASSIGN_OR_RETURN(const Results r, ws.Fetch(check.stream));
+  if (r.count != ~0ull) {
+    return Status::InvalidArgument(Quoted(name) + ": change " + std::to_string(r.count) + " of " +
+                                   std::to_string(changes.count) +
+                                   " has a position out of range (below " + std::to_string(limit) +
+                                   ") or not above the one before");
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+Status ScatterOnDevice(Workspace& ws, DeviceTensor& dest, const DeviceChanges& changes) {
+  DS_RETURN_IF_ERROR(CheckTensor(dest, "destination", Place::kDevice, ws.device()));
+  if (changes.count == 0) return Status::OK();
+  const uint32_t w = static_cast<uint32_t>(DTypeSize(dest.dtype));
+  const uint64_t numel = dest.numel();
+  if (changes.count > numel) {
+    return Status::InvalidArgument(Quoted(dest.name) + ": " + std::to_string(changes.count) +
+                                   " changes for " + std::to_string(numel) + " elements");
+  }
+  DS_RETURN_IF_ERROR(CheckDevicePointer(changes.values, dest.name, "values", w, ws.device()));
+  DS_RETURN_IF_ERROR(CheckChanges(Impl(ws), dest.name, changes, numel, dest.stream));
+  internal::ScatterLaunch launch;
+  launch.dest = dest.data;
+  launch.elem_size = w;
+  launch.positions = changes.positions;
+  launch.wide = changes.wide;
+  launch.values = changes.values;
+  launch.count = changes.count;
+  launch.limit = numel;
+  launch.stream = AsStream(dest.stream);
+  DS_CUDA_RETURN(internal::LaunchScatter(launch), "scatter into " + Quoted(dest.name));
+  return Status::OK();
+}
+
+Status CopyToDevice(DeviceTensor& dest, const void* source, uint64_t source_bytes) {
+  if (DeviceCount() == 0) return NoDevice();
+  int device = 0;
+  DS_CUDA_RETURN(cudaGetDevice(&device), "cudaGetDevice");
+  if (dest.data != nullptr) {
+    DS_ASSIGN_OR_RETURN(const PointerInfo info, Inspect(dest.data));
+    if (info.kind == MemoryKind::kDevice) device = info.device;
+  }
+  DS_RETURN_IF_ERROR(CheckTensor(dest, "destination", Place::kDevice, device));
+  if (source_bytes != dest.nbytes()) {
+    return Status::InvalidArgument(Quoted(dest.name) + ": " + std::to_string(source_bytes) +
+                                   " source bytes for " + std::to_string(dest.nbytes()));
+  }
+  if (source_bytes == 0) return Status::OK();
+  if (source == nullptr) return Status::InvalidArgument(Quoted(dest.name) + ": null source");
+  DS_CUDA_RETURN(
+      cudaMemcpyAsync(dest.data, source, source_bytes, cudaMemcpyDefault, AsStream(dest.stream)),
+      "copy into " + Quoted(dest.name));
+  return Status::OK();
+}
+
+Result<Digest> StateDigestOnDevice(Workspace& ws, const DeviceTensor& tensor,
+                                   uint64_t first_position) {
+  DS_RETURN_IF_ERROR(CheckTensor(tensor, "digest", Place::kDeviceOrPinned, ws.device()));
+  const uint64_t numel = tensor.numel();
+  if (first_position > kMaxNumel - numel) {
+    return Status::InvalidArgument(Quoted(tensor.name) + ": first position " +
+                                   std::to_string(first_position) +
+                                   " puts its elements past the 2^56 the digest allows");
+  }
+  if (numel == 0) return Digest{};
+  DS_ASSIGN_OR_RETURN(unsigned long long* scratch,
+                      Impl(ws).Scratch(2 * internal::kDigestMaxBlocks * 8));
+  internal::DigestLaunch launch;
+  launch.data = tensor.data;
+  launch.numel = numel;
+  launch.elem_size = static_cast<uint32_t>(DTypeSize(tensor.dtype));
+  launch.aligned16 = Aligned16(tensor.data);
+  launch.first_position = first_position;
+  launch.partials = scratch;
+  launch.results = Impl(ws).results();
+  launch.stream = AsStream(tensor.stream);
+  DS_CUDA_RETURN(internal::LaunchStateDigest(launch), "state digest of " + Quoted(tensor.name));
+  DS_ASSIGN_OR_RETURN(const Results r, Impl(ws).Fetch(launch.stream));
+  return Digest{r.a, r.b};
+}
+
+Result<Digest> DigestChangeOnDevice(Workspace& ws, std::string_view name, uint32_t elem_size,
+                                    const DeviceChanges& changes, const void* old_values,
+                                    uint64_t base, uint64_t limit, StreamHandle stream) {
+  if (!IsElemSize(elem_size)) {
+    return Status::InvalidArgument(Quoted(name) + ": element size " + std::to_string(elem_size) +
+                                   " is not 1, 2, 4 or 8");
+  }
+  if (limit > kMaxNumel || base > kMaxNumel - limit) {
+    return Status::InvalidArgument(Quoted(name) + ": positions past the 2^56 the digest allows");
+  }
+  if (changes.count == 0) return Digest{};
+  const int device = ws.device();
+  DS_RETURN_IF_ERROR(CheckDevicePointer(changes.values, name, "new values", elem_size, device));
+  DS_RETURN_IF_ERROR(CheckDevicePointer(old_values, name, "old values", elem_size, device));
+  DS_RETURN_IF_ERROR(CheckChanges(Impl(ws), name, changes, limit, stream));
+  DS_ASSIGN_OR_RETURN(unsigned long long* scratch,
+                      Impl(ws).Scratch(2 * internal::kDigestMaxBlocks * 8));
+  internal::DigestLaunch launch;
+  launch.numel = changes.count;
+  launch.elem_size = elem_size;
+  launch.positions = changes.positions;
+  launch.wide = changes.wide;
+  launch.old_values = old_values;
+  launch.new_values = changes.values;
+  launch.base = base;
+  launch.partials = scratch;
+  launch.results = Impl(ws).results();
+  launch.stream = AsStream(stream);
+  DS_CUDA_RETURN(internal::LaunchDigestChange(launch), "digest change of " + Quoted(name));
+  DS_ASSIGN_OR_RETURN(const Results r, Impl(ws).Fetch(launch.stream));
+  return Digest{r.a, r.b};
+}
+
+Result<Hash128> Xxh3_128OnDevice(Workspace& ws, std::string_view name, const void* data,
+                                 uint64_t bytes, StreamHandle stream) {
+  if (bytes > 0) {
+    if (data == nullptr) return Status::InvalidArgument(Quoted(name) + ": null data");
+    DS_ASSIGN_OR_RETURN(const PointerInfo info, Inspect(data));
+    if (info.kind == MemoryKind::kHost) {
+      return Status::InvalidArgument(Quoted(name) +
+                                     ": host memory where the call needs device or pinned host "
+                                     "memory");
+    }
+  }
+  if (bytes <= 240) {
+    // The short paths of xxh3 (no blocks, no chain): hashed here.
+    unsigned char copy[240];
+    if (bytes > 0) {
+      DS_CUDA_RETURN(cudaMemcpyAsync(copy, data, bytes, cudaMemcpyDefault, AsStream(stream)),
+                     "copy of " + Quoted(name));
+      DS_CUDA_RETURN(cudaStreamSynchronize(AsStream(stream)), "cudaStreamSynchronize");
+    }
+    const XXH128_hash_t h = XXH3_128bits(copy, bytes);
+    return Hash128{h.high64, h.low64};
+  }
+  const uint64_t blocks = internal::XxhBlocks(bytes);
+  DS_ASSIGN_OR_RETURN(unsigned long long* scratch,
+                      Impl(ws).Scratch(std::max<uint64_t>(blocks, 1) * 64));
+  internal::XxhLaunch launch;
+  launch.data = data;
+  launch.bytes = bytes;
+  launch.block_sums = scratch;
+  launch.results = Impl(ws).results();
+  launch.stream = AsStream(stream);
+  DS_CUDA_RETURN(internal::LaunchXxh3_128(launch), "xxh3-128 of " + Quoted(name));
+  DS_ASSIGN_OR_RETURN(const Results r, Impl(ws).Fetch(launch.stream));
+  return Hash128{r.a, r.b};
+}
+
+}  // namespace deltasync::cuda

@@ -1,0 +1,375 @@
+// The GPU data path (include/deltasync/cuda.h) against the CPU references:
+// DiffTensor for the fused diff, the stream's state digest, libxxhash's
+// XXH3_128bits. Data is random with NaN, -0.0, infinities and every byte
+// value mixed in, at sizes that are multiples of nothing, densities from 0
+// to 100%, aligned and misaligned by one element. GPU cases skip where
+// there is no GPU; the cases that check what a build without one does run
+// everywhere.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+#include <xxhash.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "deltasync/cuda.h"
+#include "deltasync/diff.h"
+#include "stream/state_digest.h"
+
+namespace deltasync::cuda {
+namespace {
+
+DType DTypeOfSize(uint32_t w) {
+  switch (w) {
+    case 1: return DType::kU8;
+    case 2: return DType::kBF16;
+    case 4: return DType::kF32;
+    default: return DType::kF64;
+  }
+}
+
+// Special bit patterns of each width: NaNs with payloads, -0.0, +-inf.
+std::vector<uint64_t> Specials(uint32_t w) {
+  switch (w) {
+    case 1: return {0x00, 0x80, 0xFF, 0x7F};
+    case 2: return {0x7FC0, 0xFFC1, 0x8000, 0x0000, 0x7F80, 0xFF80, 0x7FFF};
+    case 4: return {0x7FC00000, 0xFFC00001, 0x80000000, 0x0, 0x7F800000, 0xFF800000};
+    default:
+      return {0x7FF8000000000000ull, 0xFFF8000000000001ull, 0x8000000000000000ull, 0,
+              0x7FF0000000000000ull, 0xFFF0000000000000ull};
+  }
+}
+
+void PutBits(uint8_t* p, uint32_t w, uint64_t bits) { std::memcpy(p, &bits, w); }
+
+std::vector<uint8_t> RandomElements(uint64_t n, uint32_t w, std::mt19937_64& rng) {
+  std::vector<uint8_t> out(n * w);
+  for (auto& b : out) b = static_cast<uint8_t>(rng());
+  const auto specials = Specials(w);
+  for (uint64_t i = 0; i < n; i += 1 + rng() % 7)
+    PutBits(&out[i * w], w, specials[rng() % specials.size()]);
+  return out;
+}
+
+// `base` with a `density` fraction of its elements changed; some changes
+// only flip between NaN payloads or +-0.0, which a float compare misses.
+std::vector<uint8_t> Mutate(const std::vector<uint8_t>& base, uint32_t w, double density,
+                            std::mt19937_64& rng) {
+  std::vector<uint8_t> out = base;
+  const uint64_t n = base.size() / w;
+  std::bernoulli_distribution pick(density);
+  const auto specials = Specials(w);
+  for (uint64_t i = 0; i < n; ++i) {
+    if (!pick(rng)) continue;
+    uint64_t old = 0, v = 0;
+    std::memcpy(&old, &out[i * w], w);
+    do {
+      v = (rng() % 3 == 0) ? specials[rng() % specials.size()] : rng();
+      if (w < 8) v &= (uint64_t{1} << (8 * w)) - 1;
+    } while (v == old);
+    PutBits(&out[i * w], w, v);
+  }
+  return out;
+}
+
+struct DeviceCopy {
+  Buffer buffer;
+  uint8_t* data;  // buffer.data() + offset
+};
+
+DeviceCopy ToDevice(const std::vector<uint8_t>& host, uint64_t offset, bool pinned = false) {
+  auto buffer = pinned ? Buffer::PinnedHost(host.size() + offset + 16)
+                       : Buffer::Device(host.size() + offset + 16);
+  EXPECT_TRUE(buffer.ok()) << buffer.status().ToString();
+  uint8_t* data = static_cast<uint8_t*>(buffer->data()) + offset;
+  EXPECT_EQ(cudaMemcpy(data, host.data(), host.size(), cudaMemcpyDefault), cudaSuccess);
+  return {std::move(*buffer), data};
+}
+
+std::vector<uint8_t> ToHost(const void* p, uint64_t bytes) {
+  std::vector<uint8_t> out(bytes);
+  if (bytes > 0) {
+    EXPECT_EQ(cudaMemcpy(out.data(), p, bytes, cudaMemcpyDefault), cudaSuccess);
+  }
+  return out;
+}
+
+DeviceTensor Tensor(std::string name, uint32_t w, uint64_t n, void* data) {
+  return DeviceTensor{
+      std::move(name), DTypeOfSize(w), {static_cast<int64_t>(n)}, data, nullptr, {}};
+}
+
+class CudaTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+    auto ws = Workspace::Create(0);
+    ASSERT_TRUE(ws.ok()) << ws.status().ToString();
+    ws_ = std::move(*ws);
+  }
+  std::unique_ptr<Workspace> ws_;
+  std::mt19937_64 rng_{20261202};
+};
+
+// One fused diff against DiffTensor and the CPU digest, with the snapshot
+// in device or pinned host memory.
+void CheckDiff(Workspace& ws, std::mt19937_64& rng, uint32_t w, uint64_t n, double density,
+               uint64_t misalign, bool pinned_snapshot) {
+  SCOPED_TRACE("w=" + std::to_string(w) + " n=" + std::to_string(n) +
+               " density=" + std::to_string(density) + " misalign=" + std::to_string(misalign) +
+               (pinned_snapshot ? " pinned" : " device"));
+  const std::vector<uint8_t> old_bytes = RandomElements(n, w, rng);
+  const std::vector<uint8_t> new_bytes = Mutate(old_bytes, w, density, rng);
+
+  ChangeSet want;
+  std::vector<uint8_t> cpu_snapshot = old_bytes;
+  DiffOptions options;
+  options.elem_size = w;
+  options.kernel = DiffKernel::kScalar;
+  ASSERT_TRUE(DiffTensor(new_bytes, cpu_snapshot, options, &want).ok());
+
+  DeviceCopy cur = ToDevice(new_bytes, misalign * w);
+  DeviceCopy snap = ToDevice(old_bytes, misalign * w, pinned_snapshot);
+  const bool wide = false;
+  auto positions = Buffer::Device(std::max<uint64_t>(n, 1) * 4);
+  auto values = Buffer::Device(std::max<uint64_t>(n, 1) * w);
+  auto olds = Buffer::Device(std::max<uint64_t>(n, 1) * w);
+  ASSERT_TRUE(positions.ok() && values.ok() && olds.ok());
+  // Poisoned, so that an unwritten output shows.
+  ASSERT_EQ(cudaMemset(positions->data(), 0xA5, positions->size()), cudaSuccess);
+  ASSERT_EQ(cudaMemset(values->data(), 0xA5, values->size()), cudaSuccess);
+
+  DeviceTensor current = Tensor("w", w, n, cur.data);
+  DeviceTensor snapshot = Tensor("w", w, n, snap.data);
+  DiffOutput out;
+  out.positions = positions->data();
+  out.values = values->data();
+  out.old_values = olds->data();
+  out.capacity = n;
+  out.first_position = 1000;
+  Result<DiffResult> got = DiffOnDevice(ws, current, snapshot, out);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got->wide, wide);
+  ASSERT_EQ(got->count, want.count());
+
+  const std::vector<uint8_t> pos_bytes = ToHost(positions->data(), got->count * 4);
+  std::vector<uint32_t> pos(got->count);
+  if (!pos.empty()) std::memcpy(pos.data(), pos_bytes.data(), pos_bytes.size());
+  EXPECT_EQ(pos, want.pos32);
+  EXPECT_EQ(ToHost(values->data(), got->count * w), want.new_values);
+  EXPECT_EQ(ToHost(olds->data(), got->count * w), want.old_values);
+  EXPECT_EQ(ToHost(snap.data, n * w), new_bytes) << "snapshot not refreshed";
+
+  stream::DigestOptions scalar;
+  scalar.kernel = stream::DigestKernel::kScalar;
+  auto before = stream::ComputeStateDigest(old_bytes, w, 1000, scalar);
+  auto after = stream::ComputeStateDigest(new_bytes, w, 1000, scalar);
+  ASSERT_TRUE(before.ok() && after.ok());
+  const stream::StateDigest change = *after - *before;
+  EXPECT_EQ(got->digest_change.a, change.a);
+  EXPECT_EQ(got->digest_change.b, change.b);
+}
+
+TEST_F(CudaTest, FusedDiffMatchesTheCpuDiffAtEveryElementSizeAndDensity) {
+  for (uint32_t w : {1u, 2u, 4u, 8u}) {
+    for (uint64_t n :
+         {uint64_t{1}, uint64_t{7}, uint64_t{4097}, uint64_t{70001}, uint64_t{(1u << 20) + 13}}) {
+      for (double density : {0.0, 0.001, 0.02, 0.5, 1.0}) {
+        CheckDiff(*ws_, rng_, w, n, density, 0, false);
+      }
+    }
+  }
+}
+
+TEST_F(CudaTest, FusedDiffOnMisalignedTensorsAndPinnedSnapshots) {
+  for (uint32_t w : {1u, 2u, 4u, 8u}) {
+    for (uint64_t n : {uint64_t{33}, uint64_t{300007}}) {
+      CheckDiff(*ws_, rng_, w, n, 0.03, 1, false);
+      CheckDiff(*ws_, rng_, w, n, 0.03, 0, true);
+      CheckDiff(*ws_, rng_, w, n, 0.6, 1, true);
+    }
+  }
+  // A pinned snapshot is staged in 32 MiB chunks: several of them, the
+  // last one partial.
+  CheckDiff(*ws_, rng_, 2, (uint64_t{40} << 20) + 5, 0.02, 0, true);
+  CheckDiff(*ws_, rng_, 4, (uint64_t{20} << 20) + 3, 0.3, 1, true);
+}
+
+TEST_F(CudaTest, FusedDiffTwiceFindsNothingTheSecondTime) {
+  const uint64_t n = 123457;
+  const std::vector<uint8_t> a = RandomElements(n, 2, rng_);
+  const std::vector<uint8_t> b = Mutate(a, 2, 0.05, rng_);
+  DeviceCopy cur = ToDevice(b, 0), snap = ToDevice(a, 0);
+  auto positions = Buffer::Device(n * 4);
+  auto values = Buffer::Device(n * 2);
+  ASSERT_TRUE(positions.ok() && values.ok());
+  DeviceTensor current = Tensor("w", 2, n, cur.data), snapshot = Tensor("w", 2, n, snap.data);
+  DiffOutput out{positions->data(), values->data(), nullptr, n};
+  auto first = DiffOnDevice(*ws_, current, snapshot, out);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  EXPECT_GT(first->count, 0u);
+  auto second = DiffOnDevice(*ws_, current, snapshot, out);
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(second->count, 0u);
+  EXPECT_EQ(second->digest_change, Digest{});
+}
+
+TEST_F(CudaTest, ScatterWritesEveryBitPatternInPlace) {
+  for (uint32_t w : {1u, 2u, 4u, 8u}) {
+    const uint64_t n = 100003;
+    const std::vector<uint8_t> old_bytes = RandomElements(n, w, rng_);
+    const std::vector<uint8_t> new_bytes = Mutate(old_bytes, w, 0.3, rng_);
+    ChangeSet changes;
+    std::vector<uint8_t> scratch = old_bytes;
+    DiffOptions options;
+    options.elem_size = w;
+    ASSERT_TRUE(DiffTensor(new_bytes, scratch, options, &changes).ok());
+    std::vector<uint8_t> pos_bytes(changes.count() * 4);
+    std::memcpy(pos_bytes.data(), changes.pos32.data(), pos_bytes.size());
+    DeviceCopy dest = ToDevice(old_bytes, 0), pos = ToDevice(pos_bytes, 0),
+               vals = ToDevice(changes.new_values, 0), olds = ToDevice(changes.old_values, 0);
+    DeviceTensor t = Tensor("w", w, n, dest.data);
+    const DeviceChanges c{pos.data, false, vals.data, changes.count()};
+    ASSERT_TRUE(ScatterOnDevice(*ws_, t, c).ok());
+    EXPECT_EQ(ToHost(dest.data, n * w), new_bytes) << "w=" << w;
+
+    // The digest change from the same changes matches the CPU update.
+    auto got = DigestChangeOnDevice(*ws_, "w", w, c, olds.data, 5, n, nullptr);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    stream::StateDigest want;
+    ASSERT_TRUE(stream::UpdateStateDigest(&want, stream::Positions::Of(changes, 5),
+                                          changes.old_values, changes.new_values, w)
+                    .ok());
+    EXPECT_EQ(got->a, want.a);
+    EXPECT_EQ(got->b, want.b);
+  }
+}
+
+TEST_F(CudaTest, ScatterRefusesBadPositionsAndWritesNothing) {
+  const uint64_t n = 1000;
+  const std::vector<uint8_t> old_bytes = RandomElements(n, 2, rng_);
+  DeviceCopy dest = ToDevice(old_bytes, 0);
+  DeviceTensor t = Tensor("model.layers.3.mlp.up_proj.weight", 2, n, dest.data);
+  const std::vector<int32_t> cases[] = {{1, 5, 1000}, {3, 3}, {9, 4}, {-1, 2}};
+  for (const auto& positions : cases) {
+    std::vector<uint8_t> pos_bytes(positions.size() * 4), vals(positions.size() * 2, 0x7F);
+    std::memcpy(pos_bytes.data(), positions.data(), pos_bytes.size());
+    DeviceCopy pos = ToDevice(pos_bytes, 0), v = ToDevice(vals, 0);
+    const Status s =
+        ScatterOnDevice(*ws_, t, DeviceChanges{pos.data, false, v.data, positions.size()});
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("model.layers.3.mlp.up_proj.weight"), std::string::npos)
+        << s.message();
+    EXPECT_EQ(ToHost(dest.data, n * 2), old_bytes) << "a refused scatter wrote";
+  }
+}
+
+TEST_F(CudaTest, StateDigestMatchesTheCpuDigest) {
+  for (uint32_t w : {1u, 2u, 4u, 8u}) {
+    for (uint64_t n : {uint64_t{1}, uint64_t{15}, uint64_t{65537}, uint64_t{3000001}}) {
+      for (uint64_t misalign : {uint64_t{0}, uint64_t{1}}) {
+        const std::vector<uint8_t> bytes = RandomElements(n, w, rng_);
+        DeviceCopy d = ToDevice(bytes, misalign * w, misalign == 1);
+        auto got = StateDigestOnDevice(*ws_, Tensor("w", w, n, d.data), 77);
+        ASSERT_TRUE(got.ok()) << got.status().ToString();
+        auto want = stream::ComputeStateDigest(bytes, w, 77);
+        ASSERT_TRUE(want.ok());
+        EXPECT_EQ(got->a, want->a) << "w=" << w << " n=" << n;
+        EXPECT_EQ(got->b, want->b) << "w=" << w << " n=" << n;
+      }
+    }
+  }
+}
+
+TEST_F(CudaTest, Xxh3MatchesLibxxhashAtEveryPathLength) {
+  std::vector<uint64_t> lengths;
+  for (uint64_t len = 0; len <= 2200; len += (len < 300 ? 1 : 37)) lengths.push_back(len);
+  for (uint64_t len : {uint64_t{1024}, uint64_t{1025}, uint64_t{1088}, uint64_t{1089},
+                       uint64_t{(1u << 20) + 5}, uint64_t{(16u << 20) + 63}}) {
+    lengths.push_back(len);
+  }
+  for (uint64_t misalign : {uint64_t{0}, uint64_t{3}}) {
+    for (uint64_t len : lengths) {
+      std::vector<uint8_t> bytes(len);
+      for (auto& b : bytes) b = static_cast<uint8_t>(rng_());
+      DeviceCopy d = ToDevice(bytes, misalign);
+      auto got = Xxh3_128OnDevice(*ws_, "frame", d.data, len, nullptr);
+      ASSERT_TRUE(got.ok()) << got.status().ToString();
+      const XXH128_hash_t want = XXH3_128bits(bytes.data(), len);
+      ASSERT_EQ(got->high64, want.high64) << "len=" << len << " misalign=" << misalign;
+      ASSERT_EQ(got->low64, want.low64) << "len=" << len << " misalign=" << misalign;
+    }
+  }
+}
+
+TEST_F(CudaTest, BadTensorsAreRefusedByName) {
+  const uint64_t n = 64;
+  std::vector<uint8_t> host(n * 2, 1);
+  DeviceCopy dev = ToDevice(host, 0), dev2 = ToDevice(host, 0);
+  auto positions = Buffer::Device(n * 4);
+  auto values = Buffer::Device(n * 2);
+  ASSERT_TRUE(positions.ok() && values.ok());
+  DiffOutput out{positions->data(), values->data(), nullptr, n};
+  auto expect_refused = [&](DeviceTensor cur, DeviceTensor snap, const DiffOutput& o,
+                            std::string_view text) {
+    auto r = DiffOnDevice(*ws_, cur, snap, o);
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find("'emb'"), std::string::npos) << r.status().message();
+    EXPECT_NE(r.status().message().find(text), std::string::npos) << r.status().message();
+  };
+  // A host pointer where device memory is needed.
+  expect_refused(Tensor("emb", 2, n, host.data()), Tensor("emb", 2, n, dev2.data), out, "host");
+  // A host (unpinned) snapshot.
+  expect_refused(Tensor("emb", 2, n, dev.data), Tensor("emb", 2, n, host.data()), out, "host");
+  // Misaligned.
+  expect_refused(Tensor("emb", 2, n - 1, dev.data + 1), Tensor("emb", 2, n - 1, dev2.data), out,
+                 "aligned");
+  // Not contiguous.
+  DeviceTensor strided{"emb", DType::kBF16, {8, 8}, dev.data, nullptr, {1, 8}};
+  expect_refused(strided, DeviceTensor{"emb", DType::kBF16, {8, 8}, dev2.data, nullptr, {}}, out,
+                 "contiguous");
+  // Mismatched dtype and shape.
+  expect_refused(
+      Tensor("emb", 2, n, dev.data),
+      DeviceTensor{"emb", DType::kF16, {static_cast<int64_t>(n)}, dev2.data, nullptr, {}}, out,
+      "F16");
+  expect_refused(Tensor("emb", 2, n, dev.data), Tensor("emb", 2, n / 2, dev2.data), out, "[32]");
+  // Outputs too small or on the host.
+  DiffOutput small = out;
+  small.capacity = n - 1;
+  expect_refused(Tensor("emb", 2, n, dev.data), Tensor("emb", 2, n, dev2.data), small, "capacity");
+  DiffOutput host_out = out;
+  host_out.values = host.data();
+  expect_refused(Tensor("emb", 2, n, dev.data), Tensor("emb", 2, n, dev2.data), host_out, "host");
+  // None of it touched the tensors.
+  EXPECT_EQ(ToHost(dev.data, n * 2), host);
+  EXPECT_EQ(ToHost(dev2.data, n * 2), host);
+}
+
+// Runs everywhere: without a GPU every entry point is a clean error, never
+// a crash.
+TEST(CudaWithoutGpu, EveryCallIsAFailedPrecondition) {
+  if (DeviceCount() > 0) GTEST_SKIP() << "a CUDA device is present";
+  auto ws = Workspace::Create(0);
+  ASSERT_FALSE(ws.ok());
+  EXPECT_EQ(ws.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(ws.status().message().find("no CUDA device"), std::string::npos);
+  EXPECT_EQ(Buffer::Device(16).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(Buffer::PinnedHost(16).status().code(), StatusCode::kFailedPrecondition);
+  int x = 0;
+  EXPECT_EQ(QueryMemory(&x).status().code(), StatusCode::kFailedPrecondition);
+  DeviceTensor t{"w", DType::kBF16, {1}, &x, nullptr, {}};
+  EXPECT_EQ(CopyToDevice(t, &x, 2).code(), StatusCode::kFailedPrecondition);
+}
+
+TEST(CudaNames, MemoryKindsHaveNames) {
+  EXPECT_EQ(MemoryKindName(MemoryKind::kHost), "host");
+  EXPECT_EQ(MemoryKindName(MemoryKind::kPinnedHost), "pinned host");
+  EXPECT_EQ(MemoryKindName(MemoryKind::kDevice), "device");
+  EXPECT_EQ(MemoryKindName(MemoryKind::kManaged), "managed");
+}
+
+}  // namespace
+}  // namespace deltasync::cuda

@@ -1,0 +1,332 @@
+#include "bench_gpu.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cli_util.h"
+
+#if DS_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "deltasync/cuda.h"
+#endif
+
+namespace deltasync::cli {
+
+#if !DS_HAVE_CUDA
+
+int RunGpuBench(const GpuBenchConfig&, bool) {
+  return Fail("bench --gpu: this deltasync was built without CUDA (DELTASYNC_WITH_CUDA)");
+}
+
+#else
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+uint64_t SplitMix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// A random BF16 step: `a` random bits, `b` the same with a `density`
+// fraction of elements changed; filled by all cores.
+void MakeStep(uint64_t n, double density, uint64_t seed, std::vector<uint16_t>& a,
+              std::vector<uint16_t>& b) {
+  a.resize(n);
+  b.resize(n);
+  const uint64_t threshold = static_cast<uint64_t>(density * 18446744073709551615.0);
+  const unsigned workers = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::thread> threads;
+  for (unsigned w = 0; w < workers; ++w) {
+    threads.emplace_back([&, w] {
+      const uint64_t lo = n * w / workers, hi = n * (w + 1) / workers;
+      for (uint64_t i = lo; i < hi; ++i) {
+        const uint64_t r = SplitMix(seed * 0x100000001B3ull + i);
+        a[i] = static_cast<uint16_t>(r);
+        const uint64_t pick = SplitMix(r);
+        b[i] = pick < threshold ? static_cast<uint16_t>(a[i] ^ (1 + (r >> 48) % 0xFFFF)) : a[i];
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+// Median seconds of `repeat` runs of `fn` (after one warm-up), each timed
+// on the host around the call and a device synchronize.
+double Median(int repeat, const std::function<bool()>& fn, bool* ok) {
+  if (!fn()) *ok = false;
+  cudaDeviceSynchronize();
+  std::vector<double> times;
+  for (int i = 0; i < repeat; ++i) {
+    const auto t0 = Clock::now();
+    if (!fn()) *ok = false;
+    cudaDeviceSynchronize();
+    times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+struct SizeFigures {
+  uint64_t bytes = 0;
+  uint64_t changed = 0;
+  double copy_s = 0, pcie_read_s = 0;
+  double diff_device_s = 0, diff_pinned_s = 0, scatter_s = 0, digest_s = 0, digest_f32_s = 0,
+         xxh3_s = 0;
+  bool have_torch = false;
+  double torch_device_s = 0, torch_pinned_s = 0, torch_index_put_s = 0, torch_copy_s = 0;
+  std::string torch_error;
+};
+
+Result<nlohmann::json> RunTorchBaseline(const GpuBenchConfig& config, uint64_t bytes) {
+  std::string script = config.baseline_script.empty()
+                           ? std::string(DS_SOURCE_DIR) + "/bench/gpu_torch_baseline.py"
+                           : config.baseline_script;
+  const std::string cmd = config.python + " " + script + " --bytes " + std::to_string(bytes) +
+                          " --density " + std::to_string(config.density) + " --repeat " +
+                          std::to_string(config.repeat) + " 2>&1";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (pipe == nullptr) return Status::IOError("cannot run " + cmd);
+  std::string output;
+  char buf[4096];
+  while (size_t got = fread(buf, 1, sizeof buf, pipe)) output.append(buf, got);
+  const int rc = pclose(pipe);
+  const size_t brace = output.rfind("\n{");
+  const std::string last = brace == std::string::npos ? output : output.substr(brace + 1);
+  if (rc != 0 || last.empty() || last[0] != '{') {
+    return Status::Unavailable("torch baseline failed (" + cmd + "): " +
+                               output.substr(output.size() > 400 ? output.size() - 400 : 0));
+  }
+  try {
+    return nlohmann::json::parse(last);
+  } catch (const std::exception& e) {
+    return Status::Corruption(std::string("torch baseline printed no JSON: ") + e.what());
+  }
+}
+
+Result<SizeFigures> MeasureSize(cuda::Workspace& ws, const GpuBenchConfig& config, uint64_t bytes) {
+  SizeFigures f;
+  const uint64_t n = bytes / 2;
+  f.bytes = n * 2;
+  std::vector<uint16_t> a, b;
+  MakeStep(n, config.density, config.seed, a, b);
+  DS_ASSIGN_OR_RETURN(cuda::Buffer dev_a, cuda::Buffer::Device(f.bytes));
+  DS_ASSIGN_OR_RETURN(cuda::Buffer dev_b, cuda::Buffer::Device(f.bytes));
+  DS_ASSIGN_OR_RETURN(cuda::Buffer snap, cuda::Buffer::Device(f.bytes));
+  DS_ASSIGN_OR_RETURN(cuda::Buffer dest, cuda::Buffer::Device(f.bytes));
+  DS_ASSIGN_OR_RETURN(cuda::Buffer positions, cuda::Buffer::Device(n * 4));
+  DS_ASSIGN_OR_RETURN(cuda::Buffer values, cuda::Buffer::Device(f.bytes));
+  cudaMemcpy(dev_a.data(), a.data(), f.bytes, cudaMemcpyHostToDevice);
+  cudaMemcpy(dev_b.data(), b.data(), f.bytes, cudaMemcpyHostToDevice);
+  cudaMemcpy(snap.data(), a.data(), f.bytes, cudaMemcpyHostToDevice);
+  a.clear();
+  a.shrink_to_fit();
+  b.clear();
+  b.shrink_to_fit();
+
+  const std::vector<int64_t> shape = {static_cast<int64_t>(n)};
+  cuda::DeviceTensor cur[2] = {{"a", DType::kBF16, shape, dev_a.data(), nullptr, {}},
+                               {"b", DType::kBF16, shape, dev_b.data(), nullptr, {}}};
+  cuda::DeviceTensor snap_t{"snapshot", DType::kBF16, shape, snap.data(), nullptr, {}};
+  cuda::DiffOutput out{positions.data(), values.data(), nullptr, n};
+  bool ok = true;
+  Status first_error;
+  auto note = [&](const Status& s) {
+    if (!s.ok() && first_error.ok()) first_error = s;
+    return s.ok();
+  };
+
+  f.copy_s = Median(
+      config.repeat,
+      [&] {
+        return cudaMemcpyAsync(dest.data(), dev_a.data(), f.bytes, cudaMemcpyDeviceToDevice) ==
+               cudaSuccess;
+      },
+      &ok);
+
+  // Each run diffs the other tensor against the snapshot the run before
+  // left: every run finds the step's changes.
+  int k = 1;
+  f.diff_device_s = Median(
+      config.repeat,
+      [&] {
+        auto r = cuda::DiffOnDevice(ws, cur[k], snap_t, out);
+        k ^= 1;
+        if (r.ok()) f.changed = r->count;
+        return note(r.status());
+      },
+      &ok);
+
+  {
+    DS_ASSIGN_OR_RETURN(cuda::Buffer pinned, cuda::Buffer::PinnedHost(f.bytes));
+    cudaMemcpy(pinned.data(), cur[k ^ 1].data, f.bytes, cudaMemcpyDeviceToHost);
+    cuda::DeviceTensor pinned_t{"snapshot", DType::kBF16, shape, pinned.data(), nullptr, {}};
+    f.diff_pinned_s = Median(
+        config.repeat,
+        [&] {
+          auto r = cuda::DiffOnDevice(ws, cur[k], pinned_t, out);
+          k ^= 1;
+          return note(r.status());
+        },
+        &ok);
+    f.pcie_read_s = Median(
+        config.repeat,
+        [&] {
+          return cudaMemcpyAsync(dest.data(), pinned.data(), f.bytes, cudaMemcpyHostToDevice) ==
+                 cudaSuccess;
+        },
+        &ok);
+  }
+
+  // One more diff, of b against a, and its changes applied to a copy of a.
+  cudaMemcpy(snap.data(), dev_a.data(), f.bytes, cudaMemcpyDeviceToDevice);
+  k = 1;
+  auto last = cuda::DiffOnDevice(ws, cur[k], snap_t, out);
+  if (!last.ok()) return last.status();
+  f.changed = last->count;
+  cudaMemcpy(dest.data(), cur[k ^ 1].data, f.bytes, cudaMemcpyDeviceToDevice);
+  cuda::DeviceTensor dest_t{"dest", DType::kBF16, shape, dest.data(), nullptr, {}};
+  const cuda::DeviceChanges changes{positions.data(), last->wide, values.data(), last->count};
+  f.scatter_s = Median(
+      config.repeat, [&] { return note(cuda::ScatterOnDevice(ws, dest_t, changes)); }, &ok);
+  f.digest_s = Median(
+      config.repeat, [&] { return note(cuda::StateDigestOnDevice(ws, cur[0]).status()); }, &ok);
+  const cuda::DeviceTensor as_f32{"a",          DType::kF32, {static_cast<int64_t>(n / 2)},
+                                  dev_a.data(), nullptr,     {}};
+  f.digest_f32_s = Median(
+      config.repeat, [&] { return note(cuda::StateDigestOnDevice(ws, as_f32).status()); }, &ok);
+  f.xxh3_s = Median(
+      config.repeat,
+      [&] {
+        return note(cuda::Xxh3_128OnDevice(ws, "a", dev_a.data(), f.bytes, nullptr).status());
+      },
+      &ok);
+  if (!first_error.ok()) return first_error;
+  if (!ok) return Status::Internal("a CUDA copy failed during the benchmark");
+  return f;
+}
+
+std::string Ms(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3f", s * 1e3);
+  return buf;
+}
+
+std::string Ratio(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2fx", x);
+  return buf;
+}
+
+std::string Rate(uint64_t bytes, double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.0f GB/s", bytes / s / 1e9);
+  return buf;
+}
+
+}  // namespace
+
+int RunGpuBench(const GpuBenchConfig& config, bool json) {
+  if (cuda::DeviceCount() == 0) return Fail("bench --gpu: no CUDA device");
+  auto ws = cuda::Workspace::Create(0);
+  if (!ws.ok()) return Fail(ws.status());
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  std::vector<SizeFigures> all;
+  for (uint64_t bytes : config.sizes) {
+    auto f = MeasureSize(**ws, config, bytes);
+    if (!f.ok()) return Fail(f.status());
+    if (!config.python.empty()) {
+      auto t = RunTorchBaseline(config, f->bytes);
+      if (t.ok()) {
+        f->have_torch = true;
+        f->torch_device_s = (*t)["torch_diff_device_s"];
+        f->torch_pinned_s = (*t)["torch_diff_pinned_s"];
+        f->torch_index_put_s = (*t)["torch_index_put_s"];
+        f->torch_copy_s = (*t)["torch_copy_s"];
+      } else {
+        f->torch_error = t.status().message();
+      }
+    }
+    all.push_back(*f);
+  }
+  if (json) {
+    nlohmann::json j;
+    j["device"] = prop.name;
+    j["density"] = config.density;
+    j["repeat"] = config.repeat;
+    for (const auto& f : all) {
+      nlohmann::json s = {{"bytes", f.bytes},
+                          {"changed", f.changed},
+                          {"copy_s", f.copy_s},
+                          {"pcie_read_s", f.pcie_read_s},
+                          {"diff_device_s", f.diff_device_s},
+                          {"diff_pinned_s", f.diff_pinned_s},
+                          {"scatter_s", f.scatter_s},
+                          {"digest_s", f.digest_s},
+                          {"digest_f32_s", f.digest_f32_s},
+                          {"xxh3_s", f.xxh3_s}};
+      if (f.have_torch) {
+        s["torch_diff_device_s"] = f.torch_device_s;
+        s["torch_diff_pinned_s"] = f.torch_pinned_s;
+        s["torch_index_put_s"] = f.torch_index_put_s;
+        s["torch_copy_s"] = f.torch_copy_s;
+      } else if (!f.torch_error.empty()) {
+        s["torch_error"] = f.torch_error;
+      }
+      j["sizes"].push_back(s);
+    }
+    std::cout << j.dump(2) << "\n";
+    return 0;
+  }
+  std::cout << "deltasync bench --gpu on " << prop.name << ": BF16, " << config.density * 100
+            << "% of elements changed, median of " << config.repeat << " runs\n";
+  for (const auto& f : all) {
+    std::cout << "\n" << FormatBytes(f.bytes) << ", " << f.changed << " changed elements\n";
+    std::printf("  %-44s %10s  %-22s\n", "what", "ms", "against");
+    auto row = [](const std::string& what, double s, const std::string& against) {
+      std::printf("  %-44s %10s  %-22s\n", what.c_str(), Ms(s).c_str(), against.c_str());
+    };
+    row("device copy (read + write " + FormatBytes(f.bytes) + ")", f.copy_s,
+        Rate(2 * f.bytes, f.copy_s));
+    row("PCIe read of the snapshot (pinned -> device)", f.pcie_read_s,
+        Rate(f.bytes, f.pcie_read_s));
+    row("fused diff, snapshot on the device", f.diff_device_s,
+        Ratio(f.diff_device_s / f.copy_s) + " of the copy");
+    row("fused diff, snapshot in pinned host memory", f.diff_pinned_s,
+        Ratio(f.diff_pinned_s / f.pcie_read_s) + " of the PCIe read");
+    row("scatter of the changes", f.scatter_s, "");
+    row("state digest (BF16 elements)", f.digest_s, Rate(f.bytes, f.digest_s));
+    row("state digest (the same bytes as F32)", f.digest_f32_s, Rate(f.bytes, f.digest_f32_s));
+    row("xxh3-128", f.xxh3_s, Rate(f.bytes, f.xxh3_s));
+    if (f.have_torch) {
+      row("torch: diff ops, snapshot on the device", f.torch_device_s,
+          Ratio(f.torch_device_s / f.diff_device_s) + " of the fused diff");
+      row("torch: the same, snapshot in pinned memory", f.torch_pinned_s,
+          "fused: " + Ratio(f.diff_pinned_s / f.torch_pinned_s) + " of it");
+      row("torch: index_put_ of the changes", f.torch_index_put_s,
+          "scatter: " + Ratio(f.scatter_s / f.torch_index_put_s) + " of it");
+      row("torch: copy_", f.torch_copy_s, Rate(2 * f.bytes, f.torch_copy_s));
+    } else if (!f.torch_error.empty()) {
+      std::cout << "  torch baseline skipped: " << f.torch_error << "\n";
+    }
+  }
+  return 0;
+}
+
+#endif
+
+}  // namespace deltasync::cli

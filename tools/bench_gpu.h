@@ -1,0 +1,27 @@
+// `deltasync bench --gpu`: the CUDA kernels (include/deltasync/cuda.h) on
+// BF16 tensors at a synthetic step's change density, side by side in one
+// run with a device-to-device copy of the same bytes, one PCIe read of the
+// snapshot, and the torch-op pipeline trainers use today (timed by
+// bench/gpu_torch_baseline.py in a child process on the same GPU).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace deltasync::cli {
+
+struct GpuBenchConfig {
+  std::vector<uint64_t> sizes = {uint64_t{1} << 30, uint64_t{8} << 30};  // bytes of BF16
+  double density = 0.015;  // fraction of elements changed per step
+  int repeat = 10;         // runs per figure; the median is reported
+  uint64_t seed = 0;
+  std::string python = "python3";  // for the torch baseline; empty: skip it
+  std::string baseline_script;     // default: the source tree's bench/gpu_torch_baseline.py
+};
+
+// Runs the benchmark and prints its table (or one JSON object); the exit
+// code. Without CUDA in the build, or without a GPU, an error and 1.
+int RunGpuBench(const GpuBenchConfig& config, bool json);
+
+}  // namespace deltasync::cli
