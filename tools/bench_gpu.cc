@@ -84,8 +84,8 @@ struct SizeFigures {
   uint64_t bytes = 0;
   uint64_t changed = 0;
   double copy_s = 0, pcie_read_s = 0;
-  double diff_device_s = 0, diff_pinned_s = 0, scatter_s = 0, digest_s = 0, digest_f32_s = 0,
-         xxh3_s = 0;
+  double diff_device_s = 0, diff_pinned_s = 0, diff_identical_s = 0, diff_pinned_no_refresh_s = 0,
+         scatter_s = 0, digest_s = 0, digest_f32_s = 0, xxh3_s = 0;
   bool have_torch = false;
   double torch_device_s = 0, torch_pinned_s = 0, torch_index_put_s = 0, torch_copy_s = 0;
   std::string torch_error;
@@ -182,6 +182,12 @@ Result<SizeFigures> MeasureSize(cuda::Workspace& ws, const GpuBenchConfig& confi
           return note(r.status());
         },
         &ok);
+    // Where the time goes: the same without writing the snapshot back.
+    cuda::DiffOutput no_refresh = out;
+    no_refresh.refresh_snapshot = false;
+    f.diff_pinned_no_refresh_s = Median(
+        config.repeat,
+        [&] { return note(cuda::DiffOnDevice(ws, cur[k], pinned_t, no_refresh).status()); }, &ok);
     f.pcie_read_s = Median(
         config.repeat,
         [&] {
@@ -190,6 +196,13 @@ Result<SizeFigures> MeasureSize(cuda::Workspace& ws, const GpuBenchConfig& confi
         },
         &ok);
   }
+
+  // The read-only floor of the fused diff: identical tensors, nothing to
+  // write.
+  cudaMemcpy(snap.data(), dev_a.data(), f.bytes, cudaMemcpyDeviceToDevice);
+  f.diff_identical_s = Median(
+      config.repeat, [&] { return note(cuda::DiffOnDevice(ws, cur[0], snap_t, out).status()); },
+      &ok);
 
   // One more diff, of b against a, and its changes applied to a copy of a.
   cudaMemcpy(snap.data(), dev_a.data(), f.bytes, cudaMemcpyDeviceToDevice);
@@ -275,6 +288,8 @@ int RunGpuBench(const GpuBenchConfig& config, bool json) {
                           {"pcie_read_s", f.pcie_read_s},
                           {"diff_device_s", f.diff_device_s},
                           {"diff_pinned_s", f.diff_pinned_s},
+                          {"diff_identical_s", f.diff_identical_s},
+                          {"diff_pinned_no_refresh_s", f.diff_pinned_no_refresh_s},
                           {"scatter_s", f.scatter_s},
                           {"digest_s", f.digest_s},
                           {"digest_f32_s", f.digest_f32_s},
@@ -308,6 +323,10 @@ int RunGpuBench(const GpuBenchConfig& config, bool json) {
         Ratio(f.diff_device_s / f.copy_s) + " of the copy");
     row("fused diff, snapshot in pinned host memory", f.diff_pinned_s,
         Ratio(f.diff_pinned_s / f.pcie_read_s) + " of the PCIe read");
+    row("  the same, identical tensors (no writes)", f.diff_identical_s,
+        Ratio(f.diff_identical_s / f.copy_s) + " of the copy");
+    row("  pinned, without the snapshot write-back", f.diff_pinned_no_refresh_s,
+        Ratio(f.diff_pinned_no_refresh_s / f.pcie_read_s) + " of the PCIe read");
     row("scatter of the changes", f.scatter_s, "");
     row("state digest (BF16 elements)", f.digest_s, Rate(f.bytes, f.digest_s));
     row("state digest (the same bytes as F32)", f.digest_f32_s, Rate(f.bytes, f.digest_f32_s));

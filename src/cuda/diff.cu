@@ -49,10 +49,13 @@ __device__ __forceinline__ uint64_t Field(unsigned long long packed, int r) {
 }
 
 // The exclusive offset of `tile` among all changes, by look-back, run by
-// the block's first warp: each step reads the states of the 32 tiles before
-// the window's end at once, and stops at the nearest that holds an
-// inclusive prefix.
+// the block's first warp: each step reads the states of the 128 tiles
+// before the window's end at once (4 a lane), and stops at the nearest that
+// holds an inclusive prefix. A wide window keeps the prefixes moving ahead
+// as fast as tiles finish; waiting lanes back off rather than poll.
 __device__ uint64_t LookBack(unsigned long long* state, uint64_t tile, uint64_t total) {
+  constexpr int kPerLane = 4;
+  constexpr long long kWindow = 32 * kPerLane;
   const int lane = threadIdx.x & 31;
   if (tile == 0) {
     if (lane == 0) atomicExch(&state[0], kFlagPrefix | total);
@@ -62,19 +65,46 @@ __device__ uint64_t LookBack(unsigned long long* state, uint64_t tile, uint64_t 
   uint64_t exclusive = 0;
   long long end = static_cast<long long>(tile) - 1;  // the window's newest tile
   for (;;) {
-    const long long j = end - lane;
-    unsigned long long s = kFlagPrefix;  // before tile 0: a prefix of 0
-    if (j >= 0) {
-      do {
-        s = *reinterpret_cast<volatile unsigned long long*>(&state[j]);
-      } while (s == 0);
+    unsigned long long s[kPerLane];
+    bool missing = false;
+#pragma unroll
+    for (int q = 0; q < kPerLane; ++q) {
+      const long long j = end - (32 * q + lane);
+      // Before tile 0: a prefix of 0.
+      s[q] = kFlagPrefix;
+      if (j >= 0) s[q] = *reinterpret_cast<volatile unsigned long long*>(&state[j]);
+      missing |= s[q] == 0;
     }
-    const unsigned prefixes = __ballot_sync(0xFFFFFFFFu, (s & kFlagPrefix) != 0);
-    // Lanes up to the nearest prefix (the lowest such lane) count.
-    const int stop = prefixes ? __ffs(prefixes) - 1 : 31;
-    exclusive += WarpSum(lane <= stop ? (s & kValueMask) : 0);
-    if (prefixes) break;
-    end -= 32;
+    while (__any_sync(0xFFFFFFFFu, missing)) {
+      __nanosleep(100);
+      missing = false;
+#pragma unroll
+      for (int q = 0; q < kPerLane; ++q) {
+        if (s[q] == 0) {
+          s[q] = *reinterpret_cast<volatile unsigned long long*>(&state[end - (32 * q + lane)]);
+          missing |= s[q] == 0;
+        }
+      }
+    }
+    // The nearest prefix: the smallest distance 32 * q + lane holding one.
+    bool found = false;
+    int stop = static_cast<int>(kWindow) - 1;
+#pragma unroll
+    for (int q = kPerLane - 1; q >= 0; --q) {
+      const unsigned prefixes = __ballot_sync(0xFFFFFFFFu, (s[q] & kFlagPrefix) != 0);
+      if (prefixes) {
+        stop = 32 * q + __ffs(prefixes) - 1;
+        found = true;
+      }
+    }
+    uint64_t mine = 0;
+#pragma unroll
+    for (int q = 0; q < kPerLane; ++q) {
+      if (32 * q + lane <= stop) mine += s[q] & kValueMask;
+    }
+    exclusive += WarpSum(mine);
+    if (found) break;
+    end -= kWindow;
   }
   if (lane == 0) atomicExch(&state[tile], kFlagPrefix | (exclusive + total));
   return exclusive;
@@ -159,12 +189,13 @@ __global__ void __launch_bounds__(kDiffThreads) DiffKernel(DiffLaunch p) {
     if (m == 0) continue;
     const uint64_t first = tile_first + (static_cast<uint64_t>(r) * kDiffThreads + t) * E;
     const bool whole = kAligned && first + E <= p.numel;
-#pragma unroll
-    for (int k = 0; k < E; ++k) {
-      if (!(m & (1u << k))) continue;
+    // One pass per changed element (not an unrolled pass per element of
+    // the group: that code would not fit the instruction cache).
+    for (uint32_t bits = m; bits != 0; bits &= bits - 1) {
+      const int k = __ffs(bits) - 1;
       const uint64_t pos = first + k;
-      const uint64_t nv = ElemOf<W>(cur[r], k);
-      const uint64_t ov = ElemOf<W>(old[r], k);
+      const uint64_t nv = ElemAt<W>(cur[r], k);
+      const uint64_t ov = ElemAt<W>(old[r], k);
       if (p.wide) {
         static_cast<long long*>(p.positions)[at] = static_cast<long long>(pos);
       } else {

@@ -43,6 +43,25 @@ __device__ __forceinline__ uint64_t ElemOf(const uint4& v, int k) {
   }
 }
 
+// The same for an index known only at run time (selects, not an indexed
+// register array, which would go to local memory).
+__device__ __forceinline__ uint32_t WordAt(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+template <int W>
+__device__ __forceinline__ uint64_t ElemAt(const uint4& v, int k) {
+  if constexpr (W == 1) {
+    return (WordAt(v, k >> 2) >> (8 * (k & 3))) & 0xFFu;
+  } else if constexpr (W == 2) {
+    return (WordAt(v, k >> 1) >> (16 * (k & 1))) & 0xFFFFu;
+  } else if constexpr (W == 4) {
+    return WordAt(v, k);
+  } else {
+    return static_cast<uint64_t>(WordAt(v, 2 * k)) |
+           (static_cast<uint64_t>(WordAt(v, 2 * k + 1)) << 32);
+  }
+}
+
 template <int W>
 __device__ __forceinline__ void SetElem(uint4& v, int k, uint64_t bits) {
   uint32_t* w = reinterpret_cast<uint32_t*>(&v);
