@@ -45,9 +45,8 @@ struct DiffLaunch {
   // read_first] (a staged chunk of a pinned snapshot); nullptr: snapshot.
   const void* snapshot_read = nullptr;
   uint64_t read_first = 0;
-  // The tiles this launch covers: [first_tile, first_tile + tiles). Tile
-  // states and the ticket carry over from the launches before it.
-  uint64_t first_tile = 0;
+  // Tiles this launch covers: the next `tiles` by ticket (the tile states
+  // and the ticket carry over from the launches before it).
   uint64_t tiles = 0;
   uint64_t numel = 0;
   uint32_t elem_size = 2;

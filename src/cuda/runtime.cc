@@ -72,9 +72,34 @@ Result<PointerInfo> Inspect(const void* p) {
 // Where a call may read or write a tensor.
 enum class Place { kDevice, kDeviceOrPinned };
 
+// That memory described by `info` (at `p`) is where the call may touch it
+// on `device`.
+Status CheckPlace(const PointerInfo& info, const void* p, const std::string& who, Place place,
+                  int device) {
+  const bool pinned_ok = place == Place::kDeviceOrPinned && info.kind == MemoryKind::kPinnedHost;
+  if (info.kind != MemoryKind::kDevice && info.kind != MemoryKind::kManaged && !pinned_ok) {
+    return Status::InvalidArgument(
+        who + ": " + std::string(MemoryKindName(info.kind)) + " memory where the call needs " +
+        (place == Place::kDevice ? "device memory" : "device or pinned host memory"));
+  }
+  if (info.kind == MemoryKind::kDevice && info.device != device) {
+    return Status::InvalidArgument(who + ": memory of device " + std::to_string(info.device) +
+                                   ", the workspace is on device " + std::to_string(device));
+  }
+  if (info.kind == MemoryKind::kPinnedHost && info.device_pointer != p) {
+    // Kernels use the host address itself (unified addressing).
+    return Status::InvalidArgument(who +
+                                   ": pinned host memory not mapped into the device at "
+                                   "its own address (allocate it mapped and portable)");
+  }
+  return Status::OK();
+}
+
 // Checks `t` as `role` of a call: known dtype, a valid shape, contiguous,
-// element-aligned, and in memory the call may touch on `device`.
-Status CheckTensor(const DeviceTensor& t, std::string_view role, Place place, int device) {
+// element-aligned, and in memory the call may touch on `device`. Returns
+// where it lives (kDevice for an empty tensor).
+Result<MemoryKind> CheckTensor(const DeviceTensor& t, std::string_view role, Place place,
+                               int device) {
   const std::string who = Quoted(t.name) + " (" + std::string(role) + ")";
   const size_t w = DTypeSize(t.dtype);
   if (!IsElemSize(static_cast<uint32_t>(w))) {
@@ -103,30 +128,15 @@ Status CheckTensor(const DeviceTensor& t, std::string_view role, Place place, in
       expected *= t.shape[d];
     }
   }
-  if (*numel == 0) return Status::OK();
+  if (*numel == 0) return MemoryKind::kDevice;
   if (t.data == nullptr) return Status::InvalidArgument(who + ": null data");
   if (reinterpret_cast<uintptr_t>(t.data) % w != 0) {
     return Status::InvalidArgument(who + ": data not aligned to its " + std::to_string(w) +
                                    "-byte elements");
   }
   DS_ASSIGN_OR_RETURN(const PointerInfo info, Inspect(t.data));
-  const bool pinned_ok = place == Place::kDeviceOrPinned && info.kind == MemoryKind::kPinnedHost;
-  if (info.kind != MemoryKind::kDevice && info.kind != MemoryKind::kManaged && !pinned_ok) {
-    return Status::InvalidArgument(
-        who + ": " + std::string(MemoryKindName(info.kind)) + " memory where the call needs " +
-        (place == Place::kDevice ? "device memory" : "device or pinned host memory"));
-  }
-  if (info.kind == MemoryKind::kDevice && info.device != device) {
-    return Status::InvalidArgument(who + ": memory of device " + std::to_string(info.device) +
-                                   ", the workspace is on device " + std::to_string(device));
-  }
-  if (info.kind == MemoryKind::kPinnedHost && info.device_pointer != t.data) {
-    // Kernels use the host address itself (unified addressing).
-    return Status::InvalidArgument(who +
-                                   ": pinned host memory not mapped into the device at "
-                                   "its own address (allocate it mapped and portable)");
-  }
-  return Status::OK();
+  DS_RETURN_IF_ERROR(CheckPlace(info, t.data, who, place, device));
+  return info.kind;
 }
 
 // A raw device buffer argument (outputs, positions, values).
@@ -138,13 +148,16 @@ Status CheckDevicePointer(const void* p, std::string_view name, std::string_view
     return Status::InvalidArgument(who + ": not aligned to " + std::to_string(align) + " bytes");
   }
   DS_ASSIGN_OR_RETURN(const PointerInfo info, Inspect(p));
-  if (info.kind == MemoryKind::kHost || info.kind == MemoryKind::kPinnedHost) {
-    return Status::InvalidArgument(who + ": " + std::string(MemoryKindName(info.kind)) +
-                                   " memory where the call needs device memory");
-  }
-  if (info.kind == MemoryKind::kDevice && info.device != device) {
-    return Status::InvalidArgument(who + ": memory of device " + std::to_string(info.device) +
-                                   ", the workspace is on device " + std::to_string(device));
+  return CheckPlace(info, p, who, Place::kDevice, device);
+}
+
+// That a tensor's numel elements from first_position stay below the 2^56
+// the digest allows.
+Status CheckDigestRange(std::string_view name, uint64_t first_position, uint64_t numel) {
+  if (first_position > kMaxNumel - numel) {
+    return Status::InvalidArgument(Quoted(name) + ": first position " +
+                                   std::to_string(first_position) +
+                                   " puts its elements past the 2^56 the digest allows");
   }
   return Status::OK();
 }
@@ -338,8 +351,9 @@ Buffer::~Buffer() {
 Result<DiffResult> DiffOnDevice(Workspace& ws, const DeviceTensor& current, DeviceTensor& snapshot,
                                 const DiffOutput& out) {
   const int device = ws.device();
-  DS_RETURN_IF_ERROR(CheckTensor(current, "current", Place::kDevice, device));
-  DS_RETURN_IF_ERROR(CheckTensor(snapshot, "snapshot", Place::kDeviceOrPinned, device));
+  DS_RETURN_IF_ERROR(CheckTensor(current, "current", Place::kDevice, device).status());
+  DS_ASSIGN_OR_RETURN(const MemoryKind snapshot_kind,
+                      CheckTensor(snapshot, "snapshot", Place::kDeviceOrPinned, device));
   if (current.dtype != snapshot.dtype || current.shape != snapshot.shape) {
     return Status::InvalidArgument(
         Quoted(current.name) + ": current is " + std::string(DTypeName(current.dtype)) + " " +
@@ -350,11 +364,7 @@ Result<DiffResult> DiffOnDevice(Workspace& ws, const DeviceTensor& current, Devi
   const uint32_t w = static_cast<uint32_t>(DTypeSize(current.dtype));
   DiffResult result;
   result.wide = numel >= kNarrowLimit;
-  if (out.first_position > kMaxNumel - numel) {
-    return Status::InvalidArgument(Quoted(current.name) + ": first position " +
-                                   std::to_string(out.first_position) +
-                                   " puts its elements past the 2^56 the digest allows");
-  }
+  DS_RETURN_IF_ERROR(CheckDigestRange(current.name, out.first_position, numel));
   if (numel == 0) return result;
   if (out.capacity < numel) {
     return Status::InvalidArgument(Quoted(current.name) + ": output capacity " +
@@ -393,8 +403,7 @@ Result<DiffResult> DiffOnDevice(Workspace& ws, const DeviceTensor& current, Devi
   launch.stream = AsStream(current.stream);
   const std::string what = "diff of " + Quoted(current.name);
   DS_CUDA_RETURN(internal::LaunchDiffReset(launch, tiles), what);
-  DS_ASSIGN_OR_RETURN(const PointerInfo snapshot_info, Inspect(snapshot.data));
-  if (snapshot_info.kind != MemoryKind::kPinnedHost) {
+  if (snapshot_kind != MemoryKind::kPinnedHost) {
     launch.tiles = tiles;
     DS_CUDA_RETURN(internal::LaunchDiffTiles(launch), what);
   } else {
@@ -420,7 +429,6 @@ Result<DiffResult> DiffOnDevice(Workspace& ws, const DeviceTensor& current, Devi
       DS_CUDA_RETURN(cudaStreamWaitEvent(launch.stream, impl.copied(slot), 0), what);
       launch.snapshot_read = impl.stage(slot);
       launch.read_first = first;
-      launch.first_tile = first / internal::DiffTileElems(w);
       launch.tiles = internal::DiffTiles(n, w);
       DS_CUDA_RETURN(internal::LaunchDiffTiles(launch), what);
       DS_CUDA_RETURN(cudaEventRecord(impl.consumed(slot), launch.stream), what);
@@ -462,7 +470,7 @@ Status CheckChanges(WorkspaceImpl& ws, std::string_view name, const DeviceChange
 }  // namespace
 
 Status ScatterOnDevice(Workspace& ws, DeviceTensor& dest, const DeviceChanges& changes) {
-  DS_RETURN_IF_ERROR(CheckTensor(dest, "destination", Place::kDevice, ws.device()));
+  DS_RETURN_IF_ERROR(CheckTensor(dest, "destination", Place::kDevice, ws.device()).status());
   if (changes.count == 0) return Status::OK();
   const uint32_t w = static_cast<uint32_t>(DTypeSize(dest.dtype));
   const uint64_t numel = dest.numel();
@@ -493,7 +501,7 @@ Status CopyToDevice(DeviceTensor& dest, const void* source, uint64_t source_byte
     DS_ASSIGN_OR_RETURN(const PointerInfo info, Inspect(dest.data));
     if (info.kind == MemoryKind::kDevice) device = info.device;
   }
-  DS_RETURN_IF_ERROR(CheckTensor(dest, "destination", Place::kDevice, device));
+  DS_RETURN_IF_ERROR(CheckTensor(dest, "destination", Place::kDevice, device).status());
   if (source_bytes != dest.nbytes()) {
     return Status::InvalidArgument(Quoted(dest.name) + ": " + std::to_string(source_bytes) +
                                    " source bytes for " + std::to_string(dest.nbytes()));
@@ -508,13 +516,9 @@ Status CopyToDevice(DeviceTensor& dest, const void* source, uint64_t source_byte
 
 Result<Digest> StateDigestOnDevice(Workspace& ws, const DeviceTensor& tensor,
                                    uint64_t first_position) {
-  DS_RETURN_IF_ERROR(CheckTensor(tensor, "digest", Place::kDeviceOrPinned, ws.device()));
+  DS_RETURN_IF_ERROR(CheckTensor(tensor, "digest", Place::kDeviceOrPinned, ws.device()).status());
   const uint64_t numel = tensor.numel();
-  if (first_position > kMaxNumel - numel) {
-    return Status::InvalidArgument(Quoted(tensor.name) + ": first position " +
-                                   std::to_string(first_position) +
-                                   " puts its elements past the 2^56 the digest allows");
-  }
+  DS_RETURN_IF_ERROR(CheckDigestRange(tensor.name, first_position, numel));
   if (numel == 0) return Digest{};
   DS_ASSIGN_OR_RETURN(unsigned long long* scratch,
                       Impl(ws).Scratch(2 * internal::kDigestMaxBlocks * 8));
