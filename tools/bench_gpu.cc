@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <iostream>
 #include <memory>
@@ -13,9 +14,12 @@
 #include <vector>
 
 #include "cli_util.h"
+#include "deltasync/communicator.h"
+#include "deltasync/stream.h"
 
 #if DS_HAVE_CUDA
 #include <cuda_runtime.h>
+#include <unistd.h>
 
 #include "deltasync/cuda.h"
 #endif
@@ -89,7 +93,105 @@ struct SizeFigures {
   bool have_torch = false;
   double torch_device_s = 0, torch_pinned_s = 0, torch_index_put_s = 0, torch_copy_s = 0;
   std::string torch_error;
+  // The stream (one sender, one receiver, gloo on loopback): a sync of the
+  // tensor on the device at both ends, the same in host memory, and the
+  // copies the host path adds for a tensor that lives on the device.
+  bool have_stream = false;
+  double sync_device_s = 0, sync_host_s = 0, to_host_s = 0, to_device_s = 0;
+  uint64_t sync_bytes_sent = 0;
+  std::string stream_error;
 };
+
+// Median seconds of `repeat` syncs after a seeding one, alternating the
+// tensor between `a` and `b` (each sync finds a step's changes), with the
+// receiver holding `dest`; both ends in `place`.
+Result<double> TimeSyncs(const GpuBenchConfig& config, uint64_t n, const uint8_t* a,
+                         const uint8_t* b, uint8_t* dest, Placement place, uint64_t* bytes_sent) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    ("deltasync-bench-gpu-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  CommunicatorOptions o;
+  o.size = 2;
+  o.rendezvous.kind = Rendezvous::Kind::kFile;
+  o.rendezvous.path = dir.string();
+  o.group = place.on_device() ? "device" : "host";
+  o.timeout = std::chrono::seconds(300);
+  o.hostname = "127.0.0.1";
+  CommunicatorOptions ro = o;
+  ro.rank = 1;
+  const std::vector<int64_t> shape = {static_cast<int64_t>(n)};
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<StreamReceiver> receiver,
+                      StreamReceiver::Create([ro] { return CreateCommunicator("gloo", ro); }));
+  DS_RETURN_IF_ERROR(receiver->Register("w", DType::kBF16, shape, {dest, n * 2}, {}, place));
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<StreamSender> sender,
+                      StreamSender::Create([o] { return CreateCommunicator("gloo", o); }));
+  const int syncs = config.repeat + 1;
+  Status received;
+  std::thread rx([&] {
+    for (int i = 0; i < syncs && received.ok(); ++i) received = receiver->ReceiveSync().status();
+  });
+  std::vector<double> times;
+  Status sent;
+  for (int i = 0; i < syncs && sent.ok(); ++i) {
+    const SyncTensor t{"w", DType::kBF16, shape, {i % 2 == 0 ? a : b, n * 2}, place};
+    const auto t0 = Clock::now();
+    Result<SyncStats> r = sender->Sync({&t, 1});
+    if (!r.ok()) {
+      sent = r.status();
+      break;
+    }
+    if (i > 0) {
+      times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+      *bytes_sent = r->bytes_sent;
+    }
+  }
+  if (!sent.ok()) sender.reset();  // the receiver's calls then fail
+  rx.join();
+  std::filesystem::remove_all(dir);
+  DS_RETURN_IF_ERROR(sent);
+  DS_RETURN_IF_ERROR(received);
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+// The stream rows of `f`, from the step `a` -> `b` on the host and on the
+// device.
+Status MeasureStream(const GpuBenchConfig& config, const std::vector<uint16_t>& a,
+                     const std::vector<uint16_t>& b, const cuda::Buffer& dev_a,
+                     const cuda::Buffer& dev_b, SizeFigures* f) {
+  const uint64_t n = a.size();
+  {
+    DS_ASSIGN_OR_RETURN(cuda::Buffer dest, cuda::Buffer::Device(f->bytes));
+    DS_ASSIGN_OR_RETURN(
+        f->sync_device_s,
+        TimeSyncs(config, n, static_cast<const uint8_t*>(dev_a.data()),
+                  static_cast<const uint8_t*>(dev_b.data()), static_cast<uint8_t*>(dest.data()),
+                  Placement::Cuda(0), &f->sync_bytes_sent));
+  }
+  std::vector<uint8_t> dest(f->bytes);
+  uint64_t host_sent = 0;
+  DS_ASSIGN_OR_RETURN(
+      f->sync_host_s,
+      TimeSyncs(config, n, reinterpret_cast<const uint8_t*>(a.data()),
+                reinterpret_cast<const uint8_t*>(b.data()), dest.data(), {}, &host_sent));
+  bool ok = true;
+  f->to_host_s = Median(
+      config.repeat,
+      [&] {
+        return cudaMemcpy(dest.data(), dev_a.data(), f->bytes, cudaMemcpyDeviceToHost) ==
+               cudaSuccess;
+      },
+      &ok);
+  f->to_device_s = Median(
+      config.repeat,
+      [&] {
+        return cudaMemcpy(dev_a.data(), a.data(), f->bytes, cudaMemcpyHostToDevice) == cudaSuccess;
+      },
+      &ok);
+  if (!ok) return Status::Internal("a CUDA copy failed during the stream benchmark");
+  f->have_stream = true;
+  return Status::OK();
+}
 
 Result<nlohmann::json> RunTorchBaseline(const GpuBenchConfig& config, uint64_t bytes) {
   std::string script = config.baseline_script.empty()
@@ -132,6 +234,10 @@ Result<SizeFigures> MeasureSize(cuda::Workspace& ws, const GpuBenchConfig& confi
   cudaMemcpy(dev_a.data(), a.data(), f.bytes, cudaMemcpyHostToDevice);
   cudaMemcpy(dev_b.data(), b.data(), f.bytes, cudaMemcpyHostToDevice);
   cudaMemcpy(snap.data(), a.data(), f.bytes, cudaMemcpyHostToDevice);
+  if (config.stream) {
+    Status s = MeasureStream(config, a, b, dev_a, dev_b, &f);
+    if (!s.ok()) f.stream_error = s.ToString();
+  }
   a.clear();
   a.shrink_to_fit();
   b.clear();
@@ -294,6 +400,15 @@ int RunGpuBench(const GpuBenchConfig& config, bool json) {
                           {"digest_s", f.digest_s},
                           {"digest_f32_s", f.digest_f32_s},
                           {"xxh3_s", f.xxh3_s}};
+      if (f.have_stream) {
+        s["sync_device_s"] = f.sync_device_s;
+        s["sync_host_s"] = f.sync_host_s;
+        s["to_host_s"] = f.to_host_s;
+        s["to_device_s"] = f.to_device_s;
+        s["sync_bytes_sent"] = f.sync_bytes_sent;
+      } else if (!f.stream_error.empty()) {
+        s["stream_error"] = f.stream_error;
+      }
       if (f.have_torch) {
         s["torch_diff_device_s"] = f.torch_device_s;
         s["torch_diff_pinned_s"] = f.torch_pinned_s;
@@ -341,6 +456,17 @@ int RunGpuBench(const GpuBenchConfig& config, bool json) {
       row("torch: copy_", f.torch_copy_s, Rate(2 * f.bytes, f.torch_copy_s));
     } else if (!f.torch_error.empty()) {
       std::cout << "  torch baseline skipped: " << f.torch_error << "\n";
+    }
+    if (f.have_stream) {
+      const double host_path = f.to_host_s + f.sync_host_s + f.to_device_s;
+      row("stream sync, device tensors at both ends", f.sync_device_s,
+          FormatBytes(f.sync_bytes_sent) + " sent");
+      row("stream sync, host tensors at both ends", f.sync_host_s,
+          "device: " + Ratio(f.sync_device_s / f.sync_host_s) + " of it");
+      row("  + copies device -> host -> device", host_path,
+          "device: " + Ratio(f.sync_device_s / host_path) + " of it");
+    } else if (!f.stream_error.empty()) {
+      std::cout << "  stream rows skipped: " << f.stream_error << "\n";
     }
   }
   return 0;

@@ -2,7 +2,8 @@
 // BF16 tensors at a synthetic step's change density, side by side in one
 // run with a device-to-device copy of the same bytes, one PCIe read of the
 // snapshot, and the torch-op pipeline trainers use today (timed by
-// bench/gpu_torch_baseline.py in a child process on the same GPU).
+// bench/gpu_torch_baseline.py in a child process on the same GPU); then
+// stream syncs of the same step, device tensors against host ones.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +19,9 @@ struct GpuBenchConfig {
   uint64_t seed = 0;
   std::string python = "python3";  // for the torch baseline; empty: skip it
   std::string baseline_script;     // default: the source tree's bench/gpu_torch_baseline.py
+  // Also time stream syncs (gloo on loopback) of each size with the tensor
+  // on the device and in host memory.
+  bool stream = true;
 };
 
 // Runs the benchmark and prints its table (or one JSON object); the exit

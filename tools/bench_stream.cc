@@ -153,8 +153,8 @@ class Bench {
     changed_ = trainer_->last_step_stats().changed_fraction();
     for (size_t i = 0; i < trainer_->Weights().size(); ++i) {
       const TensorView v = trainer_->Weights()[i];
-      old_.push_back({v.name, v.dtype, v.shape, before_[i]});
-      new_.push_back({v.name, v.dtype, v.shape, v.bytes});
+      old_.push_back({v.name, v.dtype, v.shape, before_[i], {}});
+      new_.push_back({v.name, v.dtype, v.shape, v.bytes, {}});
     }
     // The diff's read of the weights: both states once, one thread, as the
     // sender reads them; the best of three.

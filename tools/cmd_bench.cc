@@ -251,7 +251,8 @@ void RegisterBench(CLI::App& app, CommandFn* run) {
   cmd->add_flag("--gpu", opts->gpu,
                 "Time the CUDA kernels instead (fused diff with the snapshot on the device and in "
                 "pinned memory, scatter, checksums) against a device copy, a PCIe read and the "
-                "torch ops trainers use (through --python), on one GPU");
+                "torch ops trainers use (through --python), then stream syncs with the tensor "
+                "on the device against the same in host memory, on one GPU");
   cmd->add_option("--sizes", opts->sizes, "--gpu: tensor sizes in BF16 bytes, comma-separated")
       ->capture_default_str();
   cmd->add_option("--density", opts->density, "--gpu: fraction of elements changed per step")

@@ -69,6 +69,13 @@ struct DeviceTensor {
   uint64_t nbytes() const { return numel() * DTypeSize(dtype); }
 };
 
+// That `tensor` is what the kernels take as a device tensor on `device`:
+// a known dtype, a valid contiguous shape, element-aligned data in that
+// device's memory (or managed memory). InvalidArgument naming the tensor
+// and the problem otherwise (a host pointer: "host memory where the call
+// needs device memory").
+Status CheckDeviceTensor(const DeviceTensor& tensor, int device);
+
 // The 128-bit state digest of docs/format.md ("Stream: state digest"):
 // lane A and lane B, each a sum mod 2^64.
 struct Digest {
@@ -175,6 +182,13 @@ Status ScatterOnDevice(Workspace& ws, DeviceTensor& dest, const DeviceChanges& c
 // The dense seed: copies nbytes() of `source` (host, pinned host or device
 // memory) into `dest` (device memory) on dest's stream. Enqueues only.
 Status CopyToDevice(DeviceTensor& dest, const void* source, uint64_t source_bytes);
+
+// Copies `bytes` bytes from `source` to `dest`, each host, pinned host or
+// device memory, on `stream` (the stream layer's staging of changes and
+// values between a device and its frames); with `wait`, waits for the
+// stream. InvalidArgument naming `name` for a null pointer with bytes > 0.
+Status CopyBytes(std::string_view name, void* dest, const void* source, uint64_t bytes,
+                 StreamHandle stream, bool wait);
 
 // The state digest of `tensor`'s elements (device or pinned host memory)
 // at flat positions first_position, first_position + 1, ... Waits for the

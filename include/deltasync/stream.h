@@ -25,7 +25,12 @@
 // unverified bytes, or that formed the group again (a restart, a lost
 // connection), is reseeded.
 //
-// Both sides hold host memory and use one thread; neither is thread-safe.
+// Tensors live in host memory, or in CUDA device memory (Placement): there
+// the sender diffs on the device against a snapshot it keeps on the device,
+// and only the changes come back to the host frames; a receiver applies
+// into its device tensors with the device's kernels
+// (include/deltasync/cuda.h). Each side uses one thread; neither is
+// thread-safe.
 #pragma once
 
 #include <chrono>
@@ -64,14 +69,31 @@ std::string_view StreamEncodingName(StreamEncoding encoding);
 // The inverse; InvalidArgument naming the accepted names otherwise.
 Result<StreamEncoding> ParseStreamEncoding(std::string_view name);
 
+// Where a tensor's bytes live: host memory (cuda_device -1), or device
+// memory of CUDA device `cuda_device`, with the stream that orders work on
+// it (a cudaStream_t; nullptr, the default stream). The stream layer's work
+// on the tensor is ordered on that stream, after what the caller queued
+// there before (pass the stream the tensor is written on: torch's current
+// stream), and is done when Sync or ReceiveSync returns. A build without
+// CUDA refuses device placements (Unsupported); a machine without a GPU
+// too (FailedPrecondition).
+struct Placement {
+  int cuda_device = -1;
+  void* cuda_stream = nullptr;
+  bool on_device() const { return cuda_device >= 0; }
+  static Placement Cuda(int device, void* stream = nullptr) { return {device, stream}; }
+};
+
 // One tensor the sender syncs, named as in the Hugging Face checkpoint:
-// `data` holds numel(shape) elements of `dtype`, row-major, in host memory.
-// Every Sync passes the same tensors (names, dtypes, shapes), in any order.
+// `data` holds numel(shape) elements of `dtype`, row-major, contiguous, in
+// the memory `place` says. Every Sync passes the same tensors (names,
+// dtypes, shapes, placements), in any order.
 struct SyncTensor {
   std::string name;
   DType dtype = DType::kBF16;
   std::vector<int64_t> shape;
   std::span<const uint8_t> data;
+  Placement place;
 };
 
 // A sharded trainer's model: every HF tensor the sync covers, named as in
@@ -84,7 +106,8 @@ struct ModelTensor {
 
 // One of a trainer rank's local tensors: where its elements lie in the HF
 // tensors (include/deltasync/shard.h), and its bytes (spec.local_shape of
-// spec.dtype, row-major, host memory).
+// spec.dtype, row-major, host memory: a sharded trainer's tensors are
+// synced from host memory).
 struct ShardedTensor {
   ShardSpec spec;
   std::span<const uint8_t> data;
@@ -113,7 +136,8 @@ struct SyncStats {
   uint64_t bytes_sent = 0;     // over all receivers, envelopes included
   bool verify_all = false;
   // The most bytes of frame buckets and diff scratch the sync held at once,
-  // beside the snapshot (capacities, measured at the end of the sync).
+  // beside the snapshot (capacities, measured at the end of the sync;
+  // device tensors' scratch and pinned staging included).
   uint64_t buffer_bytes = 0;
   double diff_s = 0;      // diff against the snapshot and digest updates
   double encode_s = 0;    // building frames
@@ -161,7 +185,8 @@ class StreamSender {
   virtual Result<SyncStats> Sync(std::span<const SyncTensor> tensors) = 0;
 
   // The committed state of a tensor (what every receiver held after the
-  // last sync that succeeded); NotFound before the first success.
+  // last sync that succeeded), in the memory the tensor lives in (device
+  // memory for a device tensor); NotFound before the first success.
   virtual Result<std::span<const uint8_t>> Snapshot(std::string_view name) const = 0;
   // The id of the last sync that succeeded; 0 before.
   virtual uint64_t committed_sync_id() const = 0;
@@ -214,10 +239,16 @@ class StreamReceiver {
   // `dtype`; `runs` map the tensor's flat coordinates into it (empty: the
   // whole tensor, back to back). The held elements must form one digest
   // block (a range, or equal rows at a fixed stride, as tensor-parallel
-  // slices do). Before the first ReceiveSync only; InvalidArgument naming
-  // the tensor for a duplicate name, bad runs or a `dest` too small.
+  // slices do). `place` says where `dest` lives; in device memory its runs
+  // must have stride 1 and ascend in `dest` (as every row or column slice
+  // of a contiguous tensor does), and the receiver recomputes the held
+  // elements' digests on the device at each sync rather than keeping
+  // running ones. Before the first ReceiveSync only; InvalidArgument naming
+  // the tensor for a duplicate name, bad runs, a `dest` too small or not
+  // where `place` says.
   virtual Status Register(std::string name, DType dtype, std::vector<int64_t> shape,
-                          std::span<uint8_t> dest, std::vector<DestinationRun> runs = {}) = 0;
+                          std::span<uint8_t> dest, std::vector<DestinationRun> runs = {},
+                          Placement place = {}) = 0;
 
   // Takes one sync: its frames, applied in place once each is checked, its
   // digests verified, and the report sent. OK when this receiver's part

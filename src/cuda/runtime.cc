@@ -514,6 +514,24 @@ Status CopyToDevice(DeviceTensor& dest, const void* source, uint64_t source_byte
   return Status::OK();
 }
 
+Status CheckDeviceTensor(const DeviceTensor& tensor, int device) {
+  if (DeviceCount() == 0) return NoDevice();
+  return CheckTensor(tensor, "device tensor", Place::kDevice, device).status();
+}
+
+Status CopyBytes(std::string_view name, void* dest, const void* source, uint64_t bytes,
+                 StreamHandle stream, bool wait) {
+  if (bytes == 0) return Status::OK();
+  if (DeviceCount() == 0) return NoDevice();
+  if (dest == nullptr || source == nullptr) {
+    return Status::InvalidArgument(Quoted(name) + ": a copy with a null pointer");
+  }
+  DS_CUDA_RETURN(cudaMemcpyAsync(dest, source, bytes, cudaMemcpyDefault, AsStream(stream)),
+                 "copying " + Quoted(name));
+  if (wait) DS_CUDA_RETURN(cudaStreamSynchronize(AsStream(stream)), "copying " + Quoted(name));
+  return Status::OK();
+}
+
 Result<Digest> StateDigestOnDevice(Workspace& ws, const DeviceTensor& tensor,
                                    uint64_t first_position) {
   DS_RETURN_IF_ERROR(CheckTensor(tensor, "digest", Place::kDeviceOrPinned, ws.device()).status());

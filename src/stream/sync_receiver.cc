@@ -8,6 +8,7 @@
 #include "deltasync/stream.h"
 #include "deltasync/tensor.h"
 #include "deltasync/timing.h"
+#include "stream/device_path.h"
 #include "stream/frame.h"
 #include "stream/state_digest.h"
 #include "stream/sync_messages.h"
@@ -34,6 +35,9 @@ struct Destination {
   DestinationMap map;
   DigestBlock block;
   StateDigest running;  // the digest of what `bytes` holds of the block
+  // In device memory: applied and digested there (`running` is then
+  // recomputed at each sync that touches it).
+  std::unique_ptr<stream::DeviceDestination> device;
 };
 
 // What one sync has done so far.
@@ -55,7 +59,8 @@ class Receiver final : public StreamReceiver {
       : connect_(std::move(connect)), options_(std::move(options)) {}
 
   Status Register(std::string name, DType dtype, std::vector<int64_t> shape,
-                  std::span<uint8_t> dest, std::vector<DestinationRun> runs) override;
+                  std::span<uint8_t> dest, std::vector<DestinationRun> runs,
+                  Placement place) override;
   Result<ReceiveStats> ReceiveSync() override;
 
  private:
@@ -67,6 +72,7 @@ class Receiver final : public StreamReceiver {
   CommunicatorFactory connect_;
   ReceiverOptions options_;
   std::map<std::string, Destination, std::less<>> dests_;
+  std::map<int, std::unique_ptr<stream::DeviceContext>> devices_;  // by CUDA device
   std::unique_ptr<Communicator> comm_;
   bool started_ = false;
   bool seeded_ = false;        // holds a verified state of this connection
@@ -76,7 +82,8 @@ class Receiver final : public StreamReceiver {
 };
 
 Status Receiver::Register(std::string name, DType dtype, std::vector<int64_t> shape,
-                          std::span<uint8_t> dest, std::vector<DestinationRun> runs) {
+                          std::span<uint8_t> dest, std::vector<DestinationRun> runs,
+                          Placement place) {
   const std::string what = "registering tensor '" + name + "'";
   if (started_) {
     return Status::FailedPrecondition(what + ": tensors are registered before the first sync");
@@ -110,6 +117,22 @@ Status Receiver::Register(std::string name, DType dtype, std::vector<int64_t> sh
                                    "(a range, or equal rows at one stride)");
   }
   Destination d;
+  if (place.on_device()) {
+    std::unique_ptr<stream::DeviceContext>& ctx = devices_[place.cuda_device];
+    if (!ctx) {
+      Result<std::unique_ptr<stream::DeviceContext>> c =
+          stream::DeviceContext::Create(place.cuda_device);
+      if (!c.ok()) {
+        devices_.erase(place.cuda_device);
+        return Status(c.status().code(), what + ": " + c.status().message());
+      }
+      ctx = std::move(*c);
+    }
+    Result<std::unique_ptr<stream::DeviceDestination>> dev =
+        stream::DeviceDestination::Create(*ctx, name, dtype, *map, dest, place);
+    if (!dev.ok()) return Status(dev.status().code(), what + ": " + dev.status().message());
+    d.device = std::move(*dev);
+  }
   d.name = name;
   d.dtype = dtype;
   d.shape = std::move(shape);
@@ -228,7 +251,9 @@ Status Receiver::TakeFrame(bool envelope_last, SyncState* sync, ReceiveStats* st
         return Status(s.code(), frame + ": applying tensor '" + d.name + "': " + s.message());
       }
     }
-    Result<uint64_t> written = stream::ApplyEntry(e, d.map, d.bytes, seed ? nullptr : &d.running);
+    Result<uint64_t> written =
+        d.device ? d.device->Apply(e)
+                 : stream::ApplyEntry(e, d.map, d.bytes, seed ? nullptr : &d.running);
     if (!written.ok()) {
       sync->clean = false;
       return Status(written.status().code(),
@@ -248,10 +273,14 @@ Status Receiver::TakeFrame(bool envelope_last, SyncState* sync, ReceiveStats* st
 
 void Receiver::Verify(SyncState* sync, ReceiveStats* stats) {
   const bool all = sync->kind == FrameKind::kSeed || sync->verify_all;
-  if (all) {
+  {
+    // From memory: everything, for a seed or verify_all; else the device
+    // destinations the sync wrote (they keep no running digest).
     const auto t0 = Clock::now();
     for (auto& [name, d] : dests_) {
-      Result<StateDigest> now = stream::DigestDestination(d.map, d.bytes, d.w);
+      if (!all && !(d.device && sync->named.count(name))) continue;
+      Result<StateDigest> now =
+          d.device ? d.device->Digest() : stream::DigestDestination(d.map, d.bytes, d.w);
       if (!now.ok()) {
         sync->refused = Status(now.status().code(),
                                "tensor '" + name + "': digesting: " + now.status().message());

@@ -12,6 +12,7 @@
 #include "deltasync/stream.h"
 #include "deltasync/tensor.h"
 #include "deltasync/timing.h"
+#include "stream/device_path.h"
 #include "stream/frame.h"
 #include "stream/shard_changes.h"
 #include "stream/shard_gather.h"
@@ -38,6 +39,9 @@ constexpr uint64_t kMinBucketBytes = uint64_t{64} << 10;
 // Room a frame keeps for its header, manifest entry and trailer beside one
 // unit's positions and values.
 constexpr uint64_t kFrameReserve = 8192;
+// Elements a device tensor diffs per kernel call (about what its scratch
+// holds: positions, new and old values of a whole chunk).
+constexpr uint64_t kDeviceChunkElements = uint64_t{1} << 25;
 
 using BlockKey = std::tuple<uint64_t, uint64_t, uint64_t, uint64_t>;
 
@@ -70,8 +74,10 @@ struct TensorState {
   std::vector<int64_t> shape;
   uint64_t numel = 0;
   uint32_t w = 1;
-  uint64_t unit = 1;                          // elements per unit of work
-  std::vector<uint8_t> snapshot;              // the committed state (empty before it)
+  uint64_t unit = 1;              // elements per unit of work
+  std::vector<uint8_t> snapshot;  // the committed state (empty before it)
+  // A device tensor's snapshot and diff (then `snapshot` stays empty).
+  std::unique_ptr<stream::DeviceSource> device;
   std::vector<uint8_t> dirty;                 // per unit: changed by a failed sync
   std::vector<uint8_t> changed;               // per unit: changed by the current sync
   std::map<BlockKey, StateDigest> committed;  // the snapshot's digest per held block
@@ -90,10 +96,14 @@ struct Peer {
 // Where a tensor's changes and values come from, one unit of work at a
 // time: `changes` fills the unit's changes against the snapshot (positions
 // from the unit's first element, new and old values); `dense` gives the
-// unit's current values (valid until the next call).
+// unit's current values (valid until the next call). `whole_digest`, when
+// set, gives the unit's share of the whole tensor's digest (its change
+// since the snapshot, or before one its digest) in place of computing it
+// from the changes.
 struct UnitSource {
   std::function<Status(uint64_t first, uint64_t count, ChangeSet* out)> changes;
   std::function<Result<std::span<const uint8_t>>(uint64_t first, uint64_t count)> dense;
+  std::function<Result<StateDigest>(uint64_t first, uint64_t count, bool seed)> whole_digest;
 };
 
 // A tensor by name, dtype and shape, with or without bytes.
@@ -102,6 +112,7 @@ struct TensorMeta {
   DType dtype;
   const std::vector<int64_t>* shape;
   std::span<const uint8_t> data;  // empty for a sharded model's
+  Placement place;
 };
 
 class Sender final : public StreamSender {
@@ -147,9 +158,12 @@ class Sender final : public StreamSender {
   Status CheckModel(std::span<const TensorMeta> tensors, std::vector<TensorState*>* order);
   Status BeginSync(Round* round);
   // Records, reports, and the decision; on success `commit` advances the
-  // snapshot.
+  // snapshot, on failure device snapshots go back.
   Result<SyncStats> EndSync(Round* round, const std::vector<TensorState*>& order,
-                            const std::function<void()>& commit);
+                            const std::function<Status()>& commit);
+  // The snapshot is not known to hold the committed state: the next sync
+  // seeds every receiver.
+  void ForgetSnapshot();
   Result<SyncStats> SyncShardsAsRank0(std::span<const ModelTensor> model,
                                       std::span<const ShardedTensor> shards);
   Status Connect();
@@ -189,6 +203,7 @@ class Sender final : public StreamSender {
   bool welcomed_ = false;
   std::vector<Peer> peers_;
   std::map<std::string, TensorState, std::less<>> tensors_;
+  std::map<int, std::unique_ptr<stream::DeviceContext>> devices_;  // by CUDA device
   bool have_snapshot_ = false;
   uint64_t bucket_reserve_ = 0;
   uint64_t next_sync_id_ = 1;
@@ -220,6 +235,9 @@ Status Sender::CheckModel(std::span<const TensorMeta> tensors, std::vector<Tenso
     if (static_cast<uint64_t>(numel) >= stream::kMaxStreamNumel) {
       return Status::InvalidArgument(what + ": too many elements for the stream");
     }
+    if (x.place.on_device() && x.data.size() > 0 && x.data.data() == nullptr) {
+      return Status::InvalidArgument(what + ": null data");
+    }
     if (!sharded_ && x.data.size() != static_cast<uint64_t>(numel) * w) {
       return Status::InvalidArgument(
           what + ": " + std::to_string(x.data.size()) + " bytes, shape " + ShapeToString(*x.shape) +
@@ -238,6 +256,11 @@ Status Sender::CheckModel(std::span<const TensorMeta> tensors, std::vector<Tenso
                                      std::string(DTypeName(it->second.dtype)) + " " +
                                      ShapeToString(it->second.shape));
     }
+    if (x.place.on_device() != (it->second.device != nullptr)) {
+      return Status::InvalidArgument(what + ": in " + (x.place.on_device() ? "device" : "host") +
+                                     " memory, the first sync had it in " +
+                                     (it->second.device ? "device" : "host") + " memory");
+    }
   }
   if (!tensors_.empty() && seen.size() != tensors_.size()) {
     for (const auto& [name, t] : tensors_) {
@@ -248,6 +271,8 @@ Status Sender::CheckModel(std::span<const TensorMeta> tensors, std::vector<Tenso
   }
   uint64_t model_bytes = 0;
   if (tensors_.empty()) {
+    // Built aside, so that a refused first sync leaves none behind.
+    std::map<std::string, TensorState, std::less<>> fresh;
     for (const TensorMeta& x : tensors) {
       TensorState t;
       t.name = std::string(x.name);
@@ -260,8 +285,26 @@ Status Sender::CheckModel(std::span<const TensorMeta> tensors, std::vector<Tenso
       t.dirty.assign(t.units(), 0);
       // A sharded rank 0 builds its snapshot from what the ranks send.
       if (sharded_) t.snapshot.assign(t.numel * t.w, 0);
-      tensors_.emplace(t.name, std::move(t));
+      if (x.place.on_device()) {
+        std::unique_ptr<stream::DeviceContext>& ctx = devices_[x.place.cuda_device];
+        if (!ctx) {
+          Result<std::unique_ptr<stream::DeviceContext>> c =
+              stream::DeviceContext::Create(x.place.cuda_device);
+          if (!c.ok()) {
+            devices_.erase(x.place.cuda_device);
+            return Status(c.status().code(), "tensor '" + t.name + "': " + c.status().message());
+          }
+          ctx = std::move(*c);
+        }
+        const uint64_t chunk = t.unit * std::max<uint64_t>(1, kDeviceChunkElements / t.unit);
+        DS_ASSIGN_OR_RETURN(t.device,
+                            stream::DeviceSource::Create(*ctx, t.name, t.dtype, t.numel, chunk));
+        // Memory that is not where the placement says refuses the model.
+        DS_RETURN_IF_ERROR(t.device->Begin(x.data, x.place));
+      }
+      fresh.emplace(t.name, std::move(t));
     }
+    tensors_ = std::move(fresh);
   }
   order->clear();
   for (const TensorMeta& x : tensors) {
@@ -354,8 +397,9 @@ Status Sender::Handshake(uint64_t sync_id) {
     if (!have_snapshot_) continue;
     for (const BlockKey& key : keys) {
       if (t.committed.count(key)) continue;
-      DS_ASSIGN_OR_RETURN(StateDigest d,
-                          stream::ComputeBlockPartDigest(t.snapshot, t.w, 0, BlockOf(key)));
+      DS_ASSIGN_OR_RETURN(StateDigest d, t.device ? t.device->SnapshotDigest(BlockOf(key))
+                                                  : stream::ComputeBlockPartDigest(
+                                                        t.snapshot, t.w, 0, BlockOf(key)));
       t.committed.emplace(key, d);
     }
   }
@@ -443,18 +487,17 @@ Status Sender::StreamTensor(TensorState& t, const UnitSource& src, Round* round)
     changes_.Clear();
     const auto t0 = Clock::now();
     if (have_snapshot_) {
-      const std::span<const uint8_t> su(t.snapshot.data() + first * t.w, count * t.w);
       DS_RETURN_IF_ERROR(src.changes(first, count, &changes_));
       stats->changed += changes_.count();
       resend = t.dirty[u] != 0;
       if (resend || changes_.count() > 0) t.changed[u] = 1;
+      // A block's digest moves by what its changed elements move it (a
+      // resent unit's other elements hold what the snapshot holds).
       for (auto& [key, d] : delta) {
         const DigestBlock b = BlockOf(key);
-        if (resend) {
-          DS_ASSIGN_OR_RETURN(std::span<const uint8_t> xu, dense());
-          DS_ASSIGN_OR_RETURN(StateDigest now, stream::ComputeBlockPartDigest(xu, t.w, first, b));
-          DS_ASSIGN_OR_RETURN(StateDigest was, stream::ComputeBlockPartDigest(su, t.w, first, b));
-          d += now - was;
+        if (src.whole_digest && Covers(b, t.numel)) {
+          DS_ASSIGN_OR_RETURN(StateDigest part, src.whole_digest(first, count, false));
+          d += part;
         } else if (changes_.count() == 0) {
           continue;
         } else if (Covers(b, t.numel)) {
@@ -472,6 +515,11 @@ Status Sender::StreamTensor(TensorState& t, const UnitSource& src, Round* round)
     } else {
       t.changed[u] = 1;
       for (auto& [key, d] : delta) {
+        if (src.whole_digest && Covers(BlockOf(key), t.numel)) {
+          DS_ASSIGN_OR_RETURN(StateDigest part, src.whole_digest(first, count, true));
+          d += part;
+          continue;
+        }
         DS_ASSIGN_OR_RETURN(std::span<const uint8_t> xu, dense());
         DS_ASSIGN_OR_RETURN(StateDigest part,
                             stream::ComputeBlockPartDigest(xu, t.w, first, BlockOf(key)));
@@ -603,8 +651,17 @@ Status Sender::BeginSync(Round* round) {
   return Status::OK();
 }
 
+void Sender::ForgetSnapshot() {
+  have_snapshot_ = false;
+  for (auto& [name, t] : tensors_) {
+    std::fill(t.dirty.begin(), t.dirty.end(), 0);
+    t.committed.clear();
+  }
+  for (Peer& p : peers_) p.need_seed = true;
+}
+
 Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>& order,
-                                  const std::function<void()>& commit) {
+                                  const std::function<Status()>& commit) {
   SyncStats& stats = round->stats;
   Status& streamed = round->streamed;
   for (const std::unique_ptr<Group>& g : round->groups) {
@@ -618,6 +675,10 @@ Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>&
                        changes_.new_values.capacity() + changes_.old_values.capacity() +
                        scratch_.capacity();
   for (const std::unique_ptr<Group>& g : round->groups) stats.buffer_bytes += g->bucket.capacity();
+  for (const auto& [device, ctx] : devices_) stats.buffer_bytes += ctx->buffer_bytes();
+  for (const TensorState* t : order) {
+    if (t->device) stats.buffer_bytes += t->device->buffer_bytes();
+  }
   std::vector<std::string> failures;
   std::vector<bool> failed(peers_.size(), false);
   StatusCode code = StatusCode::kOk;
@@ -651,7 +712,14 @@ Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>&
 
   if (failures.empty()) {
     const auto t0 = Clock::now();
-    commit();
+    if (Status c = commit(); !c.ok()) {
+      ForgetSnapshot();
+      for (TensorState* t : order) t->changed.clear();
+      return Status(c.code(), "sync " + std::to_string(round->sync_id) +
+                                  ": every receiver applied it, but the sender could not keep "
+                                  "its snapshot (the next sync reseeds every receiver): " +
+                                  c.message());
+    }
     for (TensorState* t : order) {
       std::fill(t->dirty.begin(), t->dirty.end(), 0);
       t->changed.clear();
@@ -668,9 +736,12 @@ Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>&
   // Nothing advances. What this sync changed is resent until one commits;
   // a receiver that failed while being seeded still needs its seed, and
   // one seeded now holds the sync's values, which the resend covers.
+  Status restored = Status::OK();
   for (TensorState* t : order) {
     for (uint64_t u = 0; u < t->changed.size(); ++u) t->dirty[u] |= t->changed[u];
     t->changed.clear();
+    if (!t->device) continue;
+    if (Status r = t->device->Rollback(); !r.ok() && restored.ok()) restored = r;
   }
   for (size_t i = 0; i < peers_.size(); ++i) {
     if (round->group_of[i]->seed && !failed[i] && have_snapshot_ && comm_) {
@@ -687,17 +758,33 @@ Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>&
         "next sync)";
   }
   for (const std::string& f : failures) msg += "; " + f;
+  if (!restored.ok()) {
+    ForgetSnapshot();
+    msg +=
+        "; the sender's device snapshot could not be restored (every receiver is reseeded "
+        "at the next sync): " +
+        restored.message();
+  }
   return Status(code == StatusCode::kOk ? StatusCode::kAborted : code, msg);
 }
 
 Result<SyncStats> Sender::Sync(std::span<const SyncTensor> tensors) {
   if (sharded_) return Status::FailedPrecondition("a sharded sender syncs with SyncShards");
   std::vector<TensorMeta> metas;
-  for (const SyncTensor& x : tensors) metas.push_back({x.name, x.dtype, &x.shape, x.data});
+  for (const SyncTensor& x : tensors) {
+    metas.push_back({x.name, x.dtype, &x.shape, x.data, x.place});
+  }
   std::vector<TensorState*> order;
   DS_RETURN_IF_ERROR(CheckModel(metas, &order));
   std::map<std::string_view, std::span<const uint8_t>> data;
-  for (const SyncTensor& x : tensors) data[x.name] = x.data;
+  for (const SyncTensor& x : tensors) {
+    data[x.name] = x.data;
+    // Device tensors are checked (device memory of their device) before
+    // anything is sent.
+    if (x.place.on_device()) {
+      DS_RETURN_IF_ERROR(tensors_.find(x.name)->second.device->Begin(x.data, x.place));
+    }
+  }
   Round round;
   DS_RETURN_IF_ERROR(BeginSync(&round));
   diff_.refresh_snapshot = false;
@@ -705,6 +792,18 @@ Result<SyncStats> Sender::Sync(std::span<const SyncTensor> tensors) {
   for (TensorState* t : order) {
     const std::span<const uint8_t> x = data.at(t->name);
     UnitSource src;
+    if (stream::DeviceSource* dev = t->device.get()) {
+      src.changes = [dev](uint64_t first, uint64_t count, ChangeSet* out) {
+        return dev->Changes(first, count, out);
+      };
+      src.dense = [dev](uint64_t first, uint64_t count) { return dev->Dense(first, count); };
+      src.whole_digest = [dev](uint64_t first, uint64_t count, bool seed) {
+        return dev->WholeDigest(first, count, seed);
+      };
+      round.streamed = StreamTensor(*t, src, &round);
+      if (!round.streamed.ok()) break;
+      continue;
+    }
     src.changes = [&](uint64_t first, uint64_t count, ChangeSet* out) {
       diff_.elem_size = t->w;
       std::span<uint8_t> su(t->snapshot.data() + first * t->w, count * t->w);
@@ -716,8 +815,13 @@ Result<SyncStats> Sender::Sync(std::span<const SyncTensor> tensors) {
     round.streamed = StreamTensor(*t, src, &round);
     if (!round.streamed.ok()) break;
   }
-  return EndSync(&round, order, [&] {
+  return EndSync(&round, order, [&]() -> Status {
     for (TensorState* t : order) {
+      // A device snapshot took the changes in the diff.
+      if (t->device) {
+        DS_RETURN_IF_ERROR(t->device->Commit(!have_snapshot_));
+        continue;
+      }
       const std::span<const uint8_t> x = data.at(t->name);
       if (t->snapshot.empty()) {
         t->snapshot.assign(x.begin(), x.end());
@@ -730,6 +834,7 @@ Result<SyncStats> Sender::Sync(std::span<const SyncTensor> tensors) {
         std::memcpy(t->snapshot.data() + first * t->w, x.data() + first * t->w, count * t->w);
       }
     }
+    return Status::OK();
   });
 }
 
@@ -928,7 +1033,7 @@ Result<SyncStats> Sender::SyncShards(std::span<const ModelTensor> model,
 Result<SyncStats> Sender::SyncShardsAsRank0(std::span<const ModelTensor> model,
                                             std::span<const ShardedTensor> shards) {
   std::vector<TensorMeta> metas;
-  for (const ModelTensor& m : model) metas.push_back({m.name, m.dtype, &m.shape, {}});
+  for (const ModelTensor& m : model) metas.push_back({m.name, m.dtype, &m.shape, {}, {}});
   std::vector<TensorState*> order;
   Status checked = CheckModel(metas, &order);
   std::map<std::string, std::vector<stream::TensorChanges>, std::less<>> mine;
@@ -1031,7 +1136,7 @@ Result<SyncStats> Sender::SyncShardsAsRank0(std::span<const ModelTensor> model,
   Result<SyncStats> ended = begun;
   if (begun.ok()) {
     if (!local.ok()) round.streamed = local;
-    ended = EndSync(&round, order, [&] {
+    ended = EndSync(&round, order, [&]() -> Status {
       for (TensorState* t : order) {
         auto it = kept.find(t->name);
         if (it == kept.end()) continue;
@@ -1041,6 +1146,7 @@ Result<SyncStats> Sender::SyncShardsAsRank0(std::span<const ModelTensor> model,
                       t->w);
         }
       }
+      return Status::OK();
     });
   }
   uint8_t decision = ended.ok() ? 1 : 0;
@@ -1062,6 +1168,7 @@ Result<std::span<const uint8_t>> Sender::Snapshot(std::string_view name) const {
   if (it == tensors_.end() || !have_snapshot_) {
     return Status::NotFound("no committed state of tensor '" + std::string(name) + "'");
   }
+  if (it->second.device) return it->second.device->snapshot();
   return std::span<const uint8_t>(it->second.snapshot);
 }
 

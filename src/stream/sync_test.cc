@@ -15,6 +15,7 @@
 #include "deltasync/shard.h"
 #include "deltasync/stream.h"
 #include "stream/communicator_test_util.h"
+#include "stream/device_path.h"
 #include "stream/fault_communicator.h"
 #include "stream/frame.h"
 #include "stream/sync_messages.h"
@@ -471,18 +472,18 @@ TEST(SyncArguments, BadTensorsAreRefusedBeforeAnythingIsSent) {
       });
   ASSERT_TRUE(s.ok());
   std::vector<uint8_t> bytes(8);
-  std::vector<SyncTensor> t = {{"w", DType::kBF16, {3}, bytes}};
+  std::vector<SyncTensor> t = {{"w", DType::kBF16, {3}, bytes, {}}};
   EXPECT_TRUE(Contains((*s)->Sync(t).status(), "8 bytes, shape [3] of BF16 needs 6"));
-  t = {{"w", DType::kBF16, {4}, bytes}, {"w", DType::kBF16, {4}, bytes}};
+  t = {{"w", DType::kBF16, {4}, bytes, {}}, {"w", DType::kBF16, {4}, bytes, {}}};
   EXPECT_TRUE(Contains((*s)->Sync(t).status(), "passed twice"));
   EXPECT_EQ(connects, 0);
-  t = {{"w", DType::kBF16, {4}, bytes}};
+  t = {{"w", DType::kBF16, {4}, bytes, {}}};
   Result<SyncStats> first = (*s)->Sync(t);
   EXPECT_EQ(first.status().code(), StatusCode::kUnavailable);
   EXPECT_EQ(connects, 1);
-  t = {{"w", DType::kF32, {2}, bytes}};
+  t = {{"w", DType::kF32, {2}, bytes, {}}};
   EXPECT_TRUE(Contains((*s)->Sync(t).status(), "the first sync had BF16 [4]"));
-  t = {{"v", DType::kBF16, {4}, bytes}};
+  t = {{"v", DType::kBF16, {4}, bytes, {}}};
   EXPECT_TRUE(Contains((*s)->Sync(t).status(), "was not in the first sync"));
   EXPECT_EQ(connects, 1);
   SenderOptions small;
@@ -512,6 +513,52 @@ TEST(SyncArguments, ARegistrationThatCannotBeHeldIsRefused) {
   EXPECT_TRUE(Contains((*r)->Register("w", DType::kBF16, {32}, big), "registered twice"));
   EXPECT_EQ((*r)->ReceiveSync().status().code(), StatusCode::kUnavailable);
   EXPECT_EQ((*r)->Register("v", DType::kBF16, {32}, big).code(), StatusCode::kFailedPrecondition);
+}
+
+// A device placement this build or machine cannot serve is refused naming
+// the tensor, before anything is sent and with nothing registered (the
+// GPU cases are in tests/gpu/stream_cuda_test.cc).
+TEST(SyncArguments, ADevicePlacementThatCannotBeServedIsRefusedNamingTheTensor) {
+  int connects = 0;
+  Result<std::unique_ptr<StreamSender>> s =
+      StreamSender::Create([&]() -> Result<std::unique_ptr<Communicator>> {
+        ++connects;
+        return Status::Unavailable("no group in this test");
+      });
+  ASSERT_TRUE(s.ok());
+  std::vector<uint8_t> bytes(8);
+  std::vector<SyncTensor> t = {{"w", DType::kBF16, {4}, bytes, Placement::Cuda(0)}};
+  const Status sent = (*s)->Sync(t).status();
+  EXPECT_TRUE(Contains(sent, "tensor 'w'")) << sent.ToString();
+  // Without CUDA: Unsupported; without a GPU: FailedPrecondition; with one,
+  // host memory passed as device memory: InvalidArgument.
+  if (!stream::DevicePathBuilt()) {
+    EXPECT_EQ(sent.code(), StatusCode::kUnsupported) << sent.ToString();
+    EXPECT_TRUE(Contains(sent, "no CUDA")) << sent.ToString();
+  } else {
+    EXPECT_TRUE(sent.code() == StatusCode::kFailedPrecondition ||
+                sent.code() == StatusCode::kInvalidArgument)
+        << sent.ToString();
+  }
+  EXPECT_EQ(connects, 0);
+  // The refused first sync left nothing behind: the tensor may come again
+  // from host memory.
+  t[0].place = {};
+  EXPECT_EQ((*s)->Sync(t).status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(connects, 1);
+
+  Result<std::unique_ptr<StreamReceiver>> r = StreamReceiver::Create(
+      [] { return Result<std::unique_ptr<Communicator>>(Status::Unavailable("x")); });
+  ASSERT_TRUE(r.ok());
+  std::vector<uint8_t> dest(8);
+  const Status registered = (*r)->Register("w", DType::kBF16, {4}, dest, {}, Placement::Cuda(0));
+  EXPECT_FALSE(registered.ok());
+  EXPECT_TRUE(Contains(registered, "registering tensor 'w'")) << registered.ToString();
+  if (!stream::DevicePathBuilt()) {
+    EXPECT_EQ(registered.code(), StatusCode::kUnsupported);
+  }
+  // Nothing was registered: the same name goes in from host memory.
+  EXPECT_TRUE((*r)->Register("w", DType::kBF16, {4}, dest).ok());
 }
 
 // The file a peer process writes after each sync, once it holds `want`
@@ -594,7 +641,7 @@ Model ShardedModel(uint64_t seed) {
     std::vector<uint8_t> b(shape[0] * shape[1] * 2);
     for (uint8_t& x : b) x = static_cast<uint8_t>(rng());
     m.bytes.push_back(std::move(b));
-    m.tensors.push_back({name, DType::kBF16, shape, {}});
+    m.tensors.push_back({name, DType::kBF16, shape, {}, {}});
   }
   m.Rebind();
   return m;

@@ -19,14 +19,18 @@ struct Model {
   std::vector<SyncTensor> tensors;
   std::vector<std::vector<uint8_t>> bytes;
 
-  static Model Make(uint64_t seed) {
-    Model m;
-    const std::vector<std::tuple<std::string, DType, std::vector<int64_t>>> specs = {
+  using Spec = std::tuple<std::string, DType, std::vector<int64_t>>;
+  static std::vector<Spec> DefaultSpecs() {
+    return {
         {"a.weight", DType::kBF16, {64, 48}},
         {"b.bias", DType::kF32, {300}},
         {"c.weight", DType::kBF16, {5000}},
         {"d.empty", DType::kBF16, {0, 4}},
     };
+  }
+  // Random bytes for each tensor of `specs`.
+  static Model Make(uint64_t seed, const std::vector<Spec>& specs = DefaultSpecs()) {
+    Model m;
     std::mt19937_64 rng(seed);
     for (const auto& [name, dtype, shape] : specs) {
       int64_t n = 1;
@@ -34,7 +38,7 @@ struct Model {
       std::vector<uint8_t> b(n * DTypeSize(dtype));
       for (uint8_t& x : b) x = static_cast<uint8_t>(rng());
       m.bytes.push_back(std::move(b));
-      m.tensors.push_back({name, dtype, shape, {}});
+      m.tensors.push_back({name, dtype, shape, {}, {}});
     }
     m.Rebind();
     return m;
