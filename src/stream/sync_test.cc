@@ -465,11 +465,7 @@ TEST_F(SyncTest, AReceiverWhoseTensorsDifferIsRefusedNamingTheTensor) {
 
 TEST(SyncArguments, BadTensorsAreRefusedBeforeAnythingIsSent) {
   int connects = 0;
-  Result<std::unique_ptr<StreamSender>> s =
-      StreamSender::Create([&]() -> Result<std::unique_ptr<Communicator>> {
-        ++connects;
-        return Status::Unavailable("no group in this test");
-      });
+  Result<std::unique_ptr<StreamSender>> s = StreamSender::Create(sync_test::NoGroup(&connects));
   ASSERT_TRUE(s.ok());
   std::vector<uint8_t> bytes(8);
   std::vector<SyncTensor> t = {{"w", DType::kBF16, {3}, bytes, {}}};
@@ -488,19 +484,14 @@ TEST(SyncArguments, BadTensorsAreRefusedBeforeAnythingIsSent) {
   EXPECT_EQ(connects, 1);
   SenderOptions small;
   small.bucket_bytes = 1000;
-  EXPECT_EQ(
-      StreamSender::Create(
-          [] { return Result<std::unique_ptr<Communicator>>(Status::Unavailable("x")); }, small)
-          .status()
-          .code(),
-      StatusCode::kInvalidArgument);
+  EXPECT_EQ(StreamSender::Create(sync_test::NoGroup(), small).status().code(),
+            StatusCode::kInvalidArgument);
   EXPECT_EQ(ParseStreamEncoding("xor").status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(*ParseStreamEncoding("sparse"), StreamEncoding::kSparse);
 }
 
 TEST(SyncArguments, ARegistrationThatCannotBeHeldIsRefused) {
-  Result<std::unique_ptr<StreamReceiver>> r = StreamReceiver::Create(
-      [] { return Result<std::unique_ptr<Communicator>>(Status::Unavailable("x")); });
+  Result<std::unique_ptr<StreamReceiver>> r = StreamReceiver::Create(sync_test::NoGroup());
   ASSERT_TRUE(r.ok());
   std::vector<uint8_t> small(10);
   EXPECT_TRUE(Contains((*r)->Register("w", DType::kBF16, {8}, small), "holds 5 elements"));
@@ -520,11 +511,7 @@ TEST(SyncArguments, ARegistrationThatCannotBeHeldIsRefused) {
 // GPU cases are in tests/gpu/stream_cuda_test.cc).
 TEST(SyncArguments, ADevicePlacementThatCannotBeServedIsRefusedNamingTheTensor) {
   int connects = 0;
-  Result<std::unique_ptr<StreamSender>> s =
-      StreamSender::Create([&]() -> Result<std::unique_ptr<Communicator>> {
-        ++connects;
-        return Status::Unavailable("no group in this test");
-      });
+  Result<std::unique_ptr<StreamSender>> s = StreamSender::Create(sync_test::NoGroup(&connects));
   ASSERT_TRUE(s.ok());
   std::vector<uint8_t> bytes(8);
   std::vector<SyncTensor> t = {{"w", DType::kBF16, {4}, bytes, Placement::Cuda(0)}};
@@ -547,8 +534,7 @@ TEST(SyncArguments, ADevicePlacementThatCannotBeServedIsRefusedNamingTheTensor) 
   EXPECT_EQ((*s)->Sync(t).status().code(), StatusCode::kUnavailable);
   EXPECT_EQ(connects, 1);
 
-  Result<std::unique_ptr<StreamReceiver>> r = StreamReceiver::Create(
-      [] { return Result<std::unique_ptr<Communicator>>(Status::Unavailable("x")); });
+  Result<std::unique_ptr<StreamReceiver>> r = StreamReceiver::Create(sync_test::NoGroup());
   ASSERT_TRUE(r.ok());
   std::vector<uint8_t> dest(8);
   const Status registered = (*r)->Register("w", DType::kBF16, {4}, dest, {}, Placement::Cuda(0));

@@ -8,10 +8,21 @@
 #include <tuple>
 #include <vector>
 
+#include "deltasync/communicator.h"
 #include "deltasync/dtype.h"
 #include "deltasync/stream.h"
 
 namespace deltasync::sync_test {
+
+// A communicator factory that never forms a group (Unavailable), counting
+// its calls in `*connects` when given: for checks that fail before
+// anything is sent.
+inline CommunicatorFactory NoGroup(int* connects = nullptr) {
+  return [connects]() -> Result<std::unique_ptr<Communicator>> {
+    if (connects != nullptr) ++*connects;
+    return Status::Unavailable("no group in this test");
+  };
+}
 
 // A small model: BF16 and F32 tensors, one of them 2-D so that receivers
 // can hold row and column slices of it.

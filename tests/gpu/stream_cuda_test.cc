@@ -375,11 +375,7 @@ TEST_F(StreamCudaTest, ATensorOfSeveralDiffChunksStaysBitExact) {
 
 TEST_F(StreamCudaTest, MemoryThatIsNotWhereItsPlacementSaysIsRefusedByName) {
   int connects = 0;
-  Result<std::unique_ptr<StreamSender>> s =
-      StreamSender::Create([&]() -> Result<std::unique_ptr<Communicator>> {
-        ++connects;
-        return Status::Unavailable("no group in this test");
-      });
+  Result<std::unique_ptr<StreamSender>> s = StreamSender::Create(sync_test::NoGroup(&connects));
   ASSERT_TRUE(s.ok());
   std::vector<uint8_t> host(64);
   std::vector<SyncTensor> t = {{"w", DType::kBF16, {32}, host, Placement::Cuda(0)}};
@@ -412,8 +408,7 @@ TEST_F(StreamCudaTest, MemoryThatIsNotWhereItsPlacementSaysIsRefusedByName) {
   EXPECT_TRUE(Contains(refused, "'w'")) << refused.ToString();
   EXPECT_EQ(connects, 1);
 
-  Result<std::unique_ptr<StreamReceiver>> r = StreamReceiver::Create(
-      [] { return Result<std::unique_ptr<Communicator>>(Status::Unavailable("x")); });
+  Result<std::unique_ptr<StreamReceiver>> r = StreamReceiver::Create(sync_test::NoGroup());
   ASSERT_TRUE(r.ok());
   std::vector<uint8_t> dest_host(64);
   Status reg = (*r)->Register("w", DType::kBF16, {32}, dest_host, {}, Placement::Cuda(0));
@@ -434,16 +429,14 @@ TEST_F(StreamCudaTest, MemoryThatIsNotWhereItsPlacementSaysIsRefusedByName) {
 
 TEST(StreamCudaWithoutGpu, DevicePlacementsAreAFailedPreconditionNamingTheTensor) {
   if (HaveGpu()) GTEST_SKIP() << "a CUDA device is present";
-  Result<std::unique_ptr<StreamSender>> s = StreamSender::Create(
-      [] { return Result<std::unique_ptr<Communicator>>(Status::Unavailable("x")); });
+  Result<std::unique_ptr<StreamSender>> s = StreamSender::Create(sync_test::NoGroup());
   ASSERT_TRUE(s.ok());
   std::vector<uint8_t> bytes(8);
   std::vector<SyncTensor> t = {{"w", DType::kBF16, {4}, bytes, Placement::Cuda(0)}};
   const Status sent = (*s)->Sync(t).status();
   EXPECT_EQ(sent.code(), StatusCode::kFailedPrecondition) << sent.ToString();
   EXPECT_TRUE(Contains(sent, "tensor 'w'")) << sent.ToString();
-  Result<std::unique_ptr<StreamReceiver>> r = StreamReceiver::Create(
-      [] { return Result<std::unique_ptr<Communicator>>(Status::Unavailable("x")); });
+  Result<std::unique_ptr<StreamReceiver>> r = StreamReceiver::Create(sync_test::NoGroup());
   ASSERT_TRUE(r.ok());
   const Status reg = (*r)->Register("w", DType::kBF16, {4}, bytes, {}, Placement::Cuda(0));
   EXPECT_EQ(reg.code(), StatusCode::kFailedPrecondition) << reg.ToString();
