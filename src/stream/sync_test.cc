@@ -107,22 +107,8 @@ class ReceiverRig {
   Status Matches(const Model& m) const {
     for (size_t i = 0; i < m.tensors.size(); ++i) {
       const SyncTensor& t = m.tensors[i];
-      const size_t w = DTypeSize(t.dtype);
-      const std::vector<uint8_t>& want = m.bytes[i];
-      const std::vector<uint8_t>& got = buffers_[i];
-      if (runs_[i].empty()) {
-        if (got != want) return Status::Corruption("tensor " + t.name + " differs");
-        continue;
-      }
-      for (const DestinationRun& r : runs_[i]) {
-        for (uint64_t k = 0; k < r.count; ++k) {
-          if (std::memcmp(got.data() + (r.dest_offset + k * r.dest_stride) * w,
-                          want.data() + (r.hf_first + k) * w, w) != 0) {
-            return Status::Corruption("tensor " + t.name + " element " +
-                                      std::to_string(r.hf_first + k) + " differs");
-          }
-        }
-      }
+      DS_RETURN_IF_ERROR(
+          sync_test::HeldMatches(t.name, DTypeSize(t.dtype), m.bytes[i], buffers_[i], runs_[i]));
     }
     return Status::OK();
   }

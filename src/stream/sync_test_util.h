@@ -24,6 +24,27 @@ inline CommunicatorFactory NoGroup(int* connects = nullptr) {
   };
 }
 
+// That `got` (a receiver's buffer of tensor `name`, laid out by `runs`;
+// empty runs: the whole tensor) holds `want`'s elements; Corruption naming
+// the first differing element otherwise.
+inline Status HeldMatches(const std::string& name, size_t w, const std::vector<uint8_t>& want,
+                          const std::vector<uint8_t>& got,
+                          const std::vector<DestinationRun>& runs) {
+  if (runs.empty()) {
+    return got == want ? Status::OK() : Status::Corruption("tensor " + name + " differs");
+  }
+  for (const DestinationRun& r : runs) {
+    for (uint64_t k = 0; k < r.count; ++k) {
+      if (std::memcmp(got.data() + (r.dest_offset + k * r.dest_stride) * w,
+                      want.data() + (r.hf_first + k) * w, w) != 0) {
+        return Status::Corruption("tensor " + name + " element " + std::to_string(r.hf_first + k) +
+                                  " differs");
+      }
+    }
+  }
+  return Status::OK();
+}
+
 // A small model: BF16 and F32 tensors, one of them 2-D so that receivers
 // can hold row and column slices of it.
 struct Model {

@@ -175,19 +175,7 @@ class ReceiverRig {
       const std::vector<uint8_t> got =
           host_ ? host_bytes_[i]
                 : ToHost({static_cast<const uint8_t*>(device_[i].data()), host_bytes_[i].size()});
-      if (runs_[i].empty()) {
-        if (got != want) return Status::Corruption("tensor " + t.name + " differs");
-        continue;
-      }
-      for (const DestinationRun& r : runs_[i]) {
-        for (uint64_t k = 0; k < r.count; ++k) {
-          if (std::memcmp(got.data() + (r.dest_offset + k) * w, want.data() + (r.hf_first + k) * w,
-                          w) != 0) {
-            return Status::Corruption("tensor " + t.name + " element " +
-                                      std::to_string(r.hf_first + k) + " differs");
-          }
-        }
-      }
+      DS_RETURN_IF_ERROR(sync_test::HeldMatches(t.name, w, want, got, runs_[i]));
     }
     return Status::OK();
   }
