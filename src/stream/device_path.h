@@ -57,7 +57,9 @@ class DeviceSource {
   virtual Status Begin(std::span<const uint8_t> bytes, const Placement& place) = 0;
   // The changes of elements [first, first + count) against the snapshot
   // (positions from first, new and old values), refreshing the snapshot.
-  // Units come in ascending order within a sync.
+  // Units come in ascending order within a sync, and a tensor's units
+  // before another's: a diffed chunk's changes wait in the context's
+  // shared pinned staging.
   virtual Status Changes(uint64_t first, uint64_t count, ChangeSet* out) = 0;
   // What the unit adds to the digest of the whole tensor: before a
   // snapshot (`seed`), the digest of its current values; after, its share
