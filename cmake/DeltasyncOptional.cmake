@@ -120,8 +120,13 @@ macro(ds_probe_gloo out)
   endif()
 endmacro()
 
+# Debian's interpreter by default (its numpy and torch run the tests); pass
+# -DPython3_EXECUTABLE=... to build for another (pip install does).
 macro(ds_probe_python out)
   set(${out} OFF)
+  if(NOT Python3_EXECUTABLE AND EXISTS /usr/bin/python3)
+    set(Python3_EXECUTABLE /usr/bin/python3 CACHE FILEPATH "The Python the bindings are built for")
+  endif()
   find_package(Python3 COMPONENTS Interpreter Development QUIET)
   find_package(pybind11 CONFIG QUIET)
   if(Python3_FOUND AND pybind11_FOUND)

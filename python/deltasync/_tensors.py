@@ -1,0 +1,201 @@
+"""Tensors in, borrowed: numpy arrays and torch tensors as the core's TensorArg.
+
+Nothing is copied. The caller's object must stay alive while the core uses
+its memory; every public call keeps its arguments referenced until it
+returns, and a receiver keeps its registered destinations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from . import _deltasync
+from .errors import InvalidArgumentError, UnsupportedError
+
+try:  # torch is optional: numpy arrays work without it
+    import torch
+except ImportError:  # pragma: no cover - exercised where torch is absent
+    torch = None
+
+import numpy as np
+
+_TORCH_DTYPES: dict[Any, str] = {}
+if torch is not None:
+    _TORCH_DTYPES = {
+        torch.bool: "BOOL",
+        torch.uint8: "U8",
+        torch.int8: "I8",
+        torch.int16: "I16",
+        torch.float16: "F16",
+        torch.bfloat16: "BF16",
+        torch.int32: "I32",
+        torch.float32: "F32",
+        torch.int64: "I64",
+        torch.float64: "F64",
+    }
+    for _name, _code in (
+        ("float8_e4m3fn", "F8_E4M3"),
+        ("float8_e5m2", "F8_E5M2"),
+        ("uint16", "U16"),
+        ("uint32", "U32"),
+        ("uint64", "U64"),
+    ):
+        if hasattr(torch, _name):
+            _TORCH_DTYPES[getattr(torch, _name)] = _code
+
+_NUMPY_DTYPES = {
+    np.dtype(np.bool_): "BOOL",
+    np.dtype(np.uint8): "U8",
+    np.dtype(np.int8): "I8",
+    np.dtype(np.int16): "I16",
+    np.dtype(np.uint16): "U16",
+    np.dtype(np.float16): "F16",
+    np.dtype(np.int32): "I32",
+    np.dtype(np.uint32): "U32",
+    np.dtype(np.float32): "F32",
+    np.dtype(np.int64): "I64",
+    np.dtype(np.uint64): "U64",
+    np.dtype(np.float64): "F64",
+}
+
+
+class Raw:
+    """Host memory of a dtype numpy has no type for: ``Raw(uint16_array, "BF16")``.
+
+    The array's bytes are taken as ``dtype`` elements; the shape is the
+    array's (its item size must be the dtype's).
+    """
+
+    def __init__(self, array: np.ndarray, dtype: str) -> None:
+        if not isinstance(array, np.ndarray):
+            raise InvalidArgumentError(f"Raw: expected a numpy array, got {type(array).__name__}")
+        size = _deltasync.dtype_size(dtype)
+        if array.dtype.itemsize != size:
+            raise InvalidArgumentError(
+                f"Raw: a {array.dtype} array has {array.dtype.itemsize}-byte items, "
+                f"{dtype} has {size}"
+            )
+        self.array = array
+        self.dtype = dtype
+
+
+def is_torch(obj: Any) -> bool:
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def dtype_name(obj: Any) -> str:
+    """The safetensors dtype name of a tensor or array ("BF16", "F32", ...)."""
+    if isinstance(obj, Raw):
+        return obj.dtype
+    if is_torch(obj):
+        code = _TORCH_DTYPES.get(obj.dtype)
+        if code is None:
+            raise UnsupportedError(f"dtype {obj.dtype} has no deltasync counterpart")
+        return code
+    if isinstance(obj, np.ndarray):
+        code = _NUMPY_DTYPES.get(obj.dtype)
+        if code is None:
+            raise UnsupportedError(f"dtype {obj.dtype} has no deltasync counterpart")
+        return code
+    raise InvalidArgumentError(f"expected a torch tensor or numpy array, got {type(obj).__name__}")
+
+
+def arg(name: str, obj: Any, *, writable: bool = False) -> _deltasync.TensorArg:
+    """A TensorArg for ``obj``, named ``name`` in every error.
+
+    Refuses (InvalidArgumentError naming the tensor) what the core cannot
+    read in place: a non-contiguous or sparse tensor, an array that does not
+    own plain memory, a read-only array where ``writable``.
+    """
+    a = _deltasync.TensorArg()
+    a.name = name
+    if isinstance(obj, Raw):
+        array, code = obj.array, obj.dtype
+    else:
+        array, code = obj, None
+    try:
+        a.dtype = code or dtype_name(array)
+    except (InvalidArgumentError, UnsupportedError) as e:
+        raise type(e)(f"tensor '{name}': {e}") from None
+    if is_torch(array):
+        t = array
+        if t.layout != torch.strided:
+            raise InvalidArgumentError(f"tensor '{name}': a {t.layout} tensor (need a dense one)")
+        if not t.is_contiguous():
+            raise InvalidArgumentError(
+                f"tensor '{name}': not contiguous (strides {tuple(t.stride())}); "
+                "pass .contiguous() or register a contiguous view"
+            )
+        if t.device.type == "cuda":
+            a.device = t.device.index if t.device.index is not None else torch.cuda.current_device()
+            a.stream = torch.cuda.current_stream(t.device).cuda_stream
+        elif t.device.type != "cpu":
+            raise UnsupportedError(f"tensor '{name}': on {t.device} (deltasync takes cpu and cuda)")
+        a.shape = list(t.shape)
+        a.nbytes = t.numel() * t.element_size()
+        a.ptr = t.data_ptr()
+        a.writable = True
+        return a
+    if isinstance(array, np.ndarray):
+        if not array.flags.c_contiguous:
+            raise InvalidArgumentError(
+                f"tensor '{name}': not C-contiguous; pass np.ascontiguousarray(...)"
+            )
+        if writable and not array.flags.writeable:
+            raise InvalidArgumentError(f"tensor '{name}': read-only array, but it is written")
+        a.shape = list(array.shape)
+        a.nbytes = array.nbytes
+        a.ptr = array.ctypes.data if array.nbytes else 0
+        a.writable = bool(array.flags.writeable)
+        return a
+    raise InvalidArgumentError(
+        f"tensor '{name}': expected a torch tensor or numpy array, got {type(array).__name__}"
+    )
+
+
+def named(tensors: Any) -> list[tuple[str, Any]]:
+    """(name, tensor) pairs from a mapping (a state dict) or an iterable of pairs
+    (``model.named_parameters()``). Tensors that require grad are detached
+    (the same memory). Duplicate names are refused."""
+    if isinstance(tensors, Mapping):
+        items = list(tensors.items())
+    elif isinstance(tensors, Iterable):
+        items = list(tensors)
+    else:
+        raise InvalidArgumentError(
+            f"expected a mapping of names to tensors or (name, tensor) pairs, "
+            f"got {type(tensors).__name__}"
+        )
+    out = []
+    seen = set()
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise InvalidArgumentError(f"expected (name, tensor) pairs, got {item!r:.80}")
+        name, t = item
+        if name in seen:
+            raise InvalidArgumentError(f"tensor '{name}': named twice")
+        seen.add(name)
+        if is_torch(t) and t.requires_grad:
+            t = t.detach()
+        out.append((name, t))
+    return out
+
+
+def host(name: str, obj: Any) -> Any:
+    """``obj`` in host memory: a CUDA tensor is copied (for the disk transport)."""
+    if is_torch(obj) and obj.device.type != "cpu":
+        return obj.detach().to("cpu")
+    return obj
+
+
+def args(pairs: list[tuple[str, Any]], *, to_host: bool = False) -> tuple[list, list]:
+    """TensorArgs for (name, tensor) pairs, and the objects to keep alive."""
+    keep = []
+    out = []
+    for name, t in pairs:
+        if to_host:
+            t = host(name, t)
+        keep.append(t)
+        out.append(arg(name, t))
+    return out, keep

@@ -1,0 +1,236 @@
+"""The online transport: push each step's changed elements from the trainer to
+every rollout engine over a communicator, bit-exactly.
+
+A group has one sender (rank 0) and its receivers (ranks 1..n-1). Each
+:meth:`StreamSender.sync` diffs the tensors against the snapshot of the
+last sync, sends only what changed, and returns once every receiver has
+applied it and agreed on the state digests; a receiver that cannot keep up
+is reseeded. Protocol: docs/format.md ("The stream").
+
+The group is a :class:`Group` (deltasync forms it: ``gloo`` over TCP, or
+``nccl``, meeting through a rendezvous directory or a redis server) or a
+:class:`~deltasync.TorchGroup` over an existing ``torch.distributed`` group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+from . import _deltasync
+from ._closing import Closing
+from ._tensors import arg, args, dtype_name, named
+from .errors import InvalidArgumentError, UnsupportedError
+
+ShardSpec = _deltasync.ShardSpec
+
+
+@dataclasses.dataclass
+class Group:
+    """A group deltasync forms itself.
+
+    ``rendezvous`` is ``file:/a/dir/every/member/sees`` or ``redis://host:port``;
+    every member gives the same ``rendezvous``, ``size`` and ``group`` name,
+    and its own ``rank``. ``backend`` is ``"gloo"`` (host memory, TCP) or
+    ``"nccl"``; ``timeout_s`` bounds every call on a silent peer.
+    """
+
+    rendezvous: str
+    rank: int
+    size: int
+    backend: str = "gloo"
+    group: str = "deltasync"
+    hostname: str = ""
+    timeout_s: float = 30.0
+    connect_timeout_s: float = 60.0
+    cuda_device: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.backend:
+            raise InvalidArgumentError("Group: backend must be 'gloo' or 'nccl'")
+
+
+def built_communicators() -> list[str]:
+    """The built-in communicators this build has ("gloo", "nccl")."""
+    return list(_deltasync.built_communicators())
+
+
+class StreamSender(Closing):
+    """The trainer's side: rank 0 of ``group``.
+
+    ``encoding`` is the frames' encoding: ``"indices"`` (positions + values),
+    ``"sparse"`` (zstd-compressed) or ``"dense"``. ``verify_every``: every
+    n-th sync each receiver re-hashes all it holds (0: never beyond the
+    digests). For a sharded trainer, every trainer rank builds a sender with
+    ``trainers`` (the trainer ranks' group) and calls :meth:`sync_shards`;
+    trainer rank 0 is also ``group``'s rank 0, the other trainer ranks pass
+    ``group=None``.
+    """
+
+    def __init__(
+        self,
+        group: Any,
+        *,
+        trainers: Any = None,
+        encoding: str = "indices",
+        bucket_bytes: int = 64 << 20,
+        verify_every: int = 0,
+        zstd_level: int = 1,
+    ) -> None:
+        if group is None and trainers is None:
+            raise InvalidArgumentError("StreamSender: needs a group")
+        self._impl = _deltasync.StreamSender(
+            group, trainers, encoding, bucket_bytes,
+            verify_every, zstd_level,
+        )
+
+    def sync(self, tensors: Any) -> dict:
+        """Sends the change of ``tensors`` (a state dict or (name, tensor)
+        pairs, host or CUDA) since the last sync to every receiver. The first
+        sync, and any after a receiver joins or fails, seeds the whole model.
+        Returns ``sync_id``, ``changed``, ``bytes_sent``, ``seeded`` and the
+        time split (``diff_s``, ``encode_s``, ``transfer_s``, ``report_s``,
+        ``commit_s``, ``total_s``). On an error nothing is committed: the
+        next sync resends."""
+        targs, keep = args(named(tensors))
+        stats = self._live().sync(targs)
+        del keep
+        return stats
+
+    def sync_shards(self, model: Any, shards: Sequence[tuple[Any, Any]]) -> dict:
+        """One trainer rank's part of a sharded sync (every trainer rank calls
+        it). ``model`` is the whole model: ``{name: (dtype, shape)}`` or
+        (name, dtype, shape) triples, the same on every rank; ``shards`` are
+        this rank's (ShardSpec, local tensor) pairs (host memory)."""
+        if isinstance(model, Mapping):
+            entries = [(n, d, list(s)) for n, (d, s) in model.items()]
+        else:
+            entries = [(n, d, list(s)) for n, d, s in model]
+        pairs = []
+        keep = []
+        for spec, t in shards:
+            if not isinstance(spec, ShardSpec):
+                raise InvalidArgumentError(
+                    f"sync_shards: expected (ShardSpec, tensor) pairs, got {type(spec).__name__}"
+                )
+            name = spec.pieces[0].hf_name if spec.pieces else "shard"
+            keep.append(t)
+            pairs.append((spec, arg(name, t)))
+        stats = self._live().sync_shards(entries, pairs)
+        del keep
+        return stats
+
+    def snapshot(self, name: str) -> bytes:
+        """The bytes of tensor ``name`` as of the last committed sync."""
+        return self._live().snapshot(name)
+
+    @property
+    def committed_sync_id(self) -> int:
+        """The id of the last sync every receiver committed (0: none)."""
+        return self._live().committed_sync_id
+
+
+class StreamReceiver(Closing):
+    """An engine's side: rank ``r >= 1`` of ``group``.
+
+    Register every tensor the sender syncs, then call :meth:`receive` once
+    per sync. Changes are written in place into the registered tensors
+    (host or CUDA); a sync that fails leaves them as they were before it
+    (the sender resends or reseeds).
+    """
+
+    def __init__(self, group: Any, *, max_frame_bytes: int = 1 << 30) -> None:
+        self._dests: dict[str, Any] = {}
+        self._impl = _deltasync.StreamReceiver(group, max_frame_bytes)
+
+    def register(
+        self,
+        name: str,
+        dest: Any,
+        *,
+        runs: Optional[Iterable[tuple[int, int, int, int]]] = None,
+        shape: Optional[Sequence[int]] = None,
+        dtype: Optional[str] = None,
+    ) -> None:
+        """Receives tensor ``name`` into ``dest``.
+
+        Without ``runs``, ``dest`` is the whole tensor (its dtype and shape
+        are the sender's). With ``runs``, ``dest`` holds only parts of it
+        (a TP slice, a fused parameter): each run ``(first, count, offset,
+        stride)`` puts the tensor's flat elements ``first .. first+count-1``
+        at ``dest``'s flat elements ``offset, offset+stride, ...``; ``shape``
+        and ``dtype`` are then the sender's tensor's (dtype defaults to
+        ``dest``'s). Elements no run covers are not received."""
+        a = arg(name, dest, writable=True)
+        run_list = [tuple(int(x) for x in r) for r in runs] if runs is not None else []
+        if runs is not None and shape is None:
+            raise InvalidArgumentError(f"tensor '{name}': runs need the sender's shape")
+        self._live().register(a, run_list, dtype or "", list(shape) if shape is not None else [])
+        self._dests.setdefault(name, []).append(dest)
+
+    def register_all(self, tensors: Any) -> None:
+        """Registers every tensor of a state dict (or (name, tensor) pairs) whole."""
+        for name, t in named(tensors):
+            self.register(name, t)
+
+    def receive(self) -> dict:
+        """Takes one sync: returns ``sync_id``, ``seed``, ``frames``, ``bytes``,
+        ``elements_written`` and the time split."""
+        return self._live().receive()
+
+    def close(self) -> None:
+        super().close()
+        self._dests = {}
+
+
+def shard_spec_from_dtensor(name: str, dt: Any) -> ShardSpec:
+    """The :class:`ShardSpec` of an FSDP2 / tensor-parallel ``DTensor``
+    parameter named ``name``: which box of the whole tensor this rank's
+    local shard holds. ``Shard(d)`` placements split like ``torch.chunk``
+    (nested ones too); under ``Replicate`` only the replica at mesh
+    coordinate 0 contributes. ``Partial`` placements are refused (reduce
+    them first). Also available as ``ShardSpec.from_dtensor``."""
+    placements = getattr(dt, "placements", None)
+    mesh = getattr(dt, "device_mesh", None)
+    if placements is None or mesh is None:
+        raise InvalidArgumentError(f"tensor '{name}': not a DTensor (no placements/device_mesh)")
+    shape = [int(x) for x in dt.shape]
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise InvalidArgumentError(f"tensor '{name}': this rank is not in the DTensor's mesh")
+    offset = [0] * len(shape)
+    extent = list(shape)
+    contributes = True
+    for mesh_dim, p in enumerate(placements):
+        kind = type(p).__name__
+        if kind == "Replicate":
+            contributes = contributes and coord[mesh_dim] == 0
+            continue
+        if kind == "Shard" or hasattr(p, "dim") and kind.endswith("Shard"):
+            d = int(p.dim)
+            if d < 0:
+                d += len(shape)
+            n = int(mesh.size(mesh_dim))
+            c = int(coord[mesh_dim])
+            chunk = -(-extent[d] // n) if extent[d] else 0
+            start = min(c * chunk, extent[d])
+            size = max(0, min(extent[d], start + chunk) - start)
+            offset[d] += start
+            extent[d] = size
+            continue
+        raise UnsupportedError(
+            f"tensor '{name}': a {kind} placement (deltasync takes Shard and Replicate; "
+            "reduce a Partial tensor first)"
+        )
+    local = dt.to_local() if hasattr(dt, "to_local") else None
+    if local is not None and [int(x) for x in local.shape] != extent:
+        raise InvalidArgumentError(
+            f"tensor '{name}': its local shard is {list(local.shape)}, but its placements "
+            f"give {extent} (uneven sharding other than torch.chunk's is not supported)"
+        )
+    spec = ShardSpec.box(name, dtype_name(local if local is not None else dt), shape, offset, extent)
+    spec.contributes = contributes
+    return spec
+
+
+ShardSpec.from_dtensor = staticmethod(shard_spec_from_dtensor)

@@ -1,0 +1,119 @@
+"""The stream over a ``torch.distributed`` process group the trainer already has.
+
+``TorchGroup(group)`` lets a :class:`~deltasync.StreamSender` and its
+receivers talk through an existing Gloo or NCCL process group instead of
+forming their own. The group's rank 0 is the sender; every other rank is a
+receiver. Frames are host buffers: over Gloo they are sent in place, over
+NCCL each is staged through a device buffer on the group's device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .errors import InvalidArgumentError, UnsupportedError
+
+try:
+    import torch
+    import torch.distributed as dist
+except ImportError:  # pragma: no cover
+    torch = None
+    dist = None
+
+
+def _global_rank(group: Any, rank: int) -> int:
+    if group is None or group is dist.group.WORLD:
+        return rank
+    if hasattr(dist, "get_global_rank"):
+        return dist.get_global_rank(group, rank)
+    return dist.distributed_c10d._get_global_rank(group, rank)  # torch < 2.0
+
+
+class TorchGroup:
+    """A communicator over ``group`` (None: the default group).
+
+    ``timeout_s`` is what deltasync reports as the communicator's timeout;
+    the group's own timeout (``init_process_group(timeout=...)``) decides
+    when a silent peer fails a call. ``device`` is the CUDA device an NCCL
+    group stages through (default: the current one).
+    """
+
+    backend = ""  # not a built-in communicator: deltasync calls the methods below
+
+    def __init__(self, group: Any = None, *, timeout_s: float = 1800, device: Any = None) -> None:
+        if dist is None or not dist.is_available():
+            raise UnsupportedError("TorchGroup: this torch has no torch.distributed")
+        if not dist.is_initialized():
+            raise InvalidArgumentError(
+                "TorchGroup: torch.distributed is not initialized (call init_process_group first)"
+            )
+        self.group = group
+        self.torch_backend = str(dist.get_backend(group)).lower()
+        if self.torch_backend not in ("gloo", "nccl"):
+            raise UnsupportedError(
+                f"TorchGroup: a {self.torch_backend} group (deltasync takes gloo and nccl groups)"
+            )
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        if self.rank < 0:
+            raise InvalidArgumentError("TorchGroup: this process is not a member of the group")
+        self.name = "torch-" + self.torch_backend
+        self.timeout_s = float(timeout_s)
+        self._device: Optional[Any] = None
+        if self.torch_backend == "nccl":
+            self._device = torch.device("cuda", torch.cuda.current_device()) if device is None \
+                else torch.device(device)
+
+    @property
+    def impl(self) -> "TorchGroup":
+        return self
+
+    def _global(self, rank: int) -> int:
+        return _global_rank(self.group, rank)
+
+    def _wrap(self, view: memoryview) -> "torch.Tensor":
+        return torch.frombuffer(view, dtype=torch.uint8)
+
+    def _staged(self, host: "torch.Tensor") -> "torch.Tensor":
+        return host if self._device is None else host.to(self._device)
+
+    def _back(self, staged: "torch.Tensor", host: "torch.Tensor") -> None:
+        if staged is not host:
+            host.copy_(staged)
+
+    def send(self, peer: int, view: memoryview) -> None:
+        t = self._staged(self._wrap(view))
+        dist.send(t, dst=self._global(peer), group=self.group)
+
+    def recv(self, peer: int, view: memoryview) -> None:
+        host = self._wrap(view)
+        t = self._staged(host)
+        dist.recv(t, src=self._global(peer), group=self.group)
+        self._back(t, host)
+
+    def broadcast(self, root: int, view: memoryview) -> None:
+        host = self._wrap(view)
+        t = self._staged(host)
+        dist.broadcast(t, src=self._global(root), group=self.group)
+        self._back(t, host)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def gather(self, root: int, record: memoryview, out: Optional[memoryview]) -> None:
+        t = self._staged(self._wrap(record))
+        if out is None:
+            dist.gather(t, gather_list=None, dst=self._global(root), group=self.group)
+            return
+        host = self._wrap(out).view(self.size, -1)
+        staged = self._staged(host)
+        rows = list(staged.unbind(0))
+        dist.gather(t, gather_list=rows, dst=self._global(root), group=self.group)
+        self._back(staged, host)
+
+    def all_gather(self, record: memoryview, out: memoryview) -> None:
+        t = self._staged(self._wrap(record))
+        host = self._wrap(out).view(self.size, -1)
+        staged = self._staged(host)
+        dist.all_gather(list(staged.unbind(0)), t, group=self.group)
+        self._back(staged, host)

@@ -1,0 +1,93 @@
+// Shared by the extension's files: Status to the package's exceptions,
+// and the tensors the Python layer passes in (python/deltasync/_tensors.py
+// turns numpy arrays and torch tensors into TensorArg, zero-copy).
+#pragma once
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "deltasync/dtype.h"
+#include "deltasync/status.h"
+#include "deltasync/store.h"
+#include "deltasync/stream.h"
+#include "deltasync/tensor.h"
+
+namespace deltasync::python {
+
+namespace py = pybind11;
+
+// Raises the package's exception for `s` (deltasync.errors: one class per
+// code) with its message. Never returns.
+[[noreturn]] void Raise(const Status& s);
+
+inline void Check(const Status& s) {
+  if (!s.ok()) Raise(s);
+}
+template <typename T>
+T Take(Result<T> r) {
+  if (!r.ok()) Raise(r.status());
+  return std::move(*r);
+}
+
+// A tensor's memory as the Python layer found it: no ownership (the Python
+// object holding it stays referenced by the caller for as long as it is
+// used).
+struct TensorArg {
+  std::string name;
+  std::string dtype;  // safetensors name: "BF16", "F32", ...
+  std::vector<int64_t> shape;
+  uintptr_t ptr = 0;
+  uint64_t nbytes = 0;
+  int device = -1;       // CUDA device, -1 for host memory
+  uintptr_t stream = 0;  // cudaStream_t of a CUDA tensor
+  bool writable = true;
+
+  DType ParsedDType() const;
+  // Checks the byte count against the shape; InvalidArgument naming the
+  // tensor.
+  Status Validate() const;
+  std::span<const uint8_t> bytes() const {
+    return {reinterpret_cast<const uint8_t*>(ptr), static_cast<size_t>(nbytes)};
+  }
+  std::span<uint8_t> mutable_bytes() const {
+    return {reinterpret_cast<uint8_t*>(ptr), static_cast<size_t>(nbytes)};
+  }
+  Placement place() const {
+    return device < 0 ? Placement{} : Placement::Cuda(device, reinterpret_cast<void*>(stream));
+  }
+  TensorView View() const { return {name, ParsedDType(), shape, bytes()}; }
+};
+
+// "[2, 3]".
+inline std::string ShapeText(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i > 0) out += ", ";
+    out += std::to_string(shape[i]);
+  }
+  return out + "]";
+}
+
+// Host memory only: InvalidArgument naming the tensor and `what` otherwise.
+Status RequireHost(const TensorArg& t, const std::string& what);
+
+// Host views of `tensors` (RequireHost, naming `what`), for the disk
+// transport; store.cc.
+std::vector<TensorView> HostViews(const std::vector<TensorArg>& tensors, const char* what);
+
+void BindStream(py::module_& m);
+void BindStore(py::module_& m);
+void BindAgent(py::module_& m);
+
+// Shared by store.cc and agent.cc (the coordinator holds a publisher).
+py::dict PublishDict(const PublishResult& p);
+PublisherOptions MakePublisherOptions(const std::string& store, const std::string& encoding,
+                                      int64_t full_every, const std::string& checksum,
+                                      int zstd_level);
+
+}  // namespace deltasync::python

@@ -1,0 +1,179 @@
+// The extension module deltasync._deltasync: errors, tensors, and the diff
+// and codec calls on tensors. The stream and the disk store are bound in
+// their own files.
+#include <pybind11/numpy.h>
+
+#include <cstring>
+
+#include "common.h"
+#include "deltasync/codec.h"
+#include "deltasync/diff.h"
+
+namespace deltasync::python {
+namespace {
+
+py::object& ErrorsModule() {
+  static py::object* errors = new py::object(py::module_::import("deltasync.errors"));
+  return *errors;
+}
+
+}  // namespace
+
+void Raise(const Status& s) {
+  py::gil_scoped_acquire gil;
+  py::object cls = ErrorsModule().attr("error_for_code")(static_cast<int>(s.code()));
+  PyErr_SetObject(cls.ptr(), py::str(s.message()).ptr());
+  throw py::error_already_set();
+}
+
+DType TensorArg::ParsedDType() const {
+  Result<DType> d = ParseDType(dtype);
+  return d.ok() ? *d : DType::kU8;
+}
+
+Status TensorArg::Validate() const {
+  const std::string what = "tensor '" + name + "'";
+  Result<DType> d = ParseDType(dtype);
+  if (!d.ok()) return Status::InvalidArgument(what + ": " + d.status().message());
+  uint64_t numel = 1;
+  for (int64_t x : shape) {
+    if (x < 0) return Status::InvalidArgument(what + ": a negative dimension");
+    numel *= static_cast<uint64_t>(x);
+  }
+  if (numel * DTypeSize(*d) != nbytes) {
+    return Status::InvalidArgument(what + ": " + std::to_string(nbytes) +
+                                   " bytes, but its shape of " + dtype + " needs " +
+                                   std::to_string(numel * DTypeSize(*d)));
+  }
+  if (nbytes > 0 && ptr == 0) return Status::InvalidArgument(what + ": null data");
+  return Status::OK();
+}
+
+Status RequireHost(const TensorArg& t, const std::string& what) {
+  if (t.device >= 0) {
+    return Status::InvalidArgument("tensor '" + t.name + "': on CUDA device " +
+                                   std::to_string(t.device) + ", but " + what +
+                                   " takes host memory (move it with .cpu())");
+  }
+  return Status::OK();
+}
+
+namespace {
+
+// The changes of `current` against `snapshot` (host tensors of one dtype
+// and shape): positions (uint64) and the new values' bytes; the snapshot
+// takes the new values when `refresh`.
+py::tuple PyDiff(const TensorArg& current, const TensorArg& snapshot, bool refresh) {
+  Check(current.Validate());
+  Check(snapshot.Validate());
+  Check(RequireHost(current, "diff"));
+  Check(RequireHost(snapshot, "diff"));
+  if (current.dtype != snapshot.dtype || current.shape != snapshot.shape) {
+    Raise(Status::InvalidArgument("tensor '" + current.name + "': " + current.dtype +
+                                  " against a snapshot of " + snapshot.dtype +
+                                  " (dtypes and shapes must match)"));
+  }
+  if (refresh && !snapshot.writable) {
+    Raise(Status::InvalidArgument("tensor '" + snapshot.name +
+                                  "': read-only, but refresh writes the new values into it"));
+  }
+  ChangeSet changes;
+  Status s;
+  {
+    py::gil_scoped_release release;
+    DiffOptions o;
+    o.elem_size = static_cast<uint32_t>(DTypeSize(current.ParsedDType()));
+    o.refresh_snapshot = refresh;
+    o.keep_old_values = false;
+    s = DiffTensor(current.bytes(), snapshot.mutable_bytes(), o, &changes);
+  }
+  Check(s);
+  py::array_t<uint64_t> positions(static_cast<py::ssize_t>(changes.count()));
+  uint64_t* p = positions.mutable_data();
+  for (uint64_t i = 0; i < changes.count(); ++i) p[i] = changes.position(i);
+  py::bytes values(reinterpret_cast<const char*>(changes.new_values.data()),
+                   changes.new_values.size());
+  return py::make_tuple(positions, values);
+}
+
+// `current`'s changes against `base`, encoded (the disk store's per-tensor
+// encodings, docs/format.md).
+py::bytes PyEncode(const TensorArg& current, const TensorArg& base, const std::string& encoding) {
+  Check(current.Validate());
+  Check(base.Validate());
+  Check(RequireHost(current, "encode"));
+  Check(RequireHost(base, "encode"));
+  if (current.dtype != base.dtype || current.shape != base.shape) {
+    Raise(Status::InvalidArgument("tensor '" + current.name + "': " + current.dtype +
+                                  " against a base of " + base.dtype +
+                                  " (dtypes and shapes must match)"));
+  }
+  const Encoding e = Take(ParseEncoding(encoding));
+  std::vector<uint8_t> out;
+  Status s;
+  {
+    py::gil_scoped_release release;
+    std::vector<uint8_t> scratch(base.bytes().begin(), base.bytes().end());
+    ChangeSet changes;
+    DiffOptions o;
+    o.elem_size = static_cast<uint32_t>(DTypeSize(current.ParsedDType()));
+    o.refresh_snapshot = false;
+    o.keep_old_values = true;
+    s = DiffTensor(current.bytes(), scratch, o, &changes);
+    if (s.ok()) s = deltasync::Encode(e, current.bytes(), changes, EncodeOptions{}, &out);
+  }
+  Check(s);
+  return py::bytes(reinterpret_cast<const char*>(out.data()), out.size());
+}
+
+// Applies an encoding in place to `target` (which holds its base).
+void PyDecodeApply(const py::bytes& encoded, const TensorArg& target, const std::string& encoding) {
+  Check(target.Validate());
+  Check(RequireHost(target, "decode_apply"));
+  if (!target.writable) {
+    Raise(Status::InvalidArgument("tensor '" + target.name + "': read-only"));
+  }
+  const Encoding e = Take(ParseEncoding(encoding));
+  std::string_view view = encoded;
+  Status s;
+  {
+    py::gil_scoped_release release;
+    s = deltasync::DecodeApply(e, {reinterpret_cast<const uint8_t*>(view.data()), view.size()},
+                               target.mutable_bytes(),
+                               static_cast<uint32_t>(DTypeSize(target.ParsedDType())));
+  }
+  if (!s.ok()) Raise(Status(s.code(), "tensor '" + target.name + "': " + s.message()));
+}
+
+}  // namespace
+}  // namespace deltasync::python
+
+PYBIND11_MODULE(_deltasync, m) {
+  using namespace deltasync;
+  using namespace deltasync::python;
+  m.doc() = "deltasync's C++ core; use the deltasync package, which wraps it.";
+  py::class_<TensorArg>(m, "TensorArg", "A tensor's memory, borrowed (see deltasync._tensors).")
+      .def(py::init<>())
+      .def_readwrite("name", &TensorArg::name)
+      .def_readwrite("dtype", &TensorArg::dtype)
+      .def_readwrite("shape", &TensorArg::shape)
+      .def_readwrite("ptr", &TensorArg::ptr)
+      .def_readwrite("nbytes", &TensorArg::nbytes)
+      .def_readwrite("device", &TensorArg::device)
+      .def_readwrite("stream", &TensorArg::stream)
+      .def_readwrite("writable", &TensorArg::writable);
+  m.def("diff", &PyDiff, py::arg("current"), py::arg("snapshot"), py::arg("refresh"));
+  m.def("encode", &PyEncode, py::arg("current"), py::arg("base"), py::arg("encoding"));
+  m.def("decode_apply", &PyDecodeApply, py::arg("encoded"), py::arg("target"), py::arg("encoding"));
+  m.def("built_with_cuda", [] { return DS_PY_HAVE_CUDA != 0; });
+  m.attr("__version__") = DS_PY_VERSION;
+  m.def("encodings", [] {
+    std::vector<std::string> out;
+    for (Encoding e : AllEncodings()) out.emplace_back(EncodingName(e));
+    return out;
+  });
+  m.def("dtype_size", [](const std::string& dtype) { return DTypeSize(Take(ParseDType(dtype))); });
+  BindStream(m);
+  BindStore(m);
+  BindAgent(m);
+}

@@ -1,0 +1,452 @@
+// The stream (include/deltasync/stream.h) for deltasync.stream: the sender
+// and receiver over a built-in communicator (gloo, nccl) or over a Python
+// object (deltasync.torch_group: an existing torch.distributed group), and
+// the shard placements of a sharded trainer.
+#include <chrono>
+#include <memory>
+#include <optional>
+
+#include "common.h"
+#include "deltasync/communicator.h"
+#include "deltasync/shard.h"
+
+namespace deltasync::python {
+namespace {
+
+// A Communicator whose collectives are the methods of a Python object
+// (deltasync/torch_group.py documents them). Each call takes the GIL; a
+// Python exception becomes Unavailable (DeadlineExceeded for a timeout)
+// with its text, and breaks the communicator.
+class PyCommunicator final : public Communicator {
+ public:
+  // Reads the group's shape from `impl` (only touched under the GIL, which
+  // this takes): InvalidArgument when it is not a communicator object.
+  static Result<std::unique_ptr<Communicator>> Make(const py::object& impl) {
+    py::gil_scoped_acquire gil;
+    std::unique_ptr<PyCommunicator> c(new PyCommunicator());
+    try {
+      c->impl_ = impl;
+      c->rank_ = impl.attr("rank").cast<int>();
+      c->size_ = impl.attr("size").cast<int>();
+      c->name_ = impl.attr("name").cast<std::string>();
+      c->timeout_ = std::chrono::milliseconds(
+          static_cast<int64_t>(impl.attr("timeout_s").cast<double>() * 1000));
+    } catch (const std::exception& e) {
+      return Status::InvalidArgument(std::string("a Python communicator: ") + e.what());
+    }
+    return std::unique_ptr<Communicator>(std::move(c));
+  }
+  ~PyCommunicator() override {
+    py::gil_scoped_acquire gil;
+    impl_ = py::object();
+  }
+
+  std::string_view name() const override { return name_; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  uint64_t generation() const override { return 0; }
+  CommunicatorCapabilities capabilities() const override {
+    CommunicatorCapabilities c;
+    c.host_buffers = true;
+    c.point_to_point = true;
+    return c;
+  }
+  std::chrono::milliseconds timeout() const override { return timeout_; }
+  Status health() const override { return broken_; }
+
+  Status Send(int peer, std::span<const uint8_t> data) override {
+    if (data.empty()) return Usable();
+    py::gil_scoped_acquire gil;
+    return CallHeld("send", peer, View(data));
+  }
+  Status Recv(int peer, std::span<uint8_t> data) override {
+    if (data.empty()) return Usable();
+    py::gil_scoped_acquire gil;
+    return CallHeld("recv", peer, View(data));
+  }
+  Status Broadcast(int root, std::span<uint8_t> data) override {
+    if (data.empty()) return Usable();
+    py::gil_scoped_acquire gil;
+    return CallHeld("broadcast", root, View(data));
+  }
+  Status Barrier() override {
+    py::gil_scoped_acquire gil;
+    return CallHeld("barrier");
+  }
+  Status Gather(int root, std::span<const uint8_t> record, std::span<uint8_t> out) override {
+    if (rank_ == root && out.size() != record.size() * static_cast<size_t>(size_)) {
+      return Status::InvalidArgument(name_ + " gather: out holds " + std::to_string(out.size()) +
+                                     " bytes, not " + std::to_string(size_) + " records of " +
+                                     std::to_string(record.size()));
+    }
+    if (record.empty()) return Usable();
+    py::gil_scoped_acquire gil;
+    py::object o = rank_ == root ? py::object(View(out)) : py::object(py::none());
+    return CallHeld("gather", root, View(record), o);
+  }
+  Status AllGather(std::span<const uint8_t> record, std::span<uint8_t> out) override {
+    if (out.size() != record.size() * static_cast<size_t>(size_)) {
+      return Status::InvalidArgument(
+          name_ + " all_gather: out holds " + std::to_string(out.size()) + " bytes, not " +
+          std::to_string(size_) + " records of " + std::to_string(record.size()));
+    }
+    if (record.empty()) return Usable();
+    py::gil_scoped_acquire gil;
+    return CallHeld("all_gather", View(record), View(out));
+  }
+
+ private:
+  // A writable view (torch.frombuffer warns on read-only ones); the
+  // communicator's callers never write through a record they send. Needs
+  // the GIL.
+  static py::memoryview View(std::span<const uint8_t> data) {
+    return py::memoryview::from_memory(const_cast<uint8_t*>(data.data()),
+                                       static_cast<py::ssize_t>(data.size()), false);
+  }
+
+  PyCommunicator() = default;
+  Status Usable() const { return broken_; }
+
+  // Needs the GIL.
+  template <typename... Args>
+  Status CallHeld(const char* method, Args&&... args) {
+    if (!broken_.ok()) return broken_;
+    try {
+      impl_.attr(method)(std::forward<Args>(args)...);
+      return Status::OK();
+    } catch (py::error_already_set& e) {
+      const bool timeout = e.matches(PyExc_TimeoutError) ||
+                           std::string(e.what()).find("imed out") != std::string::npos;
+      const std::string text = name_ + " " + method + ": " + e.what();
+      broken_ = timeout ? Status::DeadlineExceeded(text) : Status::Unavailable(text);
+      return broken_;
+    }
+  }
+
+  py::object impl_;
+  int rank_ = 0;
+  int size_ = 1;
+  std::string name_;
+  std::chrono::milliseconds timeout_{0};
+  Status broken_;
+};
+
+// How a sender or receiver reaches its group: a built-in communicator by
+// name and options, or a Python object (see PyCommunicator). A factory may
+// be called again after a failure (reconnect), so it makes a new one each
+// time.
+struct Connect {
+  std::string backend;  // "gloo", "nccl", or "" for `impl`
+  CommunicatorOptions options;
+  py::object impl;
+
+  CommunicatorFactory Factory() const {
+    if (backend.empty()) {
+      // The factory may die where the GIL is not held: its copy of the
+      // object takes the GIL to let go.
+      std::shared_ptr<py::object> held(new py::object(impl), [](py::object* p) {
+        py::gil_scoped_acquire gil;
+        delete p;
+      });
+      return
+          [held]() -> Result<std::unique_ptr<Communicator>> { return PyCommunicator::Make(*held); };
+    }
+    return [b = backend, o = options]() { return CreateCommunicator(b, o); };
+  }
+};
+
+Connect MakeConnect(const py::object& spec) {
+  Connect c;
+  if (py::hasattr(spec, "backend") && !py::isinstance<py::str>(spec)) {
+    c.backend = spec.attr("backend").cast<std::string>();
+    if (c.backend.empty()) {
+      c.impl = spec.attr("impl");
+      return c;
+    }
+    CommunicatorOptions& o = c.options;
+    o.rendezvous = Take(ParseRendezvous(spec.attr("rendezvous").cast<std::string>()));
+    o.rank = spec.attr("rank").cast<int>();
+    o.size = spec.attr("size").cast<int>();
+    o.group = spec.attr("group").cast<std::string>();
+    o.hostname = spec.attr("hostname").cast<std::string>();
+    o.timeout = std::chrono::milliseconds(
+        static_cast<int64_t>(spec.attr("timeout_s").cast<double>() * 1000));
+    o.connect_timeout = std::chrono::milliseconds(
+        static_cast<int64_t>(spec.attr("connect_timeout_s").cast<double>() * 1000));
+    o.cuda_device = spec.attr("cuda_device").cast<int>();
+    return c;
+  }
+  Raise(Status::InvalidArgument("a communicator: expected deltasync.Group or a torch group"));
+}
+
+py::dict SyncDict(const SyncStats& s) {
+  py::dict d;
+  d["sync_id"] = s.sync_id;
+  d["receivers"] = s.receivers;
+  d["seeded"] = s.seeded;
+  d["changed"] = s.changed;
+  d["sent_elements"] = s.sent_elements;
+  d["frames"] = s.frames;
+  d["bytes_sent"] = s.bytes_sent;
+  d["verify_all"] = s.verify_all;
+  d["buffer_bytes"] = s.buffer_bytes;
+  d["diff_s"] = s.diff_s;
+  d["encode_s"] = s.encode_s;
+  d["transfer_s"] = s.transfer_s;
+  d["report_s"] = s.report_s;
+  d["commit_s"] = s.commit_s;
+  d["total_s"] = s.total_s;
+  return d;
+}
+
+py::dict ReceiveDict(const ReceiveStats& s) {
+  py::dict d;
+  d["sync_id"] = s.sync_id;
+  d["seed"] = s.seed;
+  d["verify_all"] = s.verify_all;
+  d["frames"] = s.frames;
+  d["bytes"] = s.bytes;
+  d["elements_written"] = s.elements_written;
+  d["wait_s"] = s.wait_s;
+  d["receive_s"] = s.receive_s;
+  d["apply_s"] = s.apply_s;
+  d["verify_s"] = s.verify_s;
+  return d;
+}
+
+Status Closed(const char* what) {
+  return Status::FailedPrecondition(std::string(what) + " is closed");
+}
+
+class PySender {
+ public:
+  PySender(const py::object& group, const py::object& trainers, const std::string& encoding,
+           uint64_t bucket_bytes, uint32_t verify_every, int zstd_level) {
+    SenderOptions so;
+    so.encoding = Take(ParseStreamEncoding(encoding));
+    so.bucket_bytes = bucket_bytes;
+    so.verify_every = verify_every;
+    so.zstd_level = zstd_level;
+    // A sharded trainer's ranks other than 0 have no stream group.
+    const CommunicatorFactory stream =
+        group.is_none() ? CommunicatorFactory() : MakeConnect(group).Factory();
+    std::optional<CommunicatorFactory> trainer;
+    if (!trainers.is_none()) trainer = MakeConnect(trainers).Factory();
+    Result<std::unique_ptr<StreamSender>> r = Status::OK();
+    {
+      py::gil_scoped_release release;
+      r = trainer ? StreamSender::CreateSharded(*trainer, stream, so)
+                  : StreamSender::Create(stream, so);
+    }
+    sender_ = Take(std::move(r));
+  }
+  ~PySender() { Close(); }
+
+  py::dict Sync(const std::vector<TensorArg>& tensors) {
+    Usable();
+    std::vector<SyncTensor> ts;
+    ts.reserve(tensors.size());
+    for (const TensorArg& t : tensors) {
+      Check(t.Validate());
+      ts.push_back({t.name, t.ParsedDType(), t.shape, t.bytes(), t.place()});
+    }
+    Result<SyncStats> r = Status::OK();
+    {
+      py::gil_scoped_release release;
+      r = sender_->Sync(ts);
+    }
+    return SyncDict(Take(std::move(r)));
+  }
+
+  py::dict SyncShards(
+      const std::vector<std::tuple<std::string, std::string, std::vector<int64_t>>>& model,
+      const std::vector<std::pair<ShardSpec, TensorArg>>& shards) {
+    Usable();
+    std::vector<ModelTensor> m;
+    for (const auto& [name, dtype, shape] : model) {
+      m.push_back({name, Take(ParseDType(dtype)), shape});
+    }
+    std::vector<ShardedTensor> s;
+    for (const auto& [spec, t] : shards) {
+      Check(t.Validate());
+      Check(RequireHost(t, "a sharded sync"));
+      if (spec.dtype != t.ParsedDType() || spec.local_shape != t.shape) {
+        Raise(Status::InvalidArgument("tensor '" + t.name + "': " + t.dtype + " " +
+                                      ShapeText(t.shape) + ", but its shard spec says " +
+                                      std::string(DTypeName(spec.dtype)) + " " +
+                                      ShapeText(spec.local_shape)));
+      }
+      s.push_back({spec, t.bytes()});
+    }
+    Result<SyncStats> r = Status::OK();
+    {
+      py::gil_scoped_release release;
+      r = sender_->SyncShards(m, s);
+    }
+    return SyncDict(Take(std::move(r)));
+  }
+
+  py::bytes Snapshot(const std::string& name) const {
+    Usable();
+    const std::span<const uint8_t> s = Take(sender_->Snapshot(name));
+    return py::bytes(reinterpret_cast<const char*>(s.data()), s.size());
+  }
+
+  uint64_t committed_sync_id() const {
+    Usable();
+    return sender_->committed_sync_id();
+  }
+  bool closed() const { return sender_ == nullptr; }
+  void Close() {
+    py::gil_scoped_release release;
+    sender_.reset();
+  }
+
+ private:
+  void Usable() const {
+    if (!sender_) Raise(Closed("StreamSender"));
+  }
+  std::unique_ptr<StreamSender> sender_;
+};
+
+class PyReceiver {
+ public:
+  PyReceiver(const py::object& group, uint64_t max_frame_bytes) {
+    ReceiverOptions ro;
+    ro.max_frame_bytes = max_frame_bytes;
+    const CommunicatorFactory f = MakeConnect(group).Factory();
+    Result<std::unique_ptr<StreamReceiver>> r = Status::OK();
+    {
+      py::gil_scoped_release release;
+      r = StreamReceiver::Create(f, ro);
+    }
+    receiver_ = Take(std::move(r));
+  }
+  ~PyReceiver() { Close(); }
+
+  void Register(const TensorArg& t,
+                const std::vector<std::tuple<uint64_t, uint64_t, uint64_t, uint64_t>>& runs,
+                const std::string& hf_dtype, const std::vector<int64_t>& hf_shape) {
+    Usable();
+    Check(t.Validate());
+    if (!t.writable) Raise(Status::InvalidArgument("tensor '" + t.name + "': read-only"));
+    std::vector<DestinationRun> rs;
+    rs.reserve(runs.size());
+    for (const auto& [first, count, offset, stride] : runs) {
+      rs.push_back({first, count, offset, stride});
+    }
+    const DType dtype = hf_dtype.empty() ? t.ParsedDType() : Take(ParseDType(hf_dtype));
+    Check(receiver_->Register(t.name, dtype, runs.empty() ? t.shape : hf_shape, t.mutable_bytes(),
+                              rs, t.place()));
+  }
+
+  py::dict Receive() {
+    Usable();
+    Result<ReceiveStats> r = Status::OK();
+    {
+      py::gil_scoped_release release;
+      r = receiver_->ReceiveSync();
+    }
+    return ReceiveDict(Take(std::move(r)));
+  }
+  bool closed() const { return receiver_ == nullptr; }
+  void Close() {
+    py::gil_scoped_release release;
+    receiver_.reset();
+  }
+
+ private:
+  void Usable() const {
+    if (!receiver_) Raise(Closed("StreamReceiver"));
+  }
+  std::unique_ptr<StreamReceiver> receiver_;
+};
+
+ShardSpec Named(Result<ShardSpec> r) { return Take(std::move(r)); }
+
+}  // namespace
+
+void BindStream(py::module_& m) {
+  py::class_<ShardPiece>(m, "ShardPiece")
+      .def_readonly("hf_name", &ShardPiece::hf_name)
+      .def_readonly("hf_shape", &ShardPiece::hf_shape)
+      .def_readonly("local_offset", &ShardPiece::local_offset)
+      .def_readonly("hf_offset", &ShardPiece::hf_offset)
+      .def_readonly("extent", &ShardPiece::extent)
+      .def_readonly("contributes", &ShardPiece::contributes)
+      .def_property_readonly("elements", &ShardPiece::elements);
+  py::class_<ShardSpec>(m, "ShardSpec")
+      .def_property_readonly("dtype",
+                             [](const ShardSpec& s) { return std::string(DTypeName(s.dtype)); })
+      .def_readonly("local_shape", &ShardSpec::local_shape)
+      .def_readonly("pieces", &ShardSpec::pieces)
+      .def_readwrite("contributes", &ShardSpec::contributes)
+      .def_property_readonly("local_numel", &ShardSpec::local_numel)
+      .def_static("whole",
+                  [](std::string name, const std::string& dtype, std::vector<int64_t> shape) {
+                    return Named(ShardSpec::Whole(std::move(name), Take(ParseDType(dtype)),
+                                                  std::move(shape)));
+                  })
+      .def_static("replicate",
+                  [](std::string name, const std::string& dtype, std::vector<int64_t> shape,
+                     bool contributes) {
+                    return Named(ShardSpec::Replicate(std::move(name), Take(ParseDType(dtype)),
+                                                      std::move(shape), contributes));
+                  })
+      .def_static("shard",
+                  [](std::string name, const std::string& dtype, std::vector<int64_t> shape,
+                     int dim, int64_t index, int64_t count) {
+                    return Named(ShardSpec::Shard(std::move(name), Take(ParseDType(dtype)),
+                                                  std::move(shape), dim, index, count));
+                  })
+      .def_static(
+          "shard_sizes",
+          [](std::string name, const std::string& dtype, std::vector<int64_t> shape, int dim,
+             std::vector<int64_t> sizes, int64_t index) {
+            return Named(ShardSpec::ShardSizes(std::move(name), Take(ParseDType(dtype)),
+                                               std::move(shape), dim, std::move(sizes), index));
+          })
+      .def_static(
+          "box",
+          [](std::string name, const std::string& dtype, std::vector<int64_t> shape,
+             std::vector<int64_t> offset, std::vector<int64_t> extent) {
+            return Named(ShardSpec::Box(std::move(name), Take(ParseDType(dtype)), std::move(shape),
+                                        std::move(offset), std::move(extent)));
+          })
+      .def_static("flat_range",
+                  [](std::string name, const std::string& dtype, std::vector<int64_t> hf_shape,
+                     int64_t hf_first, int64_t count) {
+                    return Named(ShardSpec::FlatRange(std::move(name), Take(ParseDType(dtype)),
+                                                      std::move(hf_shape), hf_first, count));
+                  })
+      .def_static("fused",
+                  [](const std::string& dtype, int dim, const std::vector<ShardSpec>& parts) {
+                    return Named(ShardSpec::Fused(Take(ParseDType(dtype)), dim, parts));
+                  })
+      .def("validate", [](const ShardSpec& s) { Check(s.Validate()); });
+
+  py::class_<PySender>(m, "StreamSender")
+      .def(py::init<const py::object&, const py::object&, const std::string&, uint64_t, uint32_t,
+                    int>(),
+           py::arg("group"), py::arg("trainers"), py::arg("encoding"), py::arg("bucket_bytes"),
+           py::arg("verify_every"), py::arg("zstd_level"))
+      .def("sync", &PySender::Sync)
+      .def("sync_shards", &PySender::SyncShards)
+      .def("snapshot", &PySender::Snapshot)
+      .def_property_readonly("committed_sync_id", &PySender::committed_sync_id)
+      .def_property_readonly("closed", &PySender::closed)
+      .def("close", &PySender::Close);
+  py::class_<PyReceiver>(m, "StreamReceiver")
+      .def(py::init<const py::object&, uint64_t>(), py::arg("group"), py::arg("max_frame_bytes"))
+      .def("register", &PyReceiver::Register)
+      .def("receive", &PyReceiver::Receive)
+      .def_property_readonly("closed", &PyReceiver::closed)
+      .def("close", &PyReceiver::Close);
+  m.def("built_communicators", [] {
+    std::vector<std::string> out;
+    for (std::string_view n : BuiltCommunicators()) out.emplace_back(n);
+    return out;
+  });
+}
+
+}  // namespace deltasync::python

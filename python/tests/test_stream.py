@@ -1,0 +1,298 @@
+"""The stream from Python: a sender and receivers in threads over gloo, in
+processes over a torch.distributed Gloo group, a sharded trainer, and the
+errors bad input gets."""
+
+import os
+import threading
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import deltasync as ds
+from deltasync import _deltasync
+
+pytestmark = pytest.mark.skipif("gloo" not in ds.built_communicators(),
+                                reason="this build has no gloo communicator")
+
+
+def model(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"emb": torch.randn(96, 32, generator=g).to(torch.bfloat16),
+            "norm": torch.randn(32, generator=g),
+            "count": torch.arange(5, dtype=torch.int64)}
+
+
+def step(w, k):
+    w["emb"].view(-1)[k::53] += 1
+    w["norm"][k % 32] = float("nan") if k % 2 else 0.5 * k
+    w["count"][k % 5] += 1
+
+
+def bits(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def run_receivers(n, target, errors):
+    ts = [threading.Thread(target=lambda r=r: _guard(target, r, errors)) for r in range(1, n + 1)]
+    for t in ts:
+        t.start()
+    return ts
+
+
+def _guard(fn, r, errors):
+    try:
+        fn(r)
+    except BaseException as e:  # reported by the test
+        errors.append(e)
+
+
+def test_threads_whole_tensors_and_a_column_slice(rendezvous):
+    w = model()
+    whole = {n: torch.zeros_like(t) for n, t in w.items()}
+    cols = torch.zeros(96, 16, dtype=torch.bfloat16)
+    syncs = 4
+    errors = []
+
+    def receiver(r):
+        with ds.StreamReceiver(ds.Group(rendezvous, r, 3, timeout_s=30)) as rx:
+            if r == 1:
+                rx.register_all(whole)
+            else:
+                rx.register("emb", cols, runs=[(i * 32 + 16, 16, i * 16, 1) for i in range(96)],
+                            shape=[96, 32])
+                rx.register("norm", torch.zeros(32))
+                rx.register("count", torch.zeros(5, dtype=torch.int64))
+            for k in range(syncs):
+                stats = rx.receive()
+                assert stats["sync_id"] == k + 1 and stats["seed"] == (k == 0)
+
+    ts = run_receivers(2, receiver, errors)
+    with ds.StreamSender(ds.Group(rendezvous, 0, 3, timeout_s=30)) as tx:
+        for k in range(syncs):
+            if k:
+                step(w, k)
+            stats = tx.sync(w)
+            assert stats["receivers"] == 2 and stats["sync_id"] == k + 1
+            if k:
+                assert 0 < stats["changed"] < 200
+        assert tx.committed_sync_id == syncs
+        assert tx.snapshot("norm") == bits(w["norm"]).numpy().tobytes()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    for n, t in w.items():
+        assert torch.equal(bits(whole[n]), bits(t)), n
+    assert torch.equal(bits(cols), bits(w["emb"][:, 16:]))
+
+
+def test_a_receiver_subset_is_fine_a_tensor_the_sender_lacks_is_named(rendezvous):
+    w = model(1)
+    errors = []
+    got = torch.zeros(96, 32, dtype=torch.bfloat16)
+
+    def receiver(r):
+        with ds.StreamReceiver(ds.Group(rendezvous, r, 2, timeout_s=10)) as rx:
+            rx.register("emb", got)  # a receiver may hold a subset of the model
+            rx.receive()
+
+    ts = run_receivers(1, receiver, errors)
+    with ds.StreamSender(ds.Group(rendezvous, 0, 2, timeout_s=10)) as tx:
+        tx.sync(w)
+    for t in ts:
+        t.join()
+    assert not errors and torch.equal(bits(got), bits(w["emb"]))
+
+    ghost_errors = []
+    other = rendezvous + "-ghost"
+
+    def ghost(r):
+        with ds.StreamReceiver(ds.Group(other, r, 2, timeout_s=10)) as rx:
+            rx.register("emb", torch.zeros(96, 32, dtype=torch.bfloat16))
+            rx.register("ghost", torch.zeros(3))
+            try:
+                rx.receive()
+            except ds.DeltasyncError as e:
+                ghost_errors.append(e)
+
+    ts = run_receivers(1, ghost, [])
+    with ds.StreamSender(ds.Group(other, 0, 2, timeout_s=10)) as tx:
+        with pytest.raises(ds.DeltasyncError, match="ghost"):
+            tx.sync(w)
+        assert tx.committed_sync_id == 0
+    for t in ts:
+        t.join()
+
+
+def test_bad_arguments_are_refused_by_name(rendezvous):
+    rx = ds.StreamReceiver(ds.Group(rendezvous, 1, 2))
+    rx.register("a", torch.zeros(4))
+    with pytest.raises(ds.InvalidArgumentError, match="'a'"):
+        rx.register("a", torch.zeros(4))
+    with pytest.raises(ds.InvalidArgumentError, match="'b': not contiguous"):
+        rx.register("b", torch.zeros(4, 4).t())
+    with pytest.raises(ds.InvalidArgumentError, match="sender's shape"):
+        rx.register("c", torch.zeros(4), runs=[(0, 4, 0, 1)])
+    ro = torch.zeros(4).numpy()
+    ro.flags.writeable = False
+    with pytest.raises(ds.InvalidArgumentError, match="read-only"):
+        rx.register("d", ro)
+    rx.close()
+    with pytest.raises(ds.FailedPreconditionError, match="StreamReceiver is closed"):
+        rx.receive()
+    tx = ds.StreamSender(ds.Group(rendezvous, 0, 2))
+    with pytest.raises(ds.InvalidArgumentError):
+        ds.StreamSender(ds.Group(rendezvous, 0, 2), encoding="no-such")
+    with pytest.raises(ds.InvalidArgumentError, match="bucket_bytes"):
+        ds.StreamSender(ds.Group(rendezvous, 0, 2), bucket_bytes=10)
+    # A CUDA tensor where this process has no GPU (or this build no CUDA):
+    # refused by name before anything is sent.
+    arg = _deltasync.TensorArg()
+    arg.name, arg.dtype, arg.shape, arg.nbytes, arg.ptr, arg.device = "gpu.w", "F32", [4], 16, 4096, 0
+    with pytest.raises(ds.DeltasyncError, match="gpu.w"):
+        tx._impl.sync([arg])
+    tx.close()
+    with pytest.raises(ds.FailedPreconditionError, match="StreamSender is closed"):
+        tx.sync(model())
+    with pytest.raises(ds.InvalidArgumentError, match="backend"):
+        ds.Group(rendezvous, 0, 2, backend="")
+
+
+def test_sharded_trainer_two_ranks(tmp_path):
+    w = model(2)
+    spec = {n: ("BF16" if n == "emb" else ("F32" if n == "norm" else "I64"), list(t.shape))
+            for n, t in w.items()}
+    got = {n: torch.zeros_like(t) for n, t in w.items()}
+    errors = []
+    stream = "file:" + str(tmp_path / "stream")
+    trainers = "file:" + str(tmp_path / "trainers")
+
+    def receiver(r):
+        with ds.StreamReceiver(ds.Group(stream, 1, 2, timeout_s=30)) as rx:
+            rx.register_all(got)
+            for _ in range(3):
+                rx.receive()
+
+    def trainer(rank, w):
+        group = ds.Group(stream, 0, 2, timeout_s=30) if rank == 0 else None
+        with ds.StreamSender(group, trainers=ds.Group(trainers, rank, 2, timeout_s=30)) as tx:
+            for k in range(3):
+                if k:
+                    step(w, k)
+                shards = [(ds.ShardSpec.shard("emb", "BF16", [96, 32], 1, rank, 2),
+                           w["emb"][:, rank * 16:(rank + 1) * 16].contiguous()),
+                          (ds.ShardSpec.shard("norm", "F32", [32], 0, rank, 2),
+                           w["norm"][rank * 16:(rank + 1) * 16].contiguous()),
+                          (ds.ShardSpec.replicate("count", "I64", [5], rank == 0), w["count"])]
+                tx.sync_shards(spec, shards)
+
+    ts = run_receivers(1, receiver, errors)
+    other = {n: t.clone() for n, t in w.items()}
+    t1 = threading.Thread(target=lambda: _guard(lambda _: trainer(1, other), 1, errors))
+    t1.start()
+    trainer(0, w)
+    t1.join()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    for n, t in w.items():
+        assert torch.equal(bits(got[n]), bits(t)), n
+
+
+class _Shard:
+    def __init__(self, dim):
+        self.dim = dim
+
+
+class _Replicate:
+    pass
+
+
+_Shard.__name__, _Replicate.__name__ = "Shard", "Replicate"
+
+
+class _Mesh:
+    def __init__(self, sizes, coord):
+        self.sizes, self.coord = sizes, coord
+
+    def get_coordinate(self):
+        return self.coord
+
+    def size(self, d):
+        return self.sizes[d]
+
+
+class _FakeDTensor:
+    """The DTensor attributes from_dtensor reads (torch 1.13 has no DTensor;
+    the device's torch runs the real one)."""
+
+    def __init__(self, full, placements, mesh):
+        self.placements, self.device_mesh, self.shape, self.dtype = placements, mesh, full.shape, full.dtype
+        off = [0] * full.dim()
+        ext = list(full.shape)
+        for md, p in enumerate(placements):
+            if isinstance(p, _Shard):
+                chunks = torch.arange(ext[p.dim]).chunk(mesh.sizes[md])
+                c = mesh.coord[md]
+                piece = chunks[c] if c < len(chunks) else torch.arange(0)
+                off[p.dim] += int(piece[0]) if len(piece) else ext[p.dim]
+                ext[p.dim] = len(piece)
+        self._local = full[tuple(slice(o, o + e) for o, e in zip(off, ext))].contiguous()
+
+    def to_local(self):
+        return self._local
+
+
+def test_shard_spec_from_dtensor_placements():
+    full = torch.randn(10, 6).to(torch.bfloat16)
+    spec = ds.ShardSpec.from_dtensor("w", _FakeDTensor(full, [_Shard(0)], _Mesh([4], [3])))
+    assert spec.local_shape == [1, 6]  # torch.chunk: 3, 3, 3, 1
+    assert spec.pieces[0].hf_offset == [9, 0] and spec.contributes
+    spec = ds.ShardSpec.from_dtensor(
+        "w", _FakeDTensor(full, [_Replicate(), _Shard(1)], _Mesh([2, 2], [1, 1])))
+    assert spec.local_shape == [10, 3] and spec.pieces[0].hf_offset == [0, 3]
+    assert not spec.contributes  # replica 1 of the replicated mesh dimension
+    spec = ds.ShardSpec.from_dtensor(
+        "w", _FakeDTensor(full, [_Shard(0), _Shard(0)], _Mesh([2, 2], [1, 0])))
+    assert spec.pieces[0].hf_offset == [5, 0] and spec.local_shape == [3, 6]
+
+    class Partial:
+        pass
+
+    with pytest.raises(ds.UnsupportedError, match="Partial"):
+        ds.ShardSpec.from_dtensor("w", _FakeDTensor(full, [Partial()], _Mesh([2], [0])))
+    with pytest.raises(ds.InvalidArgumentError, match="not a DTensor"):
+        ds.ShardSpec.from_dtensor("w", full)
+
+
+def _torch_group_worker(rank, size, init, rendezvous_dir, syncs):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
+    try:
+        w = model(7)
+        group = ds.TorchGroup(timeout_s=60)
+        if rank == 0:
+            with ds.StreamSender(group) as tx:
+                for k in range(syncs):
+                    if k:
+                        step(w, k)
+                    tx.sync(w)
+        else:
+            got = {n: torch.zeros_like(t) for n, t in w.items()}
+            with ds.StreamReceiver(group) as rx:
+                rx.register_all(got)
+                for k in range(syncs):
+                    rx.receive()
+                    if k:
+                        step(w, k)
+                    for n, t in w.items():
+                        if not torch.equal(bits(got[n]), bits(t)):
+                            raise AssertionError(f"rank {rank} sync {k + 1}: {n} differs")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_processes_over_a_torch_distributed_gloo_group(tmp_path):
+    init = "file://" + str(tmp_path / "pg_init")
+    mp.spawn(_torch_group_worker, args=(3, init, str(tmp_path), 3), nprocs=3, join=True)
