@@ -72,6 +72,7 @@ class Agent(Closing):
 
     @property
     def url(self) -> str:
+        """``http://127.0.0.1:<port>``: the agent's address on this host."""
         return f"http://127.0.0.1:{self.port}"
 
 
@@ -152,4 +153,5 @@ class SyncCoordinator(Closing):
 
     @property
     def latest_version(self) -> int:
+        """The last version published (0: only the base)."""
         return self._live().latest_version

@@ -66,6 +66,7 @@ class TorchGroup:
 
     @property
     def impl(self) -> "TorchGroup":
+        """The object whose methods deltasync calls: this one."""
         return self
 
     def _global(self, rank: int) -> int:
@@ -82,25 +83,30 @@ class TorchGroup:
             host.copy_(staged)
 
     def send(self, peer: int, view: memoryview) -> None:
+        """Sends the bytes of ``view`` to group rank ``peer``."""
         t = self._staged(self._wrap(view))
         dist.send(t, dst=self._global(peer), group=self.group)
 
     def recv(self, peer: int, view: memoryview) -> None:
+        """Receives ``len(view)`` bytes from group rank ``peer`` into ``view``."""
         host = self._wrap(view)
         t = self._staged(host)
         dist.recv(t, src=self._global(peer), group=self.group)
         self._back(t, host)
 
     def broadcast(self, root: int, view: memoryview) -> None:
+        """Broadcasts ``view`` from group rank ``root`` into every member's ``view``."""
         host = self._wrap(view)
         t = self._staged(host)
         dist.broadcast(t, src=self._global(root), group=self.group)
         self._back(t, host)
 
     def barrier(self) -> None:
+        """Waits for every member of the group."""
         dist.barrier(group=self.group)
 
     def gather(self, root: int, record: memoryview, out: Optional[memoryview]) -> None:
+        """Gathers each member's ``record`` into ``out`` (rank order) on ``root``."""
         t = self._staged(self._wrap(record))
         if out is None:
             dist.gather(t, gather_list=None, dst=self._global(root), group=self.group)
@@ -112,6 +118,7 @@ class TorchGroup:
         self._back(staged, host)
 
     def all_gather(self, record: memoryview, out: memoryview) -> None:
+        """Gathers each member's ``record`` into every member's ``out``."""
         t = self._staged(self._wrap(record))
         host = self._wrap(out).view(self.size, -1)
         staged = self._staged(host)

@@ -367,7 +367,8 @@ ShardSpec Named(Result<ShardSpec> r) { return Take(std::move(r)); }
 }  // namespace
 
 void BindStream(py::module_& m) {
-  py::class_<ShardPiece>(m, "ShardPiece")
+  py::class_<ShardPiece>(m, "ShardPiece",
+                         "A box or flat range of one checkpoint tensor inside a local tensor.")
       .def_readonly("hf_name", &ShardPiece::hf_name)
       .def_readonly("hf_shape", &ShardPiece::hf_shape)
       .def_readonly("local_offset", &ShardPiece::local_offset)
@@ -375,55 +376,78 @@ void BindStream(py::module_& m) {
       .def_readonly("extent", &ShardPiece::extent)
       .def_readonly("contributes", &ShardPiece::contributes)
       .def_property_readonly("elements", &ShardPiece::elements);
-  py::class_<ShardSpec>(m, "ShardSpec")
-      .def_property_readonly("dtype",
-                             [](const ShardSpec& s) { return std::string(DTypeName(s.dtype)); })
-      .def_readonly("local_shape", &ShardSpec::local_shape)
-      .def_readonly("pieces", &ShardSpec::pieces)
-      .def_readwrite("contributes", &ShardSpec::contributes)
-      .def_property_readonly("local_numel", &ShardSpec::local_numel)
-      .def_static("whole",
-                  [](std::string name, const std::string& dtype, std::vector<int64_t> shape) {
-                    return Named(ShardSpec::Whole(std::move(name), Take(ParseDType(dtype)),
-                                                  std::move(shape)));
-                  })
-      .def_static("replicate",
-                  [](std::string name, const std::string& dtype, std::vector<int64_t> shape,
-                     bool contributes) {
-                    return Named(ShardSpec::Replicate(std::move(name), Take(ParseDType(dtype)),
-                                                      std::move(shape), contributes));
-                  })
-      .def_static("shard",
-                  [](std::string name, const std::string& dtype, std::vector<int64_t> shape,
-                     int dim, int64_t index, int64_t count) {
-                    return Named(ShardSpec::Shard(std::move(name), Take(ParseDType(dtype)),
-                                                  std::move(shape), dim, index, count));
-                  })
+  py::class_<ShardSpec>(m, "ShardSpec",
+                        "Which parts of which checkpoint tensors one trainer rank's local tensor "
+                        "holds (a sharded trainer's StreamSender.sync_shards). Made by its static "
+                        "constructors: whole, replicate, shard, shard_sizes, box, flat_range, "
+                        "fused, from_dtensor.")
+      .def_property_readonly(
+          "dtype", [](const ShardSpec& s) { return std::string(DTypeName(s.dtype)); },
+          "The local tensor's dtype (a safetensors name).")
+      .def_readonly("local_shape", &ShardSpec::local_shape, "The local tensor's shape.")
+      .def_readonly("pieces", &ShardSpec::pieces,
+                    "The ShardPieces that cover the local tensor exactly.")
+      .def_readwrite("contributes", &ShardSpec::contributes,
+                     "False for a replica whose values another rank sends.")
+      .def_property_readonly("local_numel", &ShardSpec::local_numel,
+                             "Elements of the local tensor.")
+      .def_static(
+          "whole",
+          [](std::string name, const std::string& dtype, std::vector<int64_t> shape) {
+            return Named(
+                ShardSpec::Whole(std::move(name), Take(ParseDType(dtype)), std::move(shape)));
+          },
+          "A tensor held whole: whole(name, dtype, shape).")
+      .def_static(
+          "replicate",
+          [](std::string name, const std::string& dtype, std::vector<int64_t> shape,
+             bool contributes) {
+            return Named(ShardSpec::Replicate(std::move(name), Take(ParseDType(dtype)),
+                                              std::move(shape), contributes));
+          },
+          "A replica of a whole tensor; only one with contributes=True sends it.")
+      .def_static(
+          "shard",
+          [](std::string name, const std::string& dtype, std::vector<int64_t> shape, int dim,
+             int64_t index, int64_t count) {
+            return Named(ShardSpec::Shard(std::move(name), Take(ParseDType(dtype)),
+                                          std::move(shape), dim, index, count));
+          },
+          "Part `index` of `count` equal parts along `dim`: shard(name, dtype, shape, dim, index, "
+          "count).")
       .def_static(
           "shard_sizes",
           [](std::string name, const std::string& dtype, std::vector<int64_t> shape, int dim,
              std::vector<int64_t> sizes, int64_t index) {
             return Named(ShardSpec::ShardSizes(std::move(name), Take(ParseDType(dtype)),
                                                std::move(shape), dim, std::move(sizes), index));
-          })
+          },
+          "Part `index` of uneven parts of `sizes` along `dim`.")
       .def_static(
           "box",
           [](std::string name, const std::string& dtype, std::vector<int64_t> shape,
              std::vector<int64_t> offset, std::vector<int64_t> extent) {
             return Named(ShardSpec::Box(std::move(name), Take(ParseDType(dtype)), std::move(shape),
                                         std::move(offset), std::move(extent)));
-          })
-      .def_static("flat_range",
-                  [](std::string name, const std::string& dtype, std::vector<int64_t> hf_shape,
-                     int64_t hf_first, int64_t count) {
-                    return Named(ShardSpec::FlatRange(std::move(name), Take(ParseDType(dtype)),
-                                                      std::move(hf_shape), hf_first, count));
-                  })
-      .def_static("fused",
-                  [](const std::string& dtype, int dim, const std::vector<ShardSpec>& parts) {
-                    return Named(ShardSpec::Fused(Take(ParseDType(dtype)), dim, parts));
-                  })
-      .def("validate", [](const ShardSpec& s) { Check(s.Validate()); });
+          },
+          "The box at `offset` of `extent` of a tensor of `shape`.")
+      .def_static(
+          "flat_range",
+          [](std::string name, const std::string& dtype, std::vector<int64_t> hf_shape,
+             int64_t hf_first, int64_t count) {
+            return Named(ShardSpec::FlatRange(std::move(name), Take(ParseDType(dtype)),
+                                              std::move(hf_shape), hf_first, count));
+          },
+          "Flat elements hf_first .. hf_first+count-1 of a tensor (FSDP1 flat parameters).")
+      .def_static(
+          "fused",
+          [](const std::string& dtype, int dim, const std::vector<ShardSpec>& parts) {
+            return Named(ShardSpec::Fused(Take(ParseDType(dtype)), dim, parts));
+          },
+          "Parts concatenated along `dim` in one local tensor (fused QKV, gate/up).")
+      .def(
+          "validate", [](const ShardSpec& s) { Check(s.Validate()); },
+          "Raises InvalidArgumentError unless the pieces cover the local tensor exactly.");
 
   py::class_<PySender>(m, "StreamSender")
       .def(py::init<const py::object&, const py::object&, const std::string&, uint64_t, uint32_t,

@@ -34,6 +34,8 @@ try:  # the real base class where vLLM is installed
 except ImportError:  # pragma: no cover - vLLM absent: the same interface, standalone
 
     class _Base:  # type: ignore[no-redef]
+        """vLLM's WeightTransferEngine interface, for use without vLLM."""
+
         init_info_cls: Any
         update_info_cls: Any
 
@@ -41,18 +43,21 @@ except ImportError:  # pragma: no cover - vLLM absent: the same interface, stand
             self.config = config
 
         def parse_init_info(self, init_dict: dict) -> Any:
+            """The typed init info from a dict; ValueError when it does not fit."""
             try:
                 return self.init_info_cls(**init_dict)
             except TypeError as e:
                 raise ValueError(f"Invalid init_info for {type(self).__name__}: {e}") from e
 
         def parse_update_info(self, update_dict: dict) -> Any:
+            """The typed update info from a dict; ValueError when it does not fit."""
             try:
                 return self.update_info_cls(**update_dict)
             except TypeError as e:
                 raise ValueError(f"Invalid update_info for {type(self).__name__}: {e}") from e
 
         def update_weights(self, update_info: dict) -> None:
+            """Receives one update described by a dict."""
             self.receive_weights(self.parse_update_info(update_info))
 
 
@@ -102,6 +107,7 @@ class DeltasyncWeightTransferEngine(_Base):
         self.last: Optional[dict] = None
 
     def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
+        """Updates ``model`` from now on (vLLM's draft-model hook)."""
         self.model = model
 
     def _worker_rank(self) -> int:
@@ -112,6 +118,8 @@ class DeltasyncWeightTransferEngine(_Base):
         return 0
 
     def init_transfer_engine(self, init_info: DeltasyncInitInfo) -> None:
+        """Learns the model's weight map (a dry run of its load_weights),
+        joins the stream group and registers every checkpoint tensor."""
         if self.model is None:
             raise FailedPreconditionError("deltasync: the engine has no model to update")
         self.weights = EngineWeights(self.model, [tuple(e) for e in init_info.checkpoint])
@@ -131,6 +139,9 @@ class DeltasyncWeightTransferEngine(_Base):
 
     def receive_weights(self, update_info: DeltasyncUpdateInfo,
                         load_weights: Optional[Callable] = None) -> None:
+        """Takes one sync from the stream (the changes land in the
+        parameters), then loads the fallback tensors through the stock
+        load_weights. Raises if the sync is not the one announced."""
         if self.receiver is None or self.weights is None:
             raise FailedPreconditionError("deltasync: init_transfer_engine was not called")
         stats = self.receiver.receive()
@@ -145,6 +156,7 @@ class DeltasyncWeightTransferEngine(_Base):
         """Nothing to finish: every sync was verified by its digests."""
 
     def shutdown(self) -> None:
+        """Leaves the stream group."""
         if self.receiver is not None:
             self.receiver.close()
             self.receiver = None
@@ -209,6 +221,7 @@ class DeltasyncTrainer:
         return stats
 
     def close(self) -> None:
+        """Closes the sender (leaves the stream group)."""
         self.sender.close()
 
 

@@ -31,6 +31,9 @@ import torch
 from .._tensors import dtype_name
 
 
+__all__ = ["Placement", "WeightMap", "learn"]
+
+
 def _storage_ptr(t: torch.Tensor) -> int:
     if hasattr(t, "untyped_storage"):
         return t.untyped_storage().data_ptr()
@@ -52,9 +55,11 @@ class Placement:
 
     @property
     def elements(self) -> int:
+        """Checkpoint elements this worker holds."""
         return int(self.runs[:, 1].sum()) if len(self.runs) else 0
 
     def run_tuples(self) -> list[tuple[int, int, int, int]]:
+        """The runs as (first, count, offset, stride) tuples (StreamReceiver.register's)."""
         return [tuple(int(x) for x in r) for r in self.runs]
 
     def destinations(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,6 +89,7 @@ class WeightMap:
     unmapped: dict[str, str]
 
     def report(self) -> str:
+        """A few lines: how many tensors were mapped, and why each other was not."""
         lines = [f"{len(self.placements)} tensors mapped into parameters, "
                  f"{len(self.unmapped)} through the stock load_weights path"]
         for name, why in sorted(self.unmapped.items()):
