@@ -44,6 +44,9 @@ if torch is not None:
         if hasattr(torch, _name):
             _TORCH_DTYPES[getattr(torch, _name)] = _code
 
+if torch is not None:
+    _deltasync.set_torch_types(torch.Tensor, torch.strided, dict(_TORCH_DTYPES))
+
 _NUMPY_DTYPES = {
     np.dtype(np.bool_): "BOOL",
     np.dtype(np.uint8): "U8",
@@ -108,14 +111,12 @@ def arg(name: str, obj: Any, *, writable: bool = False) -> _deltasync.TensorArg:
     read in place: a non-contiguous or sparse tensor, an array that does not
     own plain memory, a read-only array where ``writable``.
     """
-    a = _deltasync.TensorArg()
-    a.name = name
     if isinstance(obj, Raw):
         array, code = obj.array, obj.dtype
     else:
         array, code = obj, None
     try:
-        a.dtype = code or dtype_name(array)
+        code = code or dtype_name(array)
     except (InvalidArgumentError, UnsupportedError) as e:
         raise type(e)(f"tensor '{name}': {e}") from None
     if is_torch(array):
@@ -127,16 +128,15 @@ def arg(name: str, obj: Any, *, writable: bool = False) -> _deltasync.TensorArg:
                 f"tensor '{name}': not contiguous (strides {tuple(t.stride())}); "
                 "pass .contiguous() or register a contiguous view"
             )
-        if t.device.type == "cuda":
-            a.device = t.device.index if t.device.index is not None else torch.cuda.current_device()
-            a.stream = torch.cuda.current_stream(t.device).cuda_stream
-        elif t.device.type != "cpu":
+        device, stream = -1, 0
+        kind = t.device.type
+        if kind == "cuda":
+            device = t.device.index if t.device.index is not None else torch.cuda.current_device()
+            stream = torch.cuda.current_stream(t.device).cuda_stream
+        elif kind != "cpu":
             raise UnsupportedError(f"tensor '{name}': on {t.device} (deltasync takes cpu and cuda)")
-        a.shape = list(t.shape)
-        a.nbytes = t.numel() * t.element_size()
-        a.ptr = t.data_ptr()
-        a.writable = True
-        return a
+        return _deltasync.TensorArg(name, code, list(t.shape), t.data_ptr(),
+                                    t.numel() * t.element_size(), device, stream, True)
     if isinstance(array, np.ndarray):
         if not array.flags.c_contiguous:
             raise InvalidArgumentError(
@@ -144,11 +144,9 @@ def arg(name: str, obj: Any, *, writable: bool = False) -> _deltasync.TensorArg:
             )
         if writable and not array.flags.writeable:
             raise InvalidArgumentError(f"tensor '{name}': read-only array, but it is written")
-        a.shape = list(array.shape)
-        a.nbytes = array.nbytes
-        a.ptr = array.ctypes.data if array.nbytes else 0
-        a.writable = bool(array.flags.writeable)
-        return a
+        return _deltasync.TensorArg(name, code, list(array.shape),
+                                    array.ctypes.data if array.nbytes else 0, array.nbytes, -1, 0,
+                                    bool(array.flags.writeable))
     raise InvalidArgumentError(
         f"tensor '{name}': expected a torch tensor or numpy array, got {type(array).__name__}"
     )
@@ -189,13 +187,10 @@ def host(name: str, obj: Any) -> Any:
     return obj
 
 
-def args(pairs: list[tuple[str, Any]], *, to_host: bool = False) -> tuple[list, list]:
-    """TensorArgs for (name, tensor) pairs, and the objects to keep alive."""
-    keep = []
-    out = []
-    for name, t in pairs:
-        if to_host:
-            t = host(name, t)
-        keep.append(t)
-        out.append(arg(name, t))
-    return out, keep
+def args(pairs: list[tuple[str, Any]], *, to_host: bool = False) -> tuple[Any, list]:
+    """TensorArgs for (name, tensor) pairs, and the objects to keep alive.
+    Dense host torch tensors are read by the extension in one call; every
+    other object goes through :func:`arg`."""
+    if to_host:
+        pairs = [(name, host(name, t)) for name, t in pairs]
+    return _deltasync.args_from_pairs(pairs, arg), pairs

@@ -136,11 +136,10 @@ class PyAgent {
 
 class PyCoordinator {
  public:
-  PyCoordinator(const std::string& store, const std::vector<TensorArg>& base,
-                const std::string& base_path, const std::vector<std::string>& engines,
-                const std::string& encoding, int64_t full_every, const std::string& checksum,
-                int zstd_level, const std::string& token, double connect_timeout_s,
-                double timeout_s, int retries) {
+  PyCoordinator(const std::string& store, const TensorArgs& base, const std::string& base_path,
+                const std::vector<std::string>& engines, const std::string& encoding,
+                int64_t full_every, const std::string& checksum, int zstd_level,
+                const std::string& token, double connect_timeout_s, double timeout_s, int retries) {
     const PublisherOptions po =
         MakePublisherOptions(store, encoding, full_every, checksum, zstd_level);
     SyncOptions so;
@@ -159,7 +158,7 @@ class PyCoordinator {
     }
     coordinator_ = Take(std::move(r));
   }
-  py::dict Sync(const std::vector<TensorArg>& weights, bool full) {
+  py::dict Sync(const TensorArgs& weights, bool full) {
     Usable();
     const std::vector<TensorView> views = HostViews(weights, "a coordinated sync");
     Result<SyncReport> r = Status::OK();
@@ -216,7 +215,7 @@ void BindAgent(py::module_& m) {
       .def_property_readonly("stopped", &PyAgent::stopped)
       .def("close", &PyAgent::Stop);
   py::class_<PyCoordinator>(m, "SyncCoordinator")
-      .def(py::init<const std::string&, const std::vector<TensorArg>&, const std::string&,
+      .def(py::init<const std::string&, const TensorArgs&, const std::string&,
                     const std::vector<std::string>&, const std::string&, int64_t,
                     const std::string&, int, const std::string&, double, double, int>(),
            py::arg("store"), py::arg("base"), py::arg("base_path"), py::arg("engines"),

@@ -73,12 +73,17 @@ inline std::string ShapeText(const std::vector<int64_t>& shape) {
   return out + "]";
 }
 
+// TensorArgs pass between the Python layer and the calls as one opaque
+// list (deltasync._deltasync.TensorArgs), built by args_from_pairs without
+// a Python object per tensor; a Python list of TensorArg converts to it.
+using TensorArgs = std::vector<TensorArg>;
+
 // Host memory only: InvalidArgument naming the tensor and `what` otherwise.
 Status RequireHost(const TensorArg& t, const std::string& what);
 
 // Host views of `tensors` (RequireHost, naming `what`), for the disk
 // transport; store.cc.
-std::vector<TensorView> HostViews(const std::vector<TensorArg>& tensors, const char* what);
+std::vector<TensorView> HostViews(const TensorArgs& tensors, const char* what);
 
 void BindStream(py::module_& m);
 void BindStore(py::module_& m);
@@ -91,3 +96,5 @@ PublisherOptions MakePublisherOptions(const std::string& store, const std::strin
                                       int zstd_level);
 
 }  // namespace deltasync::python
+
+PYBIND11_MAKE_OPAQUE(deltasync::python::TensorArgs)

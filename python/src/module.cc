@@ -2,6 +2,7 @@
 // and codec calls on tensors. The stream and the disk store are bound in
 // their own files.
 #include <pybind11/numpy.h>
+#include <pybind11/stl_bind.h>
 
 #include <cstring>
 
@@ -145,6 +146,52 @@ void PyDecodeApply(const py::bytes& encoded, const TensorArg& target, const std:
   if (!s.ok()) Raise(Status(s.code(), "tensor '" + target.name + "': " + s.message()));
 }
 
+// What args_from_pairs needs of torch, looked up once by the Python layer:
+// torch.Tensor, torch.strided, and {torch dtype: safetensors name}.
+struct TorchTypes {
+  py::object tensor_type;
+  py::object strided;
+  py::dict dtypes;
+};
+
+TorchTypes& Torch() {
+  static TorchTypes* t = new TorchTypes();
+  return *t;
+}
+
+// TensorArgs for (name, tensor) pairs: a host torch tensor that is dense
+// and contiguous is read here; anything else (numpy, Raw, CUDA tensors, and
+// every tensor the core would refuse, so that the error is the Python
+// layer's) goes through `slow(name, obj)`, deltasync._tensors.arg.
+TensorArgs ArgsFromPairs(const py::list& pairs, const py::object& slow) {
+  TensorArgs out;
+  out.reserve(pairs.size());
+  const TorchTypes& torch = Torch();
+  for (const py::handle item : pairs) {
+    const py::tuple pair = py::reinterpret_borrow<py::tuple>(item);
+    const py::handle obj = pair[1];
+    if (torch.tensor_type && py::isinstance(obj, torch.tensor_type) &&
+        py::object(obj.attr("layout")).is(torch.strided) &&
+        obj.attr("is_contiguous")().cast<bool>() &&
+        py::str(obj.attr("device").attr("type")).cast<std::string>() == "cpu") {
+      const py::object code = torch.dtypes.attr("get")(obj.attr("dtype"));
+      if (!code.is_none()) {
+        TensorArg a;
+        a.name = pair[0].cast<std::string>();
+        a.dtype = code.cast<std::string>();
+        a.shape = obj.attr("shape").cast<std::vector<int64_t>>();
+        a.ptr = obj.attr("data_ptr")().cast<uintptr_t>();
+        a.nbytes =
+            obj.attr("numel")().cast<uint64_t>() * obj.attr("element_size")().cast<uint64_t>();
+        out.push_back(std::move(a));
+        continue;
+      }
+    }
+    out.push_back(slow(pair[0], obj).cast<TensorArg>());
+  }
+  return out;
+}
+
 }  // namespace
 }  // namespace deltasync::python
 
@@ -154,6 +201,14 @@ PYBIND11_MODULE(_deltasync, m) {
   m.doc() = "deltasync's C++ core; use the deltasync package, which wraps it.";
   py::class_<TensorArg>(m, "TensorArg", "A tensor's memory, borrowed (see deltasync._tensors).")
       .def(py::init<>())
+      .def(
+          py::init([](std::string name, std::string dtype, std::vector<int64_t> shape,
+                      uintptr_t ptr, uint64_t nbytes, int device, uintptr_t stream, bool writable) {
+            return TensorArg{std::move(name), std::move(dtype), std::move(shape), ptr,
+                             nbytes,          device,           stream,           writable};
+          }),
+          py::arg("name"), py::arg("dtype"), py::arg("shape"), py::arg("ptr"), py::arg("nbytes"),
+          py::arg("device"), py::arg("stream"), py::arg("writable"))
       .def_readwrite("name", &TensorArg::name)
       .def_readwrite("dtype", &TensorArg::dtype)
       .def_readwrite("shape", &TensorArg::shape)
@@ -162,6 +217,12 @@ PYBIND11_MODULE(_deltasync, m) {
       .def_readwrite("device", &TensorArg::device)
       .def_readwrite("stream", &TensorArg::stream)
       .def_readwrite("writable", &TensorArg::writable);
+  py::bind_vector<TensorArgs>(m, "TensorArgs", "TensorArg values, passed as one list.");
+  py::implicitly_convertible<py::list, TensorArgs>();
+  m.def("set_torch_types", [](py::object tensor_type, py::object strided, py::dict dtypes) {
+    Torch() = {std::move(tensor_type), std::move(strided), std::move(dtypes)};
+  });
+  m.def("args_from_pairs", &ArgsFromPairs, py::arg("pairs"), py::arg("slow"));
   m.def("diff", &PyDiff, py::arg("current"), py::arg("snapshot"), py::arg("refresh"));
   m.def("encode", &PyEncode, py::arg("current"), py::arg("base"), py::arg("encoding"));
   m.def("decode_apply", &PyDecodeApply, py::arg("encoded"), py::arg("target"), py::arg("encoding"));

@@ -10,7 +10,7 @@
 
 namespace deltasync::python {
 
-std::vector<TensorView> HostViews(const std::vector<TensorArg>& tensors, const char* what) {
+std::vector<TensorView> HostViews(const TensorArgs& tensors, const char* what) {
   std::vector<TensorView> out;
   out.reserve(tensors.size());
   for (const TensorArg& t : tensors) {
@@ -82,9 +82,9 @@ py::dict PullDict(const PullResult& p) {
 
 class PyPublisher {
  public:
-  PyPublisher(const std::string& store, const std::vector<TensorArg>& base,
-              const std::string& base_path, const std::string& encoding, int64_t full_every,
-              const std::string& checksum, int zstd_level) {
+  PyPublisher(const std::string& store, const TensorArgs& base, const std::string& base_path,
+              const std::string& encoding, int64_t full_every, const std::string& checksum,
+              int zstd_level) {
     const PublisherOptions o =
         MakePublisherOptions(store, encoding, full_every, checksum, zstd_level);
     const std::vector<TensorView> views = HostViews(base, "a publisher's base");
@@ -96,7 +96,7 @@ class PyPublisher {
     }
     publisher_ = Take(std::move(p));
   }
-  py::dict Publish(const std::vector<TensorArg>& weights, bool full) {
+  py::dict Publish(const TensorArgs& weights, bool full) {
     Usable();
     const std::vector<TensorView> views = HostViews(weights, "publish");
     Result<PublishResult> r = Status::OK();
@@ -197,8 +197,8 @@ class PyLocalCheckpoint {
 
 void BindStore(py::module_& m) {
   py::class_<PyPublisher>(m, "Publisher")
-      .def(py::init<const std::string&, const std::vector<TensorArg>&, const std::string&,
-                    const std::string&, int64_t, const std::string&, int>(),
+      .def(py::init<const std::string&, const TensorArgs&, const std::string&, const std::string&,
+                    int64_t, const std::string&, int>(),
            py::arg("store"), py::arg("base"), py::arg("base_path"), py::arg("encoding"),
            py::arg("full_every"), py::arg("checksum"), py::arg("zstd_level"))
       .def("publish", &PyPublisher::Publish)

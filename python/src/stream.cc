@@ -242,7 +242,7 @@ class PySender {
   }
   ~PySender() { Close(); }
 
-  py::dict Sync(const std::vector<TensorArg>& tensors) {
+  py::dict Sync(const TensorArgs& tensors) {
     Usable();
     std::vector<SyncTensor> ts;
     ts.reserve(tensors.size());
