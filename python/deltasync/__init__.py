@@ -17,7 +17,19 @@ arrays, borrowed without copies; every heavy call releases the GIL; errors
 are :class:`DeltasyncError` subclasses carrying the core's message.
 """
 
-from . import _deltasync
+import os as _os
+import sys as _sys
+
+# torch carries its own Gloo; the extension's libgloo must bind to its own
+# symbols, not to torch's (an ABI of another version): RTLD_DEEPBIND.
+_flags = _sys.getdlopenflags()
+if hasattr(_os, "RTLD_DEEPBIND") and not _os.environ.get("DELTASYNC_NO_DEEPBIND"):
+    _sys.setdlopenflags(_flags | _os.RTLD_DEEPBIND)
+try:
+    from . import _deltasync
+finally:
+    _sys.setdlopenflags(_flags)
+
 from ._tensors import Raw
 from .agent import Agent, SyncCoordinator, pull_on_engines
 from .codec import Changes, decode_apply, diff, dtype_size, encode, encodings

@@ -135,14 +135,15 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def reference(rank: int, size: int, ckpt: dict[str, torch.Tensor]) -> TinyTPModel:
-    m = TinyTPModel(rank, size)
-    m.load_weights(list(ckpt.items()))
+def reference(rank: int, size: int, ckpt: dict[str, torch.Tensor], device="cpu") -> TinyTPModel:
+    m = TinyTPModel(rank, size, device=device)
+    m.load_weights([(n, t.to(device)) for n, t in ckpt.items()])
     return m
 
 
 def assert_matches_reference(model: TinyTPModel, ckpt: dict[str, torch.Tensor]) -> None:
-    ref = reference(model.rank, model.size, ckpt)
+    device = next(iter(model.params.values())).device
+    ref = reference(model.rank, model.size, ckpt, device)
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert same_bits(p.data, q.data), f"parameter {n} differs from a full load"
 
@@ -157,15 +158,16 @@ class SGLangEngineStandIn:
     (None: model.load_weights; a name listed in --custom-weight-loader: that
     function, imported by its dotted path)."""
 
-    def __init__(self, tp_size: int, custom_weight_loader: list[str]) -> None:
-        self.workers = [TinyTPModel(r, tp_size) for r in range(tp_size)]
+    def __init__(self, tp_size: int, custom_weight_loader: list[str], device: str = "cpu") -> None:
+        self.device = device
+        self.workers = [TinyTPModel(r, tp_size, device=device) for r in range(tp_size)]
         self.custom_weight_loader = list(custom_weight_loader)
 
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
         import importlib
 
         for model in self.workers:
-            tensors = [(n, t.to("cpu")) for n, t in named_tensors]
+            tensors = [(n, t.to(self.device)) for n, t in named_tensors]
             if load_format == "direct":
                 raise NotImplementedError
             elif load_format in self.custom_weight_loader:

@@ -1,0 +1,121 @@
+"""The package with CUDA tensors (runs where torch sees a GPU and deltasync
+was built with CUDA; skips elsewhere): the stream between device tensors,
+the adapters on a model in device memory, and a real DTensor's ShardSpec."""
+
+import threading
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import deltasync as ds
+from deltasync.adapters import sglang as ds_sglang
+from standins import SGLangEngineStandIn, assert_matches_reference, make_checkpoint, rl_step
+
+cuda = pytest.mark.skipif(not (torch.cuda.is_available() and ds.built_with_cuda()),
+                          reason="needs a GPU and a CUDA build of deltasync")
+
+
+def bits(t):
+    return t.contiguous().view(torch.uint8)
+
+
+@cuda
+def test_stream_between_device_tensors(rendezvous):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = {"emb": torch.randn(512, 256, device="cuda", generator=g).to(torch.bfloat16),
+         "norm": torch.randn(256, device="cuda", generator=g),
+         "host": torch.randn(100)}
+    whole = {n: torch.zeros_like(t) for n, t in w.items()}
+    cols = torch.zeros(512, 128, dtype=torch.bfloat16, device="cuda")
+    errors = []
+
+    def receiver(r):
+        try:
+            with ds.StreamReceiver(ds.Group(rendezvous, r, 3, timeout_s=60)) as rx:
+                if r == 1:
+                    rx.register_all(whole)
+                else:
+                    rx.register("emb", cols, runs=[(i * 256 + 128, 128, i * 128, 1)
+                                                   for i in range(512)], shape=[512, 256])
+                for _ in range(4):
+                    rx.receive()
+                torch.cuda.synchronize()
+        except BaseException as e:
+            errors.append(e)
+
+    ts = [threading.Thread(target=receiver, args=(r,)) for r in (1, 2)]
+    [t.start() for t in ts]
+    with ds.StreamSender(ds.Group(rendezvous, 0, 3, timeout_s=60)) as tx:
+        for k in range(4):
+            if k:
+                w["emb"].view(-1)[k::97] += 1
+                w["norm"][k] = float("nan")
+                w["host"][k] += 1
+            stats = tx.sync(w)
+            assert stats["receivers"] == 2
+    [t.join() for t in ts]
+    assert not errors, errors
+    for n, t in w.items():
+        assert torch.equal(bits(whole[n]), bits(t)), n
+    assert torch.equal(bits(cols), bits(w["emb"][:, 128:]))
+
+
+@cuda
+def test_host_only_calls_name_a_cuda_tensor_and_the_publisher_copies_it(tmp_path):
+    t = torch.zeros(8, device="cuda")
+    with pytest.raises(ds.InvalidArgumentError, match="'w': on CUDA device 0"):
+        ds.diff(t, t, name="w")
+    w = {"w": torch.randn(64, 64, device="cuda").to(torch.bfloat16)}
+    with ds.Publisher(tmp_path / "store", w) as pub:
+        w["w"][0, 0] += 1
+        assert pub.publish(w)["changed_elements"] == 1
+
+
+@cuda
+def test_sglang_adapter_on_a_model_in_device_memory():
+    engine = SGLangEngineStandIn(2, custom_weight_loader=[ds_sglang.LOAD_FORMAT], device="cuda")
+    pusher = ds_sglang.SGLangPusher(engine)
+    ckpt = make_checkpoint(5)
+    pusher.push(ckpt)
+    for step in range(3):
+        rl_step(ckpt, step)
+        pusher.push(ckpt)
+        for m in engine.workers:
+            assert_matches_reference(m, ckpt)
+    assert ds_sglang.engine_weights(engine.workers[0]).stats["scattered_elements"] > 0
+
+
+def _dtensor_worker(rank, init):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=4)
+    try:
+        full = torch.arange(10 * 6, dtype=torch.float32).reshape(10, 6)
+        mesh = init_device_mesh("cpu", (4,))
+        for placements in ([Shard(0)], [Shard(1)], [Replicate()]):
+            dt = distribute_tensor(full, mesh, placements)
+            spec = ds.ShardSpec.from_dtensor("w", dt)
+            box = spec.pieces[0]
+            local = dt.to_local()
+            region = full[tuple(slice(o, o + e) for o, e in zip(box.hf_offset, box.extent))]
+            assert torch.equal(local, region), (placements, box.hf_offset, box.extent)
+            assert spec.contributes == (placements != [Replicate()] or rank == 0)
+        mesh2 = init_device_mesh("cpu", (2, 2))
+        dt = distribute_tensor(full, mesh2, [Shard(0), Shard(1)])
+        spec = ds.ShardSpec.from_dtensor("w", dt)
+        box = spec.pieces[0]
+        assert torch.equal(dt.to_local(), full[tuple(
+            slice(o, o + e) for o, e in zip(box.hf_offset, box.extent))])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_shard_spec_of_real_dtensors(tmp_path):
+    try:
+        import torch.distributed.tensor  # noqa: F401 - torch >= 2.4
+    except ImportError:
+        pytest.skip("this torch has no DTensor")
+    mp.spawn(_dtensor_worker, args=("file://" + str(tmp_path / "init"),), nprocs=4, join=True)
