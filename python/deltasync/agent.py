@@ -17,6 +17,7 @@ from . import _deltasync
 from ._closing import Closing
 from ._tensors import args, named
 from .errors import error_for_code
+from .store import base_args
 
 
 class EnginesFailedError(Exception):
@@ -123,15 +124,9 @@ class SyncCoordinator(Closing):
         timeout_s: float = 600,
         retries: int = 3,
     ) -> None:
-        if (base is None) == (base_path is None):
-            from .errors import InvalidArgumentError
-
-            raise InvalidArgumentError(
-                "SyncCoordinator: give exactly one of base (tensors) and base_path"
-            )
-        targs, keep = args(named(base), to_host=True) if base is not None else ([], [])
+        targs, path, keep = base_args("SyncCoordinator", base, base_path)
         self._impl = _deltasync.SyncCoordinator(
-            os.fspath(store), targs, os.fspath(base_path or ""), list(engines), encoding,
+            os.fspath(store), targs, path, list(engines), encoding,
             full_every, checksum, zstd_level, token, connect_timeout_s, timeout_s, retries,
         )
         del keep

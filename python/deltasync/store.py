@@ -15,6 +15,18 @@ from typing import Any, Optional
 from . import _deltasync
 from ._closing import Closing
 from ._tensors import args, named
+from .errors import InvalidArgumentError
+
+
+def base_args(who: str, base: Any, base_path: Any) -> tuple:
+    """A publisher's version 0, from tensors or a checkpoint path (exactly
+    one): the tensor arguments, the path ("" for tensors), what to keep alive."""
+    if (base is None) == (base_path is None):
+        raise InvalidArgumentError(f"{who}: give exactly one of base (tensors) and base_path")
+    if base is None:
+        return [], os.fspath(base_path), []
+    targs, keep = args(named(base), to_host=True)
+    return targs, "", keep
 
 
 class Publisher(Closing):
@@ -42,14 +54,9 @@ class Publisher(Closing):
         checksum: str = "xxh3-128",
         zstd_level: int = 1,
     ) -> None:
-        if (base is None) == (base_path is None):
-            from .errors import InvalidArgumentError
-
-            raise InvalidArgumentError("Publisher: give exactly one of base (tensors) and base_path")
-        targs, keep = args(named(base), to_host=True) if base is not None else ([], [])
+        targs, path, keep = base_args("Publisher", base, base_path)
         self._impl = _deltasync.Publisher(
-            os.fspath(store), targs, os.fspath(base_path or ""), encoding, full_every,
-            checksum, zstd_level,
+            os.fspath(store), targs, path, encoding, full_every, checksum, zstd_level
         )
         del keep
 

@@ -61,19 +61,26 @@ Status RequireHost(const TensorArg& t, const std::string& what) {
 
 namespace {
 
+// Both tensors usable, in host memory, of one dtype and shape; `role`
+// names the second ("snapshot", "base") and `call` the call.
+void CheckPair(const TensorArg& current, const TensorArg& other, const char* role,
+               const char* call) {
+  Check(current.Validate());
+  Check(other.Validate());
+  Check(RequireHost(current, call));
+  Check(RequireHost(other, call));
+  if (current.dtype != other.dtype || current.shape != other.shape) {
+    Raise(Status::InvalidArgument("tensor '" + current.name + "': " + current.dtype +
+                                  " against a " + role + " of " + other.dtype +
+                                  " (dtypes and shapes must match)"));
+  }
+}
+
 // The changes of `current` against `snapshot` (host tensors of one dtype
 // and shape): positions (uint64) and the new values' bytes; the snapshot
 // takes the new values when `refresh`.
 py::tuple PyDiff(const TensorArg& current, const TensorArg& snapshot, bool refresh) {
-  Check(current.Validate());
-  Check(snapshot.Validate());
-  Check(RequireHost(current, "diff"));
-  Check(RequireHost(snapshot, "diff"));
-  if (current.dtype != snapshot.dtype || current.shape != snapshot.shape) {
-    Raise(Status::InvalidArgument("tensor '" + current.name + "': " + current.dtype +
-                                  " against a snapshot of " + snapshot.dtype +
-                                  " (dtypes and shapes must match)"));
-  }
+  CheckPair(current, snapshot, "snapshot", "diff");
   if (refresh && !snapshot.writable) {
     Raise(Status::InvalidArgument("tensor '" + snapshot.name +
                                   "': read-only, but refresh writes the new values into it"));
@@ -100,15 +107,7 @@ py::tuple PyDiff(const TensorArg& current, const TensorArg& snapshot, bool refre
 // `current`'s changes against `base`, encoded (the disk store's per-tensor
 // encodings, docs/format.md).
 py::bytes PyEncode(const TensorArg& current, const TensorArg& base, const std::string& encoding) {
-  Check(current.Validate());
-  Check(base.Validate());
-  Check(RequireHost(current, "encode"));
-  Check(RequireHost(base, "encode"));
-  if (current.dtype != base.dtype || current.shape != base.shape) {
-    Raise(Status::InvalidArgument("tensor '" + current.name + "': " + current.dtype +
-                                  " against a base of " + base.dtype +
-                                  " (dtypes and shapes must match)"));
-  }
+  CheckPair(current, base, "base", "encode");
   const Encoding e = Take(ParseEncoding(encoding));
   std::vector<uint8_t> out;
   Status s;
