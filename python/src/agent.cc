@@ -156,15 +156,15 @@ class PyCoordinator {
       r = p.ok() ? SyncCoordinator::Create(so, std::move(*p))
                  : Result<std::unique_ptr<SyncCoordinator>>(p.status());
     }
-    coordinator_ = Take(std::move(r));
+    coordinator_.Set(Take(std::move(r)));
   }
   py::dict Sync(const TensorArgs& weights, bool full) {
-    Usable();
+    coordinator_.Use();
     const std::vector<TensorView> views = HostViews(weights, "a coordinated sync");
     Result<SyncReport> r = Status::OK();
     {
       py::gil_scoped_release release;
-      r = coordinator_->Sync(views, full);
+      r = coordinator_.Use().Sync(views, full);
     }
     const SyncReport report = Take(std::move(r));
     py::dict d = Outcomes(report.engines);
@@ -176,29 +176,20 @@ class PyCoordinator {
     return d;
   }
   py::dict PullAll(std::optional<int64_t> target) {
-    Usable();
+    coordinator_.Use();
     std::vector<EnginePullOutcome> outcomes;
     {
       py::gil_scoped_release release;
-      outcomes = coordinator_->PullAll(target);
+      outcomes = coordinator_.Use().PullAll(target);
     }
     return Outcomes(outcomes);
   }
-  int64_t latest_version() {
-    Usable();
-    return coordinator_->publisher().latest_version();
-  }
-  bool closed() const { return coordinator_ == nullptr; }
-  void Close() {
-    py::gil_scoped_release release;
-    coordinator_.reset();
-  }
+  int64_t latest_version() { return coordinator_.Use().publisher().latest_version(); }
+  bool closed() const { return coordinator_.closed(); }
+  void Close() { coordinator_.Close(); }
 
  private:
-  void Usable() const {
-    if (!coordinator_) Raise(Status::FailedPrecondition("SyncCoordinator is closed"));
-  }
-  std::unique_ptr<SyncCoordinator> coordinator_;
+  Held<SyncCoordinator> coordinator_{"SyncCoordinator"};
 };
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -77,6 +78,33 @@ inline std::string ShapeText(const std::vector<int64_t>& shape) {
 // list (deltasync._deltasync.TensorArgs), built by args_from_pairs without
 // a Python object per tensor; a Python list of TensorArg converts to it.
 using TensorArgs = std::vector<TensorArg>;
+
+// A core object a binding holds until Close(): Use() raises
+// FailedPrecondition "<what> is closed" after it. Close() releases the GIL
+// while the object is destroyed (its threads and connections end there).
+template <typename T>
+class Held {
+ public:
+  explicit Held(const char* what) : what_(what) {}
+  ~Held() { Close(); }
+  Held(const Held&) = delete;
+  Held& operator=(const Held&) = delete;
+  void Set(std::unique_ptr<T> p) { p_ = std::move(p); }
+  T& Use() const {
+    if (!p_) Raise(Status::FailedPrecondition(std::string(what_) + " is closed"));
+    return *p_;
+  }
+  bool closed() const { return p_ == nullptr; }
+  void Close() {
+    if (!p_) return;
+    py::gil_scoped_release release;
+    p_.reset();
+  }
+
+ private:
+  const char* what_;
+  std::unique_ptr<T> p_;
+};
 
 // Host memory only: InvalidArgument naming the tensor and `what` otherwise.
 Status RequireHost(const TensorArg& t, const std::string& what);

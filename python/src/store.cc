@@ -94,42 +94,33 @@ class PyPublisher {
       p = base_path.empty() ? Publisher::Create(o, views)
                             : Publisher::CreateFromCheckpoint(o, base_path);
     }
-    publisher_ = Take(std::move(p));
+    publisher_.Set(Take(std::move(p)));
   }
   py::dict Publish(const TensorArgs& weights, bool full) {
-    Usable();
+    publisher_.Use();
     const std::vector<TensorView> views = HostViews(weights, "publish");
     Result<PublishResult> r = Status::OK();
     {
       py::gil_scoped_release release;
-      r = publisher_->Publish(views, full);
+      r = publisher_.Use().Publish(views, full);
     }
     return PublishDict(Take(std::move(r)));
   }
   py::dict PublishCheckpoint(const std::string& path, bool full) {
-    Usable();
+    publisher_.Use();
     Result<PublishResult> r = Status::OK();
     {
       py::gil_scoped_release release;
-      r = publisher_->PublishCheckpoint(path, full);
+      r = publisher_.Use().PublishCheckpoint(path, full);
     }
     return PublishDict(Take(std::move(r)));
   }
-  int64_t latest_version() const {
-    Usable();
-    return publisher_->latest_version();
-  }
-  bool closed() const { return publisher_ == nullptr; }
-  void Close() {
-    py::gil_scoped_release release;
-    publisher_.reset();
-  }
+  int64_t latest_version() const { return publisher_.Use().latest_version(); }
+  bool closed() const { return publisher_.closed(); }
+  void Close() { publisher_.Close(); }
 
  private:
-  void Usable() const {
-    if (!publisher_) Raise(Status::FailedPrecondition("Publisher is closed"));
-  }
-  std::unique_ptr<Publisher> publisher_;
+  Held<Publisher> publisher_{"Publisher"};
 };
 
 class PyLocalCheckpoint {
@@ -147,50 +138,41 @@ class PyLocalCheckpoint {
       py::gil_scoped_release release;
       r = LocalCheckpoint::Open(o);
     }
-    checkpoint_ = Take(std::move(r));
+    checkpoint_.Set(Take(std::move(r)));
   }
   py::dict Pull(std::optional<int64_t> target) {
-    Usable();
+    checkpoint_.Use();
     Result<PullResult> r = Status::OK();
     {
       py::gil_scoped_release release;
-      r = checkpoint_->Pull(target);
+      r = checkpoint_.Use().Pull(target);
     }
     return PullDict(Take(std::move(r)));
   }
   std::optional<int64_t> CurrentVersion() {
-    Usable();
+    checkpoint_.Use();
     Result<std::optional<int64_t>> r = Status::OK();
     {
       py::gil_scoped_release release;
-      r = checkpoint_->CurrentVersion();
+      r = checkpoint_.Use().CurrentVersion();
     }
     return Take(std::move(r));
   }
   void Verify() {
-    Usable();
+    checkpoint_.Use();
     Status s;
     {
       py::gil_scoped_release release;
-      s = checkpoint_->Verify();
+      s = checkpoint_.Use().Verify();
     }
     Check(s);
   }
-  std::string local() const {
-    Usable();
-    return checkpoint_->local();
-  }
-  bool closed() const { return checkpoint_ == nullptr; }
-  void Close() {
-    py::gil_scoped_release release;
-    checkpoint_.reset();
-  }
+  std::string local() const { return checkpoint_.Use().local(); }
+  bool closed() const { return checkpoint_.closed(); }
+  void Close() { checkpoint_.Close(); }
 
  private:
-  void Usable() const {
-    if (!checkpoint_) Raise(Status::FailedPrecondition("LocalCheckpoint is closed"));
-  }
-  std::unique_ptr<LocalCheckpoint> checkpoint_;
+  Held<LocalCheckpoint> checkpoint_{"LocalCheckpoint"};
 };
 
 }  // namespace

@@ -214,10 +214,6 @@ py::dict ReceiveDict(const ReceiveStats& s) {
   return d;
 }
 
-Status Closed(const char* what) {
-  return Status::FailedPrecondition(std::string(what) + " is closed");
-}
-
 class PySender {
  public:
   PySender(const py::object& group, const py::object& trainers, const std::string& encoding,
@@ -238,12 +234,11 @@ class PySender {
       r = trainer ? StreamSender::CreateSharded(*trainer, stream, so)
                   : StreamSender::Create(stream, so);
     }
-    sender_ = Take(std::move(r));
+    sender_.Set(Take(std::move(r)));
   }
-  ~PySender() { Close(); }
 
   py::dict Sync(const TensorArgs& tensors) {
-    Usable();
+    sender_.Use();
     std::vector<SyncTensor> ts;
     ts.reserve(tensors.size());
     for (const TensorArg& t : tensors) {
@@ -253,7 +248,7 @@ class PySender {
     Result<SyncStats> r = Status::OK();
     {
       py::gil_scoped_release release;
-      r = sender_->Sync(ts);
+      r = sender_.Use().Sync(ts);
     }
     return SyncDict(Take(std::move(r)));
   }
@@ -261,7 +256,7 @@ class PySender {
   py::dict SyncShards(
       const std::vector<std::tuple<std::string, std::string, std::vector<int64_t>>>& model,
       const std::vector<std::pair<ShardSpec, TensorArg>>& shards) {
-    Usable();
+    sender_.Use();
     std::vector<ModelTensor> m;
     for (const auto& [name, dtype, shape] : model) {
       m.push_back({name, Take(ParseDType(dtype)), shape});
@@ -281,32 +276,22 @@ class PySender {
     Result<SyncStats> r = Status::OK();
     {
       py::gil_scoped_release release;
-      r = sender_->SyncShards(m, s);
+      r = sender_.Use().SyncShards(m, s);
     }
     return SyncDict(Take(std::move(r)));
   }
 
   py::bytes Snapshot(const std::string& name) const {
-    Usable();
-    const std::span<const uint8_t> s = Take(sender_->Snapshot(name));
+    const std::span<const uint8_t> s = Take(sender_.Use().Snapshot(name));
     return py::bytes(reinterpret_cast<const char*>(s.data()), s.size());
   }
 
-  uint64_t committed_sync_id() const {
-    Usable();
-    return sender_->committed_sync_id();
-  }
-  bool closed() const { return sender_ == nullptr; }
-  void Close() {
-    py::gil_scoped_release release;
-    sender_.reset();
-  }
+  uint64_t committed_sync_id() const { return sender_.Use().committed_sync_id(); }
+  bool closed() const { return sender_.closed(); }
+  void Close() { sender_.Close(); }
 
  private:
-  void Usable() const {
-    if (!sender_) Raise(Closed("StreamSender"));
-  }
-  std::unique_ptr<StreamSender> sender_;
+  Held<StreamSender> sender_{"StreamSender"};
 };
 
 class PyReceiver {
@@ -320,14 +305,13 @@ class PyReceiver {
       py::gil_scoped_release release;
       r = StreamReceiver::Create(f, ro);
     }
-    receiver_ = Take(std::move(r));
+    receiver_.Set(Take(std::move(r)));
   }
-  ~PyReceiver() { Close(); }
 
   void Register(const TensorArg& t,
                 const std::vector<std::tuple<uint64_t, uint64_t, uint64_t, uint64_t>>& runs,
                 const std::string& hf_dtype, const std::vector<int64_t>& hf_shape) {
-    Usable();
+    receiver_.Use();
     Check(t.Validate());
     if (!t.writable) Raise(Status::InvalidArgument("tensor '" + t.name + "': read-only"));
     std::vector<DestinationRun> rs;
@@ -336,30 +320,24 @@ class PyReceiver {
       rs.push_back({first, count, offset, stride});
     }
     const DType dtype = hf_dtype.empty() ? t.ParsedDType() : Take(ParseDType(hf_dtype));
-    Check(receiver_->Register(t.name, dtype, runs.empty() ? t.shape : hf_shape, t.mutable_bytes(),
-                              rs, t.place()));
+    Check(receiver_.Use().Register(t.name, dtype, runs.empty() ? t.shape : hf_shape,
+                                   t.mutable_bytes(), rs, t.place()));
   }
 
   py::dict Receive() {
-    Usable();
+    receiver_.Use();
     Result<ReceiveStats> r = Status::OK();
     {
       py::gil_scoped_release release;
-      r = receiver_->ReceiveSync();
+      r = receiver_.Use().ReceiveSync();
     }
     return ReceiveDict(Take(std::move(r)));
   }
-  bool closed() const { return receiver_ == nullptr; }
-  void Close() {
-    py::gil_scoped_release release;
-    receiver_.reset();
-  }
+  bool closed() const { return receiver_.closed(); }
+  void Close() { receiver_.Close(); }
 
  private:
-  void Usable() const {
-    if (!receiver_) Raise(Closed("StreamReceiver"));
-  }
-  std::unique_ptr<StreamReceiver> receiver_;
+  Held<StreamReceiver> receiver_{"StreamReceiver"};
 };
 
 ShardSpec Named(Result<ShardSpec> r) { return Take(std::move(r)); }

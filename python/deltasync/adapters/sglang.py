@@ -54,7 +54,7 @@ def _manifest(named_tensors: list) -> tuple[dict, dict]:
     if raw is None:
         raise InvalidArgumentError(f"deltasync payload: no {MANIFEST} tensor")
     try:
-        m = json.loads(bytes(raw.to("cpu").numpy().tobytes()).decode("utf-8"))
+        m = json.loads(raw.to("cpu").numpy().tobytes().decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptionError(f"deltasync payload: the manifest is not JSON ({e})") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
