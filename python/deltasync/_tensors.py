@@ -180,7 +180,7 @@ def named(tensors: Any) -> list[tuple[str, Any]]:
     return out
 
 
-def host(name: str, obj: Any) -> Any:
+def host(obj: Any) -> Any:
     """``obj`` in host memory: a CUDA tensor is copied (for the disk transport)."""
     if is_torch(obj) and obj.device.type != "cpu":
         return obj.detach().to("cpu")
@@ -192,5 +192,5 @@ def args(pairs: list[tuple[str, Any]], *, to_host: bool = False) -> tuple[Any, l
     Dense host torch tensors are read by the extension in one call; every
     other object goes through :func:`arg`."""
     if to_host:
-        pairs = [(name, host(name, t)) for name, t in pairs]
+        pairs = [(name, host(t)) for name, t in pairs]
     return _deltasync.args_from_pairs(pairs, arg), pairs

@@ -52,6 +52,7 @@ class Placement:
     param_name: str
     param: torch.Tensor
     runs: np.ndarray
+    _device_runs: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def elements(self) -> int:
@@ -66,7 +67,10 @@ class Placement:
         """For flat checkpoint positions (int64, ascending or not), the mask of
         those this worker holds and their flat indices in ``param``."""
         dev = positions.device
-        runs = torch.as_tensor(self.runs, dtype=torch.int64, device=dev)
+        runs = self._device_runs.get(dev)
+        if runs is None:  # once per device, not at every delta
+            runs = torch.as_tensor(self.runs, dtype=torch.int64, device=dev)
+            self._device_runs[dev] = runs
         if len(self.runs) == 0:
             empty = torch.zeros(0, dtype=torch.int64, device=dev)
             return torch.zeros_like(positions, dtype=torch.bool), empty
