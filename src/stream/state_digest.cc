@@ -387,11 +387,6 @@ Status Positions::Check(uint64_t limit) const {
   return Status::OK();
 }
 
-StateDigest ElementDigest(uint64_t position, uint64_t bits, uint32_t elem_size) {
-  const uint64_t t = PositionKey(position, elem_size);
-  return {FmixA((element_digest::KeyA(t)) ^ bits), FmixB((element_digest::KeyB(t)) ^ bits)};
-}
-
 std::string_view DigestKernelName(DigestKernel kernel) {
   switch (kernel) {
     case DigestKernel::kScalar: return "scalar";
@@ -519,8 +514,8 @@ Status UpdateStateDigest(StateDigest* digest, const Positions& positions,
   StateDigest d = *digest;
   for (size_t k = 0; k < n; ++k) {
     const uint64_t p = positions[k];
-    d -= ElementDigest(p, LoadBits(old_values.data() + k * elem_size, elem_size), elem_size);
-    d += ElementDigest(p, LoadBits(new_values.data() + k * elem_size, elem_size), elem_size);
+    d += ElementChangeDigest(p, LoadBits(old_values.data() + k * elem_size, elem_size),
+                             LoadBits(new_values.data() + k * elem_size, elem_size), elem_size);
   }
   *digest = d;
   return Status::OK();

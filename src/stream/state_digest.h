@@ -13,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/element_digest.h"
 #include "deltasync/diff.h"
 #include "deltasync/status.h"
 #include "deltasync/thread_pool.h"
@@ -96,8 +97,24 @@ struct Positions {
 
 // The hash of one element (the digest of the set holding only it): position
 // below kMaxStreamNumel, `bits` its elem_size bytes as a little-endian
-// integer, elem_size 1, 2, 4 or 8 (assumed, not checked).
-StateDigest ElementDigest(uint64_t position, uint64_t bits, uint32_t elem_size);
+// integer, elem_size 1, 2, 4 or 8 (assumed, not checked). Inline: appliers
+// call it once per changed element.
+inline StateDigest ElementDigest(uint64_t position, uint64_t bits, uint32_t elem_size) {
+  const uint64_t t = element_digest::PositionKey(position, elem_size);
+  return {element_digest::FmixA(element_digest::KeyA(t) ^ bits),
+          element_digest::FmixB(element_digest::KeyB(t) ^ bits)};
+}
+
+// What the digest gains when the element at `position` changes from
+// `old_bits` to `new_bits`: ElementDigest(new) - ElementDigest(old), with
+// the position's keys computed once.
+inline StateDigest ElementChangeDigest(uint64_t position, uint64_t old_bits, uint64_t new_bits,
+                                       uint32_t elem_size) {
+  const uint64_t t = element_digest::PositionKey(position, elem_size);
+  const uint64_t ka = element_digest::KeyA(t), kb = element_digest::KeyB(t);
+  return {element_digest::FmixA(ka ^ new_bits) - element_digest::FmixA(ka ^ old_bits),
+          element_digest::FmixB(kb ^ new_bits) - element_digest::FmixB(kb ^ old_bits)};
+}
 
 // Implementations of the full compute. All give identical digests.
 enum class DigestKernel : uint8_t { kScalar, kAvx2, kAvx512 };
