@@ -39,6 +39,8 @@ constexpr uint64_t kMinBucketBytes = uint64_t{64} << 10;
 // Room a frame keeps for its header, manifest entry and trailer beside one
 // unit's positions and values.
 constexpr uint64_t kFrameReserve = 8192;
+// Frame buckets kept from one sync to the next (one per kind of receiver).
+constexpr size_t kSpareBuckets = 2;
 // Elements a device tensor diffs per kernel call (about what its scratch
 // holds: positions, new and old values of a whole chunk).
 constexpr uint64_t kDeviceChunkElements = uint64_t{1} << 25;
@@ -199,6 +201,7 @@ class Sender final : public StreamSender {
   bool have_local_ = false;
   uint64_t local_syncs_ = 0;  // sharded ranks other than 0: syncs taken part in
   std::vector<uint8_t> scratch_;
+  std::vector<std::vector<uint8_t>> spare_buckets_;  // the last sync's, reused
   std::unique_ptr<Communicator> comm_;
   bool welcomed_ = false;
   std::vector<Peer> peers_;
@@ -507,8 +510,9 @@ Status Sender::StreamTensor(TensorState& t, const UnitSource& src, Round* round)
           for (uint64_t k = 0; k < changes_.count(); ++k) {
             const uint64_t p = first + changes_.position(k);
             if (!InBlock(b, p)) continue;
-            d -= stream::ElementDigest(p, LoadBits(changes_.old_values.data() + k * t.w, t.w), t.w);
-            d += stream::ElementDigest(p, LoadBits(changes_.new_values.data() + k * t.w, t.w), t.w);
+            d += stream::ElementChangeDigest(p, LoadBits(changes_.old_values.data() + k * t.w, t.w),
+                                             LoadBits(changes_.new_values.data() + k * t.w, t.w),
+                                             t.w);
           }
         }
       }
@@ -640,6 +644,10 @@ Status Sender::BeginSync(Round* round) {
     if (g == nullptr) {
       round->groups.push_back(std::make_unique<Group>());
       g = round->groups.back().get();
+      if (!spare_buckets_.empty()) {
+        g->bucket = std::move(spare_buckets_.back());
+        spare_buckets_.pop_back();
+      }
       g->seed = seed;
       g->writer.set_zstd_level(options_.zstd_level);
       for (const auto& [name, block] : p.blocks) g->holds.insert(name);
@@ -675,6 +683,12 @@ Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>&
                        changes_.new_values.capacity() + changes_.old_values.capacity() +
                        scratch_.capacity();
   for (const std::unique_ptr<Group>& g : round->groups) stats.buffer_bytes += g->bucket.capacity();
+  // The buckets serve the next sync: their pages are not faulted in again.
+  for (const std::unique_ptr<Group>& g : round->groups) {
+    if (spare_buckets_.size() < kSpareBuckets && g->bucket.capacity() > 0) {
+      spare_buckets_.push_back(std::move(g->bucket));
+    }
+  }
   for (const auto& [device, ctx] : devices_) stats.buffer_bytes += ctx->buffer_bytes();
   for (const TensorState* t : order) {
     if (t->device) stats.buffer_bytes += t->device->buffer_bytes();
