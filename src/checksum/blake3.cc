@@ -10,6 +10,8 @@
 #include <cstring>
 #include <string>
 
+#include "core/endian.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #define DS_BLAKE3_HAVE_X86 1
 #include <immintrin.h>
@@ -56,24 +58,12 @@ constexpr Schedule MakeSchedule() {
 }
 constexpr Schedule kSchedule = MakeSchedule();
 
-inline uint32_t LoadLe32(const uint8_t* p) {
-  uint32_t w;
-  std::memcpy(&w, p, sizeof(w));
-  if constexpr (std::endian::native == std::endian::big) w = __builtin_bswap32(w);
-  return w;
-}
-
-inline void StoreLe32(uint8_t* p, uint32_t w) {
-  if constexpr (std::endian::native == std::endian::big) w = __builtin_bswap32(w);
-  std::memcpy(p, &w, sizeof(w));
-}
-
 inline void LoadWords(const uint8_t* bytes, size_t n, uint32_t* words) {
-  for (size_t i = 0; i < n; ++i) words[i] = LoadLe32(bytes + 4 * i);
+  for (size_t i = 0; i < n; ++i) words[i] = LoadLe<uint32_t>(bytes + 4 * i);
 }
 
 inline void StoreWords(const uint32_t* words, size_t n, uint8_t* bytes) {
-  for (size_t i = 0; i < n; ++i) StoreLe32(bytes + 4 * i, words[i]);
+  for (size_t i = 0; i < n; ++i) StoreLe<uint32_t>(bytes + 4 * i, words[i]);
 }
 
 // ---------------------------------------------------------------------------
@@ -127,8 +117,8 @@ inline void CompressXof(const uint32_t cv[8], const uint8_t block[kBlockLen], ui
   uint32_t v[16];
   CompressRounds(cv, block, block_len, counter, flags, v);
   for (int i = 0; i < 8; ++i) {
-    StoreLe32(out + 4 * i, v[i] ^ v[i + 8]);
-    StoreLe32(out + 32 + 4 * i, v[i + 8] ^ cv[i]);
+    StoreLe<uint32_t>(out + 4 * i, v[i] ^ v[i + 8]);
+    StoreLe<uint32_t>(out + 32 + 4 * i, v[i + 8] ^ cv[i]);
   }
 }
 

@@ -15,25 +15,6 @@
 
 namespace deltasync::codec_internal {
 
-// The formats are little-endian on every host; these compile to plain loads
-// and stores on little-endian machines.
-inline void StoreLE32(uint8_t* p, uint32_t v) {
-  for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
-}
-inline void StoreLE64(uint8_t* p, uint64_t v) {
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
-}
-inline uint32_t LoadLE32(const uint8_t* p) {
-  uint32_t v = 0;
-  for (int i = 3; i >= 0; --i) v = (v << 8) | p[i];
-  return v;
-}
-inline uint64_t LoadLE64(const uint8_t* p) {
-  uint64_t v = 0;
-  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
-  return v;
-}
-
 inline bool IsValidElemSize(uint64_t elem_size) {
   return elem_size == 1 || elem_size == 2 || elem_size == 4 || elem_size == 8;
 }

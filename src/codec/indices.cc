@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "codec/codec_internal.h"
+#include "core/endian.h"
 
 namespace deltasync::codec_internal {
 namespace {
@@ -52,15 +53,15 @@ class IndicesCodecImpl final : public Codec {
     p[5] = static_cast<uint8_t>(width);
     p[6] = static_cast<uint8_t>(es);
     p[7] = 0;
-    StoreLE64(p + 8, changes.numel);
-    StoreLE64(p + 16, count);
+    StoreLe<uint64_t>(p + 8, changes.numel);
+    StoreLe<uint64_t>(p + 16, count);
     p += kIndicesHeaderBytes;
     if (width == 4) {
       for (uint64_t i = 0; i < count; ++i, p += 4) {
-        StoreLE32(p, static_cast<uint32_t>(changes.position(i)));
+        StoreLe<uint32_t>(p, static_cast<uint32_t>(changes.position(i)));
       }
     } else {
-      for (uint64_t i = 0; i < count; ++i, p += 8) StoreLE64(p, changes.position(i));
+      for (uint64_t i = 0; i < count; ++i, p += 8) StoreLe<uint64_t>(p, changes.position(i));
     }
     if (count) std::memcpy(p, changes.new_values.data(), count * es);
     return Status::OK();
@@ -127,11 +128,11 @@ class IndicesCodecImpl final : public Codec {
     }
     if (h[7] != 0) return Corrupt("reserved header byte is not zero");
     const uint64_t numel = target.size() / elem_size;
-    if (LoadLE64(h + 8) != numel) {
-      return Corrupt("encodes " + std::to_string(LoadLE64(h + 8)) +
+    if (LoadLe<uint64_t>(h + 8) != numel) {
+      return Corrupt("encodes " + std::to_string(LoadLe<uint64_t>(h + 8)) +
                      " elements but the tensor has " + std::to_string(numel));
     }
-    const uint64_t count = LoadLE64(h + 16);
+    const uint64_t count = LoadLe<uint64_t>(h + 16);
     if (count > numel) {
       return Corrupt(std::to_string(count) + " positions for a tensor of " + std::to_string(numel) +
                      " elements");
@@ -164,9 +165,9 @@ class IndicesCodecImpl final : public Codec {
   static uint64_t ReadPosition(const uint8_t* positions, uint64_t i, uint64_t width) {
     if (width == 4) {
       return static_cast<uint64_t>(
-          static_cast<int64_t>(static_cast<int32_t>(LoadLE32(positions + 4 * i))));
+          static_cast<int64_t>(static_cast<int32_t>(LoadLe<uint32_t>(positions + 4 * i))));
     }
-    return LoadLE64(positions + 8 * i);
+    return LoadLe<uint64_t>(positions + 8 * i);
   }
 };
 

@@ -14,6 +14,7 @@
 
 #include "codec/codec_internal.h"
 #include "codec/zstd_stream.h"
+#include "core/endian.h"
 
 namespace deltasync::codec_internal {
 namespace {
@@ -94,13 +95,13 @@ class OverwriteCodecImpl final : public Codec {
     StagedWriter staged(&writer, std::max<size_t>(options.chunk_bytes, 4 * es));
     uint8_t* dst = nullptr;
     DS_RETURN_IF_ERROR(staged.Reserve(4, &dst));
-    StoreLE32(dst, static_cast<uint32_t>(differing));
+    StoreLe<uint32_t>(dst, static_cast<uint32_t>(differing));
     for (uint64_t i = 0; i < count; ++i) {
       const uint64_t base = changes.position(i) * es;
       for (size_t b = 0; b < es; ++b) {
         if (new_values[i * es + b] == old_values[i * es + b]) continue;
         DS_RETURN_IF_ERROR(staged.Reserve(4, &dst).WithContext("overwrite encode"));
-        StoreLE32(dst, static_cast<uint32_t>(base + b));
+        StoreLe<uint32_t>(dst, static_cast<uint32_t>(base + b));
       }
     }
     for (uint64_t i = 0; i < count * es; ++i) {
@@ -141,7 +142,7 @@ class OverwriteCodecImpl final : public Codec {
       const size_t m = static_cast<size_t>(std::min<uint64_t>(count - done, 1 << 18));
       uint8_t* dst = reinterpret_cast<uint8_t*>(positions.data() + done);
       DS_RETURN_IF_ERROR(reader.Read(dst, 4 * m).WithContext("overwrite decode"));
-      for (size_t j = 0; j < m; ++j) positions[done + j] = LoadLE32(dst + 4 * j);
+      for (size_t j = 0; j < m; ++j) positions[done + j] = LoadLe<uint32_t>(dst + 4 * j);
       done += m;
     }
     if (count) {
@@ -190,7 +191,7 @@ class OverwriteCodecImpl final : public Codec {
         reader->Begin(encoded, options.zstd_window_log_max, 0).WithContext("overwrite decode"));
     uint8_t count_bytes[4];
     DS_RETURN_IF_ERROR(reader->Read(count_bytes, 4).WithContext("overwrite decode"));
-    const uint64_t count = LoadLE32(count_bytes);
+    const uint64_t count = LoadLe<uint32_t>(count_bytes);
     if (count > target.size()) {
       return Corrupt(std::to_string(count) + " positions for a tensor of " +
                      std::to_string(target.size()) + " bytes");
@@ -216,10 +217,10 @@ class OverwriteCodecImpl final : public Codec {
     DS_RETURN_IF_ERROR(reader->ExpectEnd().WithContext("overwrite decode"));
     const uint8_t* values = buffer.get() + 4 * count;
     for (uint64_t i = 0; i < count; ++i) {
-      const uint32_t pos = LoadLE32(buffer.get() + 4 * i);
+      const uint32_t pos = LoadLe<uint32_t>(buffer.get() + 4 * i);
       if (pos >= target.size()) return PositionOutside(pos, i, target.size());
     }
-    for (uint64_t i = 0; i < count; ++i) target[LoadLE32(buffer.get() + 4 * i)] = values[i];
+    for (uint64_t i = 0; i < count; ++i) target[LoadLe<uint32_t>(buffer.get() + 4 * i)] = values[i];
     return Status::OK();
   }
 
@@ -240,7 +241,7 @@ class OverwriteCodecImpl final : public Codec {
       DS_RETURN_IF_ERROR(positions->Read(pos_buf, 4 * m).WithContext("overwrite decode"));
       DS_RETURN_IF_ERROR(values.Read(val_buf, m).WithContext("overwrite decode"));
       for (size_t j = 0; j < m; ++j) {
-        const uint32_t pos = LoadLE32(pos_buf + 4 * j);
+        const uint32_t pos = LoadLe<uint32_t>(pos_buf + 4 * j);
         if (pos >= target.size()) return PositionOutside(pos, done + j, target.size());
         target[pos] = val_buf[j];
       }

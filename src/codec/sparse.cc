@@ -18,6 +18,7 @@
 
 #include "codec/codec_internal.h"
 #include "codec/zstd_stream.h"
+#include "core/endian.h"
 
 namespace deltasync {
 
@@ -105,8 +106,8 @@ void WriteHeader(SparseMode mode, uint32_t elem_size, uint64_t numel, uint64_t c
   header[5] = static_cast<uint8_t>(mode);
   header[6] = static_cast<uint8_t>(elem_size);
   header[7] = 0;
-  StoreLE64(header + 8, numel);
-  StoreLE64(header + 16, count);
+  StoreLe<uint64_t>(header + 8, numel);
+  StoreLe<uint64_t>(header + 16, count);
   out->insert(out->end(), header, header + kSparseHeaderBytes);
 }
 
@@ -187,13 +188,13 @@ class PositionsWriter {
   Status Finish() {
     if (n_ > 0) DS_RETURN_IF_ERROR(WriteBlock());
     DS_RETURN_IF_ERROR(writer_.Finish());
-    StoreLE64(out_->data() + header_at_ + 16, count_);
+    StoreLe<uint64_t>(out_->data() + header_at_ + 16, count_);
     return Status::OK();
   }
 
  private:
   Status WriteBlock() {
-    StoreLE32(gaps_.data(), static_cast<uint32_t>(gap_bytes_ - 4));
+    StoreLe<uint32_t>(gaps_.data(), static_cast<uint32_t>(gap_bytes_ - 4));
     std::span<const uint8_t> sections[9];
     sections[0] = {gaps_.data(), gap_bytes_};
     for (size_t j = 0; j < es_; ++j) sections[1 + j] = {planes_.data() + j * kBlock, n_};
@@ -246,7 +247,7 @@ class XorPlanesWriter {
   Status Finish() {
     while (first_ < numel_) DS_RETURN_IF_ERROR(WriteBlock());
     DS_RETURN_IF_ERROR(writer_.Finish());
-    StoreLE64(out_->data() + header_at_ + 16, count_);
+    StoreLe<uint64_t>(out_->data() + header_at_ + 16, count_);
     return Status::OK();
   }
 
@@ -373,7 +374,7 @@ Status DecodePositions(const SparseHeader& header, ZstdFrameReader* reader, Targ
     const size_t n = static_cast<size_t>(std::min(kBlock, header.count - first));
     uint8_t length_bytes[4];
     DS_RETURN_IF_ERROR(reader->Read(length_bytes, 4).WithContext("sparse decode"));
-    const uint64_t gap_bytes = LoadLE32(length_bytes);
+    const uint64_t gap_bytes = LoadLe<uint32_t>(length_bytes);
     if (gap_bytes < n || gap_bytes > n * kMaxGapBytes) {
       return Corrupt("gap section of " + std::to_string(gap_bytes) + " bytes for " +
                      std::to_string(n) + " positions");
@@ -625,8 +626,8 @@ Result<SparseHeader> ReadSparseHeader(std::span<const uint8_t> encoded) {
     return Corrupt("element size " + std::to_string(header.elem_size));
   }
   if (h[7] != 0) return Corrupt("reserved header byte is not zero");
-  header.numel = codec_internal::LoadLE64(h + 8);
-  header.count = codec_internal::LoadLE64(h + 16);
+  header.numel = LoadLe<uint64_t>(h + 8);
+  header.count = LoadLe<uint64_t>(h + 16);
   if (header.count > header.numel) {
     return Corrupt(std::to_string(header.count) + " changes out of " +
                    std::to_string(header.numel) + " elements");

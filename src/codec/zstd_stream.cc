@@ -7,6 +7,7 @@
 #include <string>
 
 #include "codec/codec_internal.h"
+#include "core/endian.h"
 
 namespace deltasync::codec_internal {
 namespace {
@@ -74,7 +75,7 @@ constexpr size_t kBlockHeaderBytes = 3;
 }  // namespace
 
 Result<uint64_t> ZstdFrameContentSize(std::span<const uint8_t> frame) {
-  if (frame.size() < 4 || LoadLE32(frame.data()) != ZSTD_MAGICNUMBER) {
+  if (frame.size() < 4 || LoadLe<uint32_t>(frame.data()) != ZSTD_MAGICNUMBER) {
     return Status::Corruption("not a zstd frame (missing magic number)");
   }
   unsigned long long size = ZSTD_getFrameContentSize(frame.data(), frame.size());
@@ -172,10 +173,10 @@ Status ZstdSequenceFrameWriter::Begin(int level, bool checksum, uint64_t content
   content_size_ = content_size;
   written_ = 0;
   uint8_t header[14];
-  StoreLE32(header, ZSTD_MAGICNUMBER);
+  StoreLe<uint32_t>(header, ZSTD_MAGICNUMBER);
   header[4] = static_cast<uint8_t>(kFhdContentSize8 | (checksum ? kFhdChecksum : 0));
   header[5] = static_cast<uint8_t>((kWindowLog - kWindowLogOfExponent0) << 3);
-  StoreLE64(header + 6, content_size);
+  StoreLe<uint64_t>(header + 6, content_size);
   Append(header, sizeof(header));
   return Status::OK();
 }
@@ -241,7 +242,7 @@ Status ZstdSequenceFrameWriter::Finish() {
   Append(end, sizeof(end));
   if (checksum_) {
     uint8_t sum[4];
-    StoreLE32(sum, static_cast<uint32_t>(XXH64_digest(hash_)));
+    StoreLe<uint32_t>(sum, static_cast<uint32_t>(XXH64_digest(hash_)));
     Append(sum, sizeof(sum));
   }
   out_->resize(used_);

@@ -12,6 +12,7 @@
 #include <tuple>
 #include <utility>
 
+#include "core/endian.h"
 #include "format/json_util.h"
 #include "io/file.h"
 
@@ -25,16 +26,6 @@ constexpr size_t kLengthPrefixBytes = 8;
 // Top-level object > tensor entry > shape array: anything deeper is invalid
 // anyway, and refusing it early bounds the work a hostile header causes.
 constexpr int kMaxHeaderDepth = 3;
-
-uint64_t LoadLittleEndian64(const uint8_t* p) {
-  uint64_t value = 0;
-  for (int i = 7; i >= 0; --i) value = (value << 8) | p[i];
-  return value;
-}
-
-void StoreLittleEndian64(uint64_t value, uint8_t* p) {
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<uint8_t>(value >> (8 * i));
-}
 
 std::string RangeToString(uint64_t begin, uint64_t end) {
   // Appended piecewise: GCC 12 warns falsely (-Wrestrict) on "[" + to_string.
@@ -306,7 +297,7 @@ Status SafetensorsFile::Parse() {
     return Status::Corruption(path_ + ": file is " + std::to_string(size_) +
                               " bytes, shorter than the 8-byte header length prefix");
   }
-  const uint64_t header_bytes = LoadLittleEndian64(image_);
+  const uint64_t header_bytes = LoadLe<uint64_t>(image_);
   if (header_bytes > kMaxSafetensorsHeaderBytes) {
     return Status::Corruption(path_ + ": declared header length " + std::to_string(header_bytes) +
                               " exceeds the limit of " +
@@ -455,7 +446,7 @@ Result<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::Create(
   writer->expected_ = expected;
   DS_ASSIGN_OR_RETURN(writer->file_, io::AtomicFile::Create(path));
   uint8_t prefix[kLengthPrefixBytes];
-  StoreLittleEndian64(header->size(), prefix);
+  StoreLe<uint64_t>(prefix, header->size());
   DS_RETURN_IF_ERROR(writer->file_->Write(std::span<const uint8_t>(prefix)));
   DS_RETURN_IF_ERROR(writer->file_->Write(*header));
   return writer;

@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "core/endian.h"
 #include "deltasync/checksum.h"
 #include "io/file.h"
 #include "pipeline/scatter.h"
@@ -48,22 +49,11 @@ uint64_t Hash64(const uint8_t* data, size_t size) {
   return DigestValue(ChecksumBytes(ChecksumAlgo::kXxh3_64, {data, size}));
 }
 
-template <typename T>
-void Put(uint8_t* p, T v) {
-  std::memcpy(p, &v, sizeof(T));
-}
-template <typename T>
-T Get(const uint8_t* p) {
-  T v;
-  std::memcpy(&v, p, sizeof(T));
-  return v;
-}
-
 }  // namespace
 
 uint64_t JournalRecord::position(uint64_t i) const {
-  if (position_width == 4) return Get<uint32_t>(positions + i * 4);
-  return Get<uint64_t>(positions + i * 8);
+  if (position_width == 4) return LoadLe<uint32_t>(positions + i * 4);
+  return LoadLe<uint64_t>(positions + i * 8);
 }
 
 namespace {
@@ -216,9 +206,9 @@ Result<std::unique_ptr<JournalWriter>> JournalWriter::Create(const std::string& 
   if (writer->fd_ < 0) return Status::FromErrno(errno, path + ": create journal");
   uint8_t* header = writer->header_;
   std::memcpy(header, kHeaderMagic, 8);
-  Put<int64_t>(header + 8, version);
-  Put<int64_t>(header + 16, from_version);
-  Put<uint64_t>(header + 24, Hash64(header, 24));
+  StoreLe<uint64_t>(header + 8, static_cast<uint64_t>(version));
+  StoreLe<uint64_t>(header + 16, static_cast<uint64_t>(from_version));
+  StoreLe<uint64_t>(header + 24, Hash64(header, 24));
   DS_RETURN_IF_ERROR(io::WriteAllAt(writer->fd_, header, kHeaderBytes, 0, path));
   writer->next_offset_ = kHeaderBytes;
   return writer;
@@ -251,12 +241,12 @@ Status JournalWriter::AppendRecord(std::string_view name, uint64_t numel, uint32
     head->resize(strings + 8 + 2 * (count - 1));
     uint8_t* gaps = head->data() + strings;
     uint64_t prev = changes.position(0);
-    Put<uint64_t>(gaps, prev);
+    StoreLe<uint64_t>(gaps, prev);
     bool fits = true;
     for (uint64_t i = 1; i < count && fits; ++i) {
       const uint64_t pos = changes.position(i);
       fits = pos > prev && pos - prev <= UINT16_MAX;
-      Put<uint16_t>(gaps + 8 + 2 * (i - 1), static_cast<uint16_t>(pos - prev));
+      StoreLe<uint16_t>(gaps + 8 + 2 * (i - 1), static_cast<uint16_t>(pos - prev));
       prev = pos;
     }
     if (fits) {
@@ -266,15 +256,15 @@ Status JournalWriter::AppendRecord(std::string_view name, uint64_t numel, uint32
     }
   }
   uint8_t* p = head->data();
-  Put<uint32_t>(p, kRecordMagic);
-  Put<uint32_t>(p + 4, static_cast<uint32_t>(name.size()));
-  Put<uint64_t>(p + 8, numel);
-  Put<uint64_t>(p + 16, count);
-  Put<uint32_t>(p + 24, elem_size);
-  Put<uint16_t>(p + 28, static_cast<uint16_t>(checksum.size()));
-  Put<uint16_t>(p + 30, static_cast<uint16_t>(base_checksum.size()));
-  Put<uint32_t>(p + 32, width);
-  Put<uint32_t>(p + 36, undo_only ? kFlagUndoOnly : 0);
+  StoreLe<uint32_t>(p, kRecordMagic);
+  StoreLe<uint32_t>(p + 4, static_cast<uint32_t>(name.size()));
+  StoreLe<uint64_t>(p + 8, numel);
+  StoreLe<uint64_t>(p + 16, count);
+  StoreLe<uint32_t>(p + 24, elem_size);
+  StoreLe<uint16_t>(p + 28, static_cast<uint16_t>(checksum.size()));
+  StoreLe<uint16_t>(p + 30, static_cast<uint16_t>(base_checksum.size()));
+  StoreLe<uint32_t>(p + 32, width);
+  StoreLe<uint32_t>(p + 36, undo_only ? kFlagUndoOnly : 0);
   size_t at = kRecordFixedBytes;
   for (std::string_view text : {name, checksum, base_checksum}) {
     if (!text.empty()) std::memcpy(p + at, text.data(), text.size());
@@ -293,7 +283,7 @@ Status JournalWriter::AppendRecord(std::string_view name, uint64_t numel, uint32
   std::unique_ptr<Hasher> hasher = NewHasher(ChecksumAlgo::kXxh3_64);
   for (std::span<const uint8_t> part : parts) hasher->Update(part);
   hasher->Update({tail, pad});
-  Put<uint64_t>(tail + pad, DigestValue(hasher->Digest()));
+  StoreLe<uint64_t>(tail + pad, DigestValue(hasher->Digest()));
   struct iovec iov[5];
   size_t total = 0;
   for (size_t i = 0; i < 4; ++i) {
@@ -321,12 +311,12 @@ Status JournalWriter::Finish(bool durable) {
   const uint64_t end = next_offset_;
   uint8_t trailer[kTrailerBytes] = {};
   std::memcpy(trailer, kTrailerMagic, 8);
-  Put<uint64_t>(trailer + 8, records_);
-  Put<uint64_t>(trailer + 16, end);
+  StoreLe<uint64_t>(trailer + 8, records_);
+  StoreLe<uint64_t>(trailer + 16, end);
   uint8_t both[48];
   std::memcpy(both, header, 24);
   std::memcpy(both + 24, trailer, 24);
-  Put<uint64_t>(trailer + 24, Hash64(both, 48));
+  StoreLe<uint64_t>(trailer + 24, Hash64(both, 48));
   DS_RETURN_IF_ERROR(io::WriteAllAt(fd_, trailer, kTrailerBytes, end, path_));
   if (durable) {
     if (::fsync(fd_) != 0) return Status::FromErrno(errno, path_ + ": fsync");
@@ -372,11 +362,11 @@ Result<std::unique_ptr<Journal>> Journal::OpenImpl(const std::string& path, Thre
   if (map == MAP_FAILED) return Status::FromErrno(errno, path + ": mmap");
   journal->map_ = map;
   const uint8_t* base = static_cast<const uint8_t*>(map);
-  if (std::memcmp(base, kHeaderMagic, 8) != 0 || Get<uint64_t>(base + 24) != Hash64(base, 24)) {
+  if (std::memcmp(base, kHeaderMagic, 8) != 0 || LoadLe<uint64_t>(base + 24) != Hash64(base, 24)) {
     return incomplete("bad header");
   }
-  journal->version_ = Get<int64_t>(base + 8);
-  journal->from_version_ = Get<int64_t>(base + 16);
+  journal->version_ = static_cast<int64_t>(LoadLe<uint64_t>(base + 8));
+  journal->from_version_ = static_cast<int64_t>(LoadLe<uint64_t>(base + 16));
   // The trailer, when the file ends with a valid one, bounds the records.
   uint64_t expected_records = 0;
   size_t end = size;
@@ -386,10 +376,10 @@ Result<std::unique_ptr<Journal>> Journal::OpenImpl(const std::string& path, Thre
     std::memcpy(both, base, 24);
     std::memcpy(both + 24, trailer, 24);
     if (std::memcmp(trailer, kTrailerMagic, 8) == 0 &&
-        Get<uint64_t>(trailer + 24) == Hash64(both, 48) &&
-        Get<uint64_t>(trailer + 16) == size - kTrailerBytes) {
+        LoadLe<uint64_t>(trailer + 24) == Hash64(both, 48) &&
+        LoadLe<uint64_t>(trailer + 16) == size - kTrailerBytes) {
       journal->complete_ = true;
-      expected_records = Get<uint64_t>(trailer + 8);
+      expected_records = LoadLe<uint64_t>(trailer + 8);
       end = size - kTrailerBytes;
     }
   }
@@ -404,19 +394,19 @@ Result<std::unique_ptr<Journal>> Journal::OpenImpl(const std::string& path, Thre
       break;
     }
     const uint8_t* p = base + at;
-    if (Get<uint32_t>(p) != kRecordMagic) {
+    if (LoadLe<uint32_t>(p) != kRecordMagic) {
       stopped = incomplete("bad record magic");
       break;
     }
     JournalRecord r;
-    const uint64_t name_len = Get<uint32_t>(p + 4);
-    r.numel = Get<uint64_t>(p + 8);
-    r.count = Get<uint64_t>(p + 16);
-    r.elem_size = Get<uint32_t>(p + 24);
-    const uint64_t sum_len = Get<uint16_t>(p + 28);
-    const uint64_t base_len = Get<uint16_t>(p + 30);
-    r.position_width = Get<uint32_t>(p + 32);
-    const uint32_t flags = Get<uint32_t>(p + 36);
+    const uint64_t name_len = LoadLe<uint32_t>(p + 4);
+    r.numel = LoadLe<uint64_t>(p + 8);
+    r.count = LoadLe<uint64_t>(p + 16);
+    r.elem_size = LoadLe<uint32_t>(p + 24);
+    const uint64_t sum_len = LoadLe<uint16_t>(p + 28);
+    const uint64_t base_len = LoadLe<uint16_t>(p + 30);
+    r.position_width = LoadLe<uint32_t>(p + 32);
+    const uint32_t flags = LoadLe<uint32_t>(p + 36);
     const uint64_t value_arrays = (flags & kFlagUndoOnly) ? 1 : 2;
     if ((r.elem_size != 1 && r.elem_size != 2 && r.elem_size != 4 && r.elem_size != 8) ||
         (r.position_width != kGapCodedWidth && r.position_width != 4 && r.position_width != 8) ||
@@ -447,9 +437,9 @@ Result<std::unique_ptr<Journal>> Journal::OpenImpl(const std::string& path, Thre
     if (r.position_width == kGapCodedWidth) {
       // Expanded for random access (only rollbacks read these records).
       std::vector<uint64_t>& expanded = journal->expanded_.emplace_back(r.count);
-      uint64_t pos = r.count > 0 ? Get<uint64_t>(r.positions) : 0;
+      uint64_t pos = r.count > 0 ? LoadLe<uint64_t>(r.positions) : 0;
       for (uint64_t i = 0; i < r.count; ++i) {
-        if (i > 0) pos += Get<uint16_t>(r.positions + 8 + 2 * (i - 1));
+        if (i > 0) pos += LoadLe<uint16_t>(r.positions + 8 + 2 * (i - 1));
         expanded[i] = pos;
       }
       r.positions = reinterpret_cast<const uint8_t*>(expanded.data());
@@ -465,7 +455,7 @@ Result<std::unique_ptr<Journal>> Journal::OpenImpl(const std::string& path, Thre
   std::vector<char> intact(sealed.size(), 0);  // not vector<bool>: set concurrently
   auto check = [&](size_t i) {
     const std::span<const uint8_t> r = sealed[i];
-    intact[i] = Get<uint64_t>(r.data() + r.size() - 8) == Hash64(r.data(), r.size() - 8);
+    intact[i] = LoadLe<uint64_t>(r.data() + r.size() - 8) == Hash64(r.data(), r.size() - 8);
   };
   if (pool != nullptr) {
     pool->ParallelFor(sealed.size(), check);

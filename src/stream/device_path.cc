@@ -6,6 +6,7 @@
 #include <utility>
 
 #if DS_HAVE_CUDA
+#include "core/endian.h"
 #include "deltasync/cuda.h"
 #endif
 
@@ -135,14 +136,7 @@ class SourceImpl final : public DeviceSource {
     const uint32_t pw = c.wide ? 8 : 4;
     const uint8_t* pos = Bytes(ctx_.changes);
     const auto at = [&](uint64_t k) -> uint64_t {
-      if (c.wide) {
-        int64_t v;
-        std::memcpy(&v, pos + 8 * k, 8);
-        return static_cast<uint64_t>(v);
-      }
-      uint32_t v;
-      std::memcpy(&v, pos + 4 * k, 4);
-      return v;
+      return c.wide ? LoadLe<uint64_t>(pos + 8 * k) : LoadLe<uint32_t>(pos + 4 * k);
     };
     // The unit's changes: the positions in [lo, hi), found by bisection.
     const auto lower = [&](uint64_t p) {

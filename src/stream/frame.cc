@@ -38,18 +38,11 @@ std::string U64(uint64_t v) { return std::to_string(v); }
 
 uint64_t Align8(uint64_t v) { return (v + 7) & ~uint64_t{7}; }
 
-uint64_t Load64(const uint8_t* p) { return frame_internal::LoadLe(p, 8); }
-uint32_t Load32(const uint8_t* p) { return static_cast<uint32_t>(frame_internal::LoadLe(p, 4)); }
-uint16_t Load16(const uint8_t* p) { return static_cast<uint16_t>(frame_internal::LoadLe(p, 2)); }
-
-void Store(uint8_t* p, uint64_t v, int width) {
-  for (int i = 0; i < width; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
-}
-
-void Append(std::vector<uint8_t>* out, uint64_t v, int width) {
+// Appends v as `width` (2 or 8) little-endian bytes.
+void Append(std::vector<uint8_t>* out, uint64_t v, uint32_t width) {
   const size_t at = out->size();
   out->resize(at + width);
-  Store(out->data() + at, v, width);
+  StoreLeWidth(out->data() + at, v, width);
 }
 
 bool AllZero(const uint8_t* p, size_t n) {
@@ -312,7 +305,7 @@ void FlushWriter::AppendEntry(const TensorRange& range, WireEncoding encoding, u
   manifest_.push_back(DTypeWireCode(range.dtype));
   manifest_.push_back(static_cast<uint8_t>(encoding));
   manifest_.push_back(static_cast<uint8_t>(range.shape.size()));
-  Append(&manifest_, 0, 3);
+  manifest_.insert(manifest_.end(), 3, 0);  // reserved
   Append(&manifest_, range.first, 8);
   Append(&manifest_, range.count, 8);
   Append(&manifest_, n, 8);
@@ -361,7 +354,7 @@ Result<bool> FlushWriter::AddIndices(const TensorRange& range, const Positions& 
   if (!Fits(val_off + values.size(), entry_bytes)) return false;
   out_->resize(val_off);
   uint8_t* p = out_->data() + pos_off;
-  for (uint64_t k = 0; k < n; ++k) Store(p + k * width, positions[k], static_cast<int>(width));
+  for (uint64_t k = 0; k < n; ++k) StoreLeWidth(p + k * width, positions[k], width);
   out_->insert(out_->end(), values.begin(), values.end());
   AppendEntry(range, WireEncoding::kIndices, n, pos_off, n * width, val_off, values.size());
   return true;
@@ -459,7 +452,7 @@ Result<bool> FlushWriter::AddDigest(std::string_view name, const DigestBlock& bl
   const size_t record_bytes = kDigestFixedBytes + name.size();
   if (!Fits(out_->size(), record_bytes)) return false;
   Append(&records_, name.size(), 2);
-  Append(&records_, 0, 6);
+  records_.insert(records_.end(), 6, 0);  // reserved
   Append(&records_, block.first, 8);
   Append(&records_, block.count, 8);
   Append(&records_, block.rows, 8);
@@ -481,20 +474,20 @@ Status FlushWriter::Finish() {
   const uint64_t total = out_->size() + kFlushTrailerBytes;
   uint8_t* h = out_->data();
   std::memcpy(h, kMagic, 4);
-  Store(h + 4, kFlushFrameVersion, 2);
+  StoreLe<uint16_t>(h + 4, kFlushFrameVersion);
   uint16_t flags = header_.kind == FrameKind::kSeed ? kFlagSeed : kFlagDelta;
   if (header_.last) flags |= kFlagLast;
   if (header_.verify_all) flags |= kFlagVerifyAll;
-  Store(h + 6, flags, 2);
-  Store(h + 8, header_.sync_id, 8);
-  Store(h + 16, header_.flush_index, 4);
-  Store(h + 20, entry_count_, 4);
-  Store(h + 24, digest_count_, 4);
-  Store(h + 28, 0, 4);
-  Store(h + 32, total, 8);
-  Store(h + 40, payload, 8);
-  Store(h + 48, manifest_.size() + records_.size(), 8);
-  Store(h + 56, 0, 8);
+  StoreLe<uint16_t>(h + 6, flags);
+  StoreLe<uint64_t>(h + 8, header_.sync_id);
+  StoreLe<uint32_t>(h + 16, header_.flush_index);
+  StoreLe<uint32_t>(h + 20, entry_count_);
+  StoreLe<uint32_t>(h + 24, digest_count_);
+  StoreLe<uint32_t>(h + 28, 0);
+  StoreLe<uint64_t>(h + 32, total);
+  StoreLe<uint64_t>(h + 40, payload);
+  StoreLe<uint64_t>(h + 48, manifest_.size() + records_.size());
+  StoreLe<uint64_t>(h + 56, 0);
   const std::vector<uint8_t> sum = ChecksumBytes(ChecksumAlgo::kXxh3_128, *out_);
   out_->insert(out_->end(), sum.begin(), sum.end());
   out_ = nullptr;
@@ -589,7 +582,7 @@ std::string CheckIndexPositions(const FlushEntry& entry) {
   const uint8_t* p = entry.positions.data();
   uint64_t next = entry.first;  // the smallest allowed position
   for (uint64_t k = 0; k < entry.value_count; ++k) {
-    const uint64_t raw = frame_internal::LoadLe(p + k * W, W);
+    const uint64_t raw = LoadLe<UintOfWidth<W>>(p + k * W);
     if (raw >= next && raw < end) {  // end <= 2^56: a negative one is never below it
       next = raw + 1;
       continue;
@@ -624,31 +617,34 @@ Status FlushReader::Read(std::span<const uint8_t> frame) {
       ChecksumBytes(ChecksumAlgo::kXxh3_128, frame.first(size - kFlushTrailerBytes));
   if (std::memcmp(sum.data(), f + size - kFlushTrailerBytes, kFlushTrailerBytes) != 0) {
     return Status::Corruption("flush frame of " + U64(size) + " bytes (unverified sync " +
-                              U64(Load64(f + 8)) + "): xxh3-128 mismatch: trailer " +
+                              U64(LoadLe<uint64_t>(f + 8)) + "): xxh3-128 mismatch: trailer " +
                               ToHex(frame.subspan(size - kFlushTrailerBytes)) +
                               ", frame hashes to " + ToHex(sum));
   }
-  const uint64_t sync_id = Load64(f + 8);
-  const uint32_t flush_index = Load32(f + 16);
+  const uint64_t sync_id = LoadLe<uint64_t>(f + 8);
+  const uint32_t flush_index = LoadLe<uint32_t>(f + 16);
   const std::string where = "flush frame of sync " + U64(sync_id) + ", flush " + U64(flush_index);
   auto bad = [&](const std::string& problem) { return Status::Corruption(where + ": " + problem); };
 
   // 3. Header fields.
   if (std::memcmp(f, kMagic, 4) != 0) return bad("bad magic " + ToHex(frame.first(4)));
-  const uint16_t version = Load16(f + 4);
+  const uint16_t version = LoadLe<uint16_t>(f + 4);
   if (version != kFlushFrameVersion) {
     return Status::Unsupported(where + ": protocol version " + U64(version) +
                                " (this reader knows version 1)");
   }
-  const uint16_t flags = Load16(f + 6);
+  const uint16_t flags = LoadLe<uint16_t>(f + 6);
   if (flags & ~kKnownFlags) return bad("unknown flags " + U64(flags & ~kKnownFlags));
   const bool seed = flags & kFlagSeed, delta = flags & kFlagDelta;
   if (seed == delta) return bad("flags must set exactly one of seed and delta");
   if ((flags & kFlagVerifyAll) && !(flags & kFlagLast)) return bad("verify_all without last");
   if (sync_id == 0) return bad("sync id 0");
-  if (Load32(f + 28) != 0 || Load64(f + 56) != 0) return bad("reserved header bytes are not 0");
+  if (LoadLe<uint32_t>(f + 28) != 0 || LoadLe<uint64_t>(f + 56) != 0) {
+    return bad("reserved header bytes are not 0");
+  }
   // 4. Sizes.
-  const uint64_t total = Load64(f + 32), payload = Load64(f + 40), manifest = Load64(f + 48);
+  const uint64_t total = LoadLe<uint64_t>(f + 32), payload = LoadLe<uint64_t>(f + 40),
+                 manifest = LoadLe<uint64_t>(f + 48);
   if (total != size) return bad("header says " + U64(total) + " bytes, the frame has " + U64(size));
   if (total > kMaxFlushFrameBytes) return bad(U64(total) + " bytes is past the 2^40 limit");
   if (payload % 8 != 0) return bad("payload of " + U64(payload) + " bytes is not a multiple of 8");
@@ -658,7 +654,7 @@ Status FlushReader::Read(std::span<const uint8_t> frame) {
                " bytes do not fill the " + U64(room) + " between header and trailer");
   }
   // 5. Counts, checked against the manifest before anything is allocated.
-  const uint32_t entry_count = Load32(f + 20), digest_count = Load32(f + 24);
+  const uint32_t entry_count = LoadLe<uint32_t>(f + 20), digest_count = LoadLe<uint32_t>(f + 24);
   if (entry_count > kMaxFlushEntries) return bad(U64(entry_count) + " entries (at most 2^20)");
   if (digest_count > kMaxFlushDigests) {
     return bad(U64(digest_count) + " digest records (at most 2^20)");
@@ -681,7 +677,7 @@ Status FlushReader::Read(std::span<const uint8_t> frame) {
     const std::string at = "entry " + U64(e);
     if (manifest_end - c < kEntryFixedBytes) return bad(at + ": cut short by the manifest's end");
     const uint8_t* m = f + c;
-    const uint16_t name_len = Load16(m);
+    const uint16_t name_len = LoadLe<uint16_t>(m);
     const uint8_t code = m[2], encoding = m[3], ndim = m[4];
     if (name_len == 0 || name_len > kMaxTensorNameBytes) {
       return bad(at + ": name of " + U64(name_len) + " bytes (1 to 1024)");
@@ -704,14 +700,14 @@ Status FlushReader::Read(std::span<const uint8_t> frame) {
     }
     entry.encoding = static_cast<WireEncoding>(encoding);
     dims.resize(ndim);
-    for (uint32_t d = 0; d < ndim; ++d) dims[d] = Load64(m + kEntryFixedBytes + 8 * d);
+    for (uint32_t d = 0; d < ndim; ++d) dims[d] = LoadLe<uint64_t>(m + kEntryFixedBytes + 8 * d);
     const std::optional<uint64_t> numel = ShapeElements(std::span<const uint64_t>(dims));
     if (!numel) return bad(what + ": a dimension or the element count is past 2^56");
     entry.numel = *numel;
     entry.shape.assign(dims.begin(), dims.end());
-    entry.first = Load64(m + 8);
-    entry.count = Load64(m + 16);
-    entry.value_count = Load64(m + 24);
+    entry.first = LoadLe<uint64_t>(m + 8);
+    entry.count = LoadLe<uint64_t>(m + 16);
+    entry.value_count = LoadLe<uint64_t>(m + 24);
     if (entry.first > entry.numel || entry.count > entry.numel - entry.first) {
       return bad(what + ": range [" + U64(entry.first) + ", +" + U64(entry.count) +
                  ") is outside its " + U64(entry.numel) + " elements");
@@ -726,7 +722,8 @@ Status FlushReader::Read(std::span<const uint8_t> frame) {
       return bad(what + ": a seed frame holds only dense entries, not " +
                  std::string(WireEncodingName(entry.encoding)));
     }
-    regions[e] = {Load64(m + 32), Load64(m + 40), Load64(m + 48), Load64(m + 56)};
+    regions[e] = {LoadLe<uint64_t>(m + 32), LoadLe<uint64_t>(m + 40), LoadLe<uint64_t>(m + 48),
+                  LoadLe<uint64_t>(m + 56)};
     c += kEntryFixedBytes + 8 * ndim + name_len;
   }
 
@@ -738,7 +735,7 @@ Status FlushReader::Read(std::span<const uint8_t> frame) {
       return bad(at + ": cut short by the manifest's end");
     }
     const uint8_t* m = f + c;
-    const uint16_t name_len = Load16(m);
+    const uint16_t name_len = LoadLe<uint16_t>(m);
     if (name_len == 0 || name_len > kMaxTensorNameBytes) {
       return bad(at + ": name of " + U64(name_len) + " bytes (1 to 1024)");
     }
@@ -750,10 +747,11 @@ Status FlushReader::Read(std::span<const uint8_t> frame) {
     const std::string what = at + " (" + Quote(record.name) + ")";
     if (!IsUtf8(record.name)) return bad(what + ": name is not UTF-8");
     if (!AllZero(m + 2, 6)) return bad(what + ": reserved bytes are not 0");
-    record.block = {Load64(m + 8), Load64(m + 16), Load64(m + 24), Load64(m + 32)};
+    record.block = {LoadLe<uint64_t>(m + 8), LoadLe<uint64_t>(m + 16), LoadLe<uint64_t>(m + 24),
+                    LoadLe<uint64_t>(m + 32)};
     Status valid = record.block.Validate();
     if (!valid.ok()) return bad(what + ": " + valid.message());
-    record.digest = {Load64(m + 40), Load64(m + 48)};
+    record.digest = {LoadLe<uint64_t>(m + 40), LoadLe<uint64_t>(m + 48)};
     c += kDigestFixedBytes + name_len;
   }
   // 8.
@@ -934,12 +932,12 @@ Result<uint64_t> PeekFlushFrameBytes(std::span<const uint8_t> header) {
   if (std::memcmp(header.data(), kMagic, 4) != 0) {
     return Status::Corruption("flush frame header: bad magic " + ToHex(header.first(4)));
   }
-  const uint16_t version = Load16(header.data() + 4);
+  const uint16_t version = LoadLe<uint16_t>(header.data() + 4);
   if (version != kFlushFrameVersion) {
     return Status::Unsupported("flush frame header: protocol version " + U64(version) +
                                " (this reader knows version 1)");
   }
-  const uint64_t total = Load64(header.data() + 32);
+  const uint64_t total = LoadLe<uint64_t>(header.data() + 32);
   if (total < kFlushHeaderBytes + kFlushTrailerBytes || total > kMaxFlushFrameBytes) {
     return Status::Corruption("flush frame header: frame size " + U64(total) +
                               " is not in [80, 2^40]");
@@ -1091,8 +1089,8 @@ uint64_t ApplyDense(const FlushEntry& entry, std::span<const DestinationRun> run
       const uint64_t step = run.dest_stride * W;
       for (uint64_t k = 0; k < n; ++k, dst += step, src += W) {
         if constexpr (kDigest) {
-          *digest += ElementChangeDigest(lo + k, frame_internal::LoadLe(dst, W),
-                                         frame_internal::LoadLe(src, W), W);
+          *digest += ElementChangeDigest(lo + k, LoadLe<UintOfWidth<W>>(dst),
+                                         LoadLe<UintOfWidth<W>>(src), W);
         }
         CopyElement<W>(dst, src);
       }
@@ -1126,8 +1124,8 @@ uint64_t ApplyScattered(const FlushEntry& entry, std::span<const DestinationRun>
       if (i + kAhead < fill) __builtin_prefetch(batch[i + kAhead].dst, 1);
       const Slot& s = batch[i];
       if constexpr (kDigest) {
-        d += ElementChangeDigest(s.position, frame_internal::LoadLe(s.dst, W),
-                                 frame_internal::LoadLe(s.src, W), W);
+        d += ElementChangeDigest(s.position, LoadLe<UintOfWidth<W>>(s.dst),
+                                 LoadLe<UintOfWidth<W>>(s.src), W);
       }
       CopyElement<W>(s.dst, s.src);
     }

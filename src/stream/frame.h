@@ -21,6 +21,7 @@
 #include <tuple>
 #include <vector>
 
+#include "core/endian.h"
 #include "deltasync/dtype.h"
 #include "deltasync/status.h"
 #include "deltasync/stream.h"
@@ -301,16 +302,6 @@ Result<StateDigest> DigestDestination(const DestinationMap& map, std::span<const
 
 // ---------------------------------------------------------------------------
 
-namespace frame_internal {
-
-inline uint64_t LoadLe(const uint8_t* p, uint32_t width) {
-  uint64_t v = 0;
-  for (uint32_t i = 0; i < width; ++i) v |= uint64_t{p[i]} << (8 * i);
-  return v;
-}
-
-}  // namespace frame_internal
-
 template <typename Fn>
 void ForEachPosition(const FlushEntry& entry, Fn&& fn) {
   const uint64_t n = entry.value_count;
@@ -321,9 +312,9 @@ void ForEachPosition(const FlushEntry& entry, Fn&& fn) {
     case WireEncoding::kIndices: {
       const uint8_t* p = entry.positions.data();
       if (entry.position_width == 4) {
-        for (uint64_t k = 0; k < n; ++k) fn(k, frame_internal::LoadLe(p + 4 * k, 4));
+        for (uint64_t k = 0; k < n; ++k) fn(k, LoadLe<uint32_t>(p + 4 * k));
       } else {
-        for (uint64_t k = 0; k < n; ++k) fn(k, frame_internal::LoadLe(p + 8 * k, 8));
+        for (uint64_t k = 0; k < n; ++k) fn(k, LoadLe<uint64_t>(p + 8 * k));
       }
       return;
     }

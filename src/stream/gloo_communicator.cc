@@ -28,6 +28,7 @@
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
 
+#include "core/endian.h"
 #include "stream/communicator_internal.h"
 #include "stream/communicator_rendezvous.h"
 
@@ -63,23 +64,6 @@ std::string_view OpName(uint8_t op) {
   return "unknown";
 }
 
-void PutU32(uint8_t* p, uint32_t v) {
-  for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
-}
-void PutU64(uint8_t* p, uint64_t v) {
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
-}
-uint32_t GetU32(const uint8_t* p) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(p[i]) << (8 * i);
-  return v;
-}
-uint64_t GetU64(const uint8_t* p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
-  return v;
-}
-
 // The header's fields (docs/format.md, "Communicator messages (gloo)").
 struct Header {
   uint8_t op = 0;
@@ -90,23 +74,23 @@ struct Header {
 
 void EncodeHeader(const Header& h, uint8_t* out) {
   std::memset(out, 0, kHeaderBytes);
-  PutU32(out, kMagic);
+  StoreLe<uint32_t>(out, kMagic);
   out[4] = h.op;
-  PutU32(out + 8, h.root);
-  PutU64(out + 16, h.sequence);
-  PutU64(out + 24, h.nbytes);
+  StoreLe<uint32_t>(out + 8, h.root);
+  StoreLe<uint64_t>(out + 16, h.sequence);
+  StoreLe<uint64_t>(out + 24, h.nbytes);
 }
 
 // False when the bytes are no header at all.
 bool DecodeHeader(const uint8_t* in, Header* h) {
-  if (GetU32(in) != kMagic) return false;
+  if (LoadLe<uint32_t>(in) != kMagic) return false;
   for (size_t i : {5, 6, 7, 12, 13, 14, 15}) {
     if (in[i] != 0) return false;
   }
   h->op = in[4];
-  h->root = GetU32(in + 8);
-  h->sequence = GetU64(in + 16);
-  h->nbytes = GetU64(in + 24);
+  h->root = LoadLe<uint32_t>(in + 8);
+  h->sequence = LoadLe<uint64_t>(in + 16);
+  h->nbytes = LoadLe<uint64_t>(in + 24);
   return true;
 }
 

@@ -2,7 +2,6 @@
 // translation of their changes into HF flat coordinates
 // (src/stream/shard_changes.h).
 #include <algorithm>
-#include <bit>
 #include <cstring>
 #include <functional>
 #include <queue>
@@ -10,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/endian.h"
 #include "deltasync/shard.h"
 #include "stream/frame.h"
 #include "stream/shard_changes.h"
@@ -18,8 +18,6 @@
 namespace deltasync {
 
 static_assert(kMaxShardNumel == static_cast<int64_t>(stream::kMaxStreamNumel));
-static_assert(std::endian::native == std::endian::little,
-              "change runs read positions as little-endian integers in place");
 
 namespace {
 
@@ -412,24 +410,6 @@ namespace deltasync::stream {
 
 namespace {
 
-// Little-endian integers of 4 or 8 bytes, read in place.
-template <uint32_t W>
-uint64_t LoadPosition(const uint8_t* p) {
-  if constexpr (W == 4) {
-    uint32_t v;
-    std::memcpy(&v, p, 4);
-    return v;
-  } else {
-    uint64_t v;
-    std::memcpy(&v, p, 8);
-    return v;
-  }
-}
-
-uint64_t LoadPosition(const uint8_t* p, uint32_t width) {
-  return width == 4 ? LoadPosition<4>(p) : LoadPosition<8>(p);
-}
-
 // Copies the positions of `run` from index `from` while they are below
 // `bound` into out_pos (from index `o`), checking each against the one
 // before and numel. Returns the index it stopped at: count, or the first
@@ -438,11 +418,11 @@ uint64_t LoadPosition(const uint8_t* p, uint32_t width) {
 template <uint32_t W, typename Out>
 uint64_t CopyPositions(const ChangeRun& run, uint64_t from, uint64_t bound, uint64_t numel,
                        std::string_view tensor, Out* out_pos, Status* status) {
-  uint64_t prev = LoadPosition<W>(run.positions + from * W);
+  uint64_t prev = LoadLe<UintOfWidth<W>>(run.positions + from * W);
   out_pos[0] = static_cast<Out>(prev);
   uint64_t j = from + 1;
   for (; j < run.count; ++j) {
-    const uint64_t q = LoadPosition<W>(run.positions + j * W);
+    const uint64_t q = LoadLe<UintOfWidth<W>>(run.positions + j * W);
     if (q <= prev) {
       *status = Status::Corruption("tensor " + Quote(tensor) + ": the positions of " +
                                    std::string(run.origin) + " are not strictly increasing (" +
@@ -499,7 +479,7 @@ Status MergeChangeRuns(std::string_view tensor, std::span<const ChangeRun> runs,
   std::vector<uint64_t> next(runs.size(), 0);
   for (size_t s = 0; s < runs.size(); ++s) {
     if (runs[s].count == 0) continue;
-    const uint64_t p = LoadPosition(runs[s].positions, runs[s].position_width);
+    const uint64_t p = LoadLeWidth(runs[s].positions, runs[s].position_width);
     if (p >= numel) {
       return Status::Corruption("tensor " + Quote(tensor) + ": position " + std::to_string(p) +
                                 " of " + std::string(runs[s].origin) + " is past the tensor's " +
@@ -542,7 +522,7 @@ Status MergeChangeRuns(std::string_view tensor, std::span<const ChangeRun> runs,
     o += n;
     next[s] = end;
     if (end < run.count) {
-      const uint64_t q = LoadPosition(run.positions + end * run.position_width, run.position_width);
+      const uint64_t q = LoadLeWidth(run.positions + end * run.position_width, run.position_width);
       if (q == bound) return duplicate(q);
       heads.push({q, s});
     }

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/endian.h"
 #include "deltasync/checksum.h"
 #include "deltasync/shard.h"
 #include "stream/frame.h"
@@ -21,23 +22,6 @@ namespace {
 
 constexpr uint8_t kMagic[4] = {0x44, 0x53, 0x53, 0x47};  // "DSSG"
 constexpr uint32_t kRefused = 1;
-
-void Put32(uint8_t* p, uint32_t v) {
-  for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
-}
-void Put64(uint8_t* p, uint64_t v) {
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
-}
-uint32_t Get32(const uint8_t* p) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v |= uint32_t{p[i]} << (8 * i);
-  return v;
-}
-uint64_t Get64(const uint8_t* p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; ++i) v |= uint64_t{p[i]} << (8 * i);
-  return v;
-}
 
 // Built by appending: GCC 12 warns (-Wrestrict, falsely) on "'" + string.
 std::string Quote(std::string_view name) {
@@ -65,21 +49,21 @@ struct Record {
 
 void EncodeRecord(const Record& r, uint8_t* out) {
   std::memcpy(out, kMagic, 4);
-  Put32(out + 4, r.flags);
-  Put64(out + 8, r.batch_id);
-  Put64(out + 16, r.key);
-  Put64(out + 24, r.tensors);
-  Put64(out + 32, r.bytes);
+  StoreLe<uint32_t>(out + 4, r.flags);
+  StoreLe<uint64_t>(out + 8, r.batch_id);
+  StoreLe<uint64_t>(out + 16, r.key);
+  StoreLe<uint64_t>(out + 24, r.tensors);
+  StoreLe<uint64_t>(out + 32, r.bytes);
 }
 
 Record DecodeRecord(const uint8_t* in) {
   Record r;
   r.magic_ok = std::memcmp(in, kMagic, 4) == 0;
-  r.flags = Get32(in + 4);
-  r.batch_id = Get64(in + 8);
-  r.key = Get64(in + 16);
-  r.tensors = Get64(in + 24);
-  r.bytes = Get64(in + 32);
+  r.flags = LoadLe<uint32_t>(in + 4);
+  r.batch_id = LoadLe<uint64_t>(in + 8);
+  r.key = LoadLe<uint64_t>(in + 16);
+  r.tensors = LoadLe<uint64_t>(in + 24);
+  r.bytes = LoadLe<uint64_t>(in + 32);
   return r;
 }
 
@@ -180,9 +164,9 @@ std::vector<uint8_t> EncodePayload(const std::vector<Listed>& listed, const Own&
     const ChangeSet* c = own.of[t];
     if (c == nullptr) continue;
     const uint64_t n = c->count();
-    Put32(index, static_cast<uint32_t>(t));
-    Put32(index + 4, 0);
-    Put64(index + 8, n);
+    StoreLe<uint32_t>(index, static_cast<uint32_t>(t));
+    StoreLe<uint32_t>(index + 4, 0);
+    StoreLe<uint64_t>(index + 8, n);
     index += kGatherIndexRecordBytes;
     const size_t pos_bytes = n * listed[t].W, val_bytes = n * listed[t].w;
     std::memcpy(data, c->wide ? static_cast<const void*>(c->pos64.data()) : c->pos32.data(),
@@ -207,14 +191,14 @@ Status ParsePayload(int r, std::span<const uint8_t> payload, uint64_t m,
   int64_t prev = -1;
   for (uint64_t k = 0; k < m; ++k) {
     const uint8_t* rec = payload.data() + k * kGatherIndexRecordBytes;
-    const uint32_t t = Get32(rec);
-    const uint64_t n = Get64(rec + 8);
+    const uint32_t t = LoadLe<uint32_t>(rec);
+    const uint64_t n = LoadLe<uint64_t>(rec + 8);
     if (static_cast<int64_t>(t) <= prev || t >= tensors.size()) {
       return Status::Corruption(what + ": index record " + std::to_string(k) + " names tensor " +
                                 std::to_string(t) + " (indices strictly increase, below " +
                                 std::to_string(tensors.size()) + ")");
     }
-    if (Get32(rec + 4) != 0) {
+    if (LoadLe<uint32_t>(rec + 4) != 0) {
       return Status::Corruption(what + ": index record " + std::to_string(k) +
                                 ": reserved bytes are not 0");
     }
@@ -233,8 +217,8 @@ Status ParsePayload(int r, std::span<const uint8_t> payload, uint64_t m,
   const uint8_t* data = payload.data() + index_bytes;
   for (uint64_t k = 0; k < m; ++k) {
     const uint8_t* rec = payload.data() + k * kGatherIndexRecordBytes;
-    const uint32_t t = Get32(rec);
-    const uint64_t n = Get64(rec + 8);
+    const uint32_t t = LoadLe<uint32_t>(rec);
+    const uint64_t n = LoadLe<uint64_t>(rec + 8);
     ChangeRun run;
     run.count = n;
     run.position_width = listed[t].W;
@@ -288,7 +272,7 @@ Result<uint64_t> GatherBatchKey(std::span<const GatherTensor> tensors) {
     p[1] = static_cast<uint8_t>(t.shape.size());
     p += 2;
     for (int64_t d : t.shape) {
-      Put64(p, static_cast<uint64_t>(d));
+      StoreLe<uint64_t>(p, static_cast<uint64_t>(d));
       p += 8;
     }
   }

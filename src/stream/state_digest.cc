@@ -1,6 +1,7 @@
 #include "stream/state_digest.h"
 
 #include "core/element_digest.h"
+#include "core/endian.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -35,34 +36,6 @@ using element_digest::kMulA;
 using element_digest::kMulB;
 using element_digest::PositionKey;
 
-template <uint32_t W>
-inline uint64_t LoadBits(const uint8_t* p) {
-  if constexpr (W == 1) {
-    return *p;
-  } else if constexpr (W == 2) {
-    uint16_t v;
-    std::memcpy(&v, p, 2);
-    return v;
-  } else if constexpr (W == 4) {
-    uint32_t v;
-    std::memcpy(&v, p, 4);
-    return v;
-  } else {
-    uint64_t v;
-    std::memcpy(&v, p, 8);
-    return v;
-  }
-}
-
-inline uint64_t LoadBits(const uint8_t* p, uint32_t elem_size) {
-  switch (elem_size) {
-    case 1: return LoadBits<1>(p);
-    case 2: return LoadBits<2>(p);
-    case 4: return LoadBits<4>(p);
-    default: return LoadBits<8>(p);
-  }
-}
-
 bool IsValidElemSize(uint32_t elem_size) {
   return elem_size == 1 || elem_size == 2 || elem_size == 4 || elem_size == 8;
 }
@@ -77,7 +50,7 @@ StateDigest DigestScalar(const uint8_t* p, uint64_t n, uint64_t first) {
   uint64_t kb = element_digest::KeyB(t);
   uint64_t a = 0, b = 0;
   for (uint64_t k = 0; k < n; ++k) {
-    const uint64_t v = LoadBits<W>(p + k * W);
+    const uint64_t v = LoadLe<UintOfWidth<W>>(p + k * W);
     a += FmixA(ka ^ v);
     b += FmixB(kb ^ v);
     ka += kMulA;
@@ -457,7 +430,7 @@ Result<StateDigest> ComputeStridedStateDigest(std::span<const uint8_t> bytes, ui
   StateDigest d;
   for (uint64_t k = 0; k < count; ++k) {
     d += ElementDigest(first_position + k,
-                       LoadBits(bytes.data() + k * stride * elem_size, elem_size), elem_size);
+                       LoadLeWidth(bytes.data() + k * stride * elem_size, elem_size), elem_size);
   }
   return d;
 }
@@ -514,8 +487,8 @@ Status UpdateStateDigest(StateDigest* digest, const Positions& positions,
   StateDigest d = *digest;
   for (size_t k = 0; k < n; ++k) {
     const uint64_t p = positions[k];
-    d += ElementChangeDigest(p, LoadBits(old_values.data() + k * elem_size, elem_size),
-                             LoadBits(new_values.data() + k * elem_size, elem_size), elem_size);
+    d += ElementChangeDigest(p, LoadLeWidth(old_values.data() + k * elem_size, elem_size),
+                             LoadLeWidth(new_values.data() + k * elem_size, elem_size), elem_size);
   }
   *digest = d;
   return Status::OK();

@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "core/endian.h"
+
 namespace deltasync::stream {
 
 namespace {
@@ -9,16 +11,6 @@ namespace {
 constexpr uint8_t kMagic[4] = {'D', 'S', 'S', 'M'};
 constexpr uint8_t kFlagLast = 0x01;
 constexpr uint64_t kMaxFrameBody = uint64_t{1} << 40;
-
-void StoreLe64(uint8_t* p, uint64_t v) {
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
-}
-
-uint64_t LoadLe64(const uint8_t* p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; ++i) v |= uint64_t{p[i]} << (8 * i);
-  return v;
-}
 
 }  // namespace
 
@@ -37,7 +29,7 @@ std::array<uint8_t, kEnvelopeBytes> EncodeEnvelope(const Envelope& envelope) {
   std::memcpy(out.data(), kMagic, 4);
   out[4] = static_cast<uint8_t>(envelope.type);
   out[5] = envelope.last ? kFlagLast : 0;
-  StoreLe64(out.data() + 8, envelope.body_bytes);
+  StoreLe<uint64_t>(out.data() + 8, envelope.body_bytes);
   return out;
 }
 
@@ -60,7 +52,7 @@ Result<Envelope> DecodeEnvelope(std::span<const uint8_t, kEnvelopeBytes> bytes) 
     return Status::Corruption("stream message: nonzero reserved bytes");
   }
   e.last = (flags & kFlagLast) != 0;
-  e.body_bytes = LoadLe64(bytes.data() + 8);
+  e.body_bytes = LoadLe<uint64_t>(bytes.data() + 8);
   const uint64_t bound = e.type == MessageType::kFrame ? kMaxFrameBody : kMaxControlBodyBytes;
   if (e.body_bytes > bound) {
     return Status::Corruption("stream message: a " + std::string(MessageTypeName(e.type)) +

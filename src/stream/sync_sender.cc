@@ -8,6 +8,7 @@
 #include <tuple>
 #include <utility>
 
+#include "core/endian.h"
 #include "deltasync/diff.h"
 #include "deltasync/stream.h"
 #include "deltasync/tensor.h"
@@ -62,12 +63,6 @@ bool InBlock(const DigestBlock& b, uint64_t p) {
   if (b.rows == 1) return off < b.count;
   const uint64_t row = off / b.row_stride;
   return row < b.rows && off % b.row_stride < b.count;
-}
-
-uint64_t LoadBits(const uint8_t* p, uint32_t w) {
-  uint64_t v = 0;
-  std::memcpy(&v, p, w);  // little-endian hosts only (the build checks)
-  return v;
 }
 
 struct TensorState {
@@ -510,9 +505,9 @@ Status Sender::StreamTensor(TensorState& t, const UnitSource& src, Round* round)
           for (uint64_t k = 0; k < changes_.count(); ++k) {
             const uint64_t p = first + changes_.position(k);
             if (!InBlock(b, p)) continue;
-            d += stream::ElementChangeDigest(p, LoadBits(changes_.old_values.data() + k * t.w, t.w),
-                                             LoadBits(changes_.new_values.data() + k * t.w, t.w),
-                                             t.w);
+            d += stream::ElementChangeDigest(
+                p, LoadLeWidth(changes_.old_values.data() + k * t.w, t.w),
+                LoadLeWidth(changes_.new_values.data() + k * t.w, t.w), t.w);
           }
         }
       }
