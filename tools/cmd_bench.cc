@@ -216,7 +216,7 @@ void RegisterBench(CLI::App& app, CommandFn* run) {
     bool gpu = false;
     std::string sizes = "1GiB,8GiB";
     double density = 0.015;
-    std::string receivers = "1,2,4", links = "10,1", bucket = "64MiB";
+    std::string receivers = "1,2,4", links = "10,1", bucket = "16MiB";
   };
   auto opts = std::make_shared<Opts>();
   CLI::App* cmd = app.add_subcommand(

@@ -115,10 +115,11 @@ struct ShardedTensor {
 
 struct SenderOptions {
   StreamEncoding encoding = StreamEncoding::kIndices;
-  // A flush frame's size bound: the sender holds at most one such bucket
-  // per kind of receiver in a sync (those being seeded, those taking the
-  // delta) besides its snapshot; at least 64 KiB.
-  uint64_t bucket_bytes = uint64_t{64} << 20;
+  // A flush frame's size bound: besides its snapshot the sender holds two
+  // such buckets, one per kind of receiver in a sync (those being seeded,
+  // those taking the delta), or, when every receiver takes the same frames,
+  // one filling while the previous frame is sent; at least 64 KiB.
+  uint64_t bucket_bytes = uint64_t{16} << 20;
   // Every K-th sync, each receiver recomputes the digest of everything it
   // holds from memory instead of trusting its running digests; 0: never.
   uint32_t verify_every = 0;
@@ -141,7 +142,7 @@ struct SyncStats {
   uint64_t buffer_bytes = 0;
   double diff_s = 0;      // diff against the snapshot and digest updates
   double encode_s = 0;    // building frames
-  double transfer_s = 0;  // sending them
+  double transfer_s = 0;  // sending them (while the next fills, see bucket_bytes)
   double report_s = 0;    // waiting for the receivers' reports
   double commit_s = 0;    // advancing the snapshot
   double total_s = 0;

@@ -73,7 +73,7 @@ class StreamSender(Closing):
         *,
         trainers: Any = None,
         encoding: str = "indices",
-        bucket_bytes: int = 64 << 20,
+        bucket_bytes: int = 16 << 20,
         verify_every: int = 0,
         zstd_level: int = 1,
     ) -> None:

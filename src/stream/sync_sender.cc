@@ -5,6 +5,7 @@
 #include <cstring>
 #include <map>
 #include <set>
+#include <thread>
 #include <tuple>
 #include <utility>
 
@@ -65,6 +66,18 @@ bool InBlock(const DigestBlock& b, uint64_t p) {
   return row < b.rows && off % b.row_stride < b.count;
 }
 
+// Sends one finished frame to each of `ranks` in turn.
+Status SendFrame(Communicator& comm, const std::vector<int>& ranks, bool last,
+                 std::span<const uint8_t> frame, uint64_t* bytes_sent) {
+  for (int r : ranks) {
+    if (Status s = stream::SendMessage(comm, r, MessageType::kFrame, last, frame); !s.ok()) {
+      return Status(s.code(), "receiver " + std::to_string(r) + ": " + s.message());
+    }
+    *bytes_sent += stream::kEnvelopeBytes + frame.size();
+  }
+  return Status::OK();
+}
+
 struct TensorState {
   std::string name;
   DType dtype = DType::kU8;
@@ -121,6 +134,7 @@ class Sender final : public StreamSender {
         trainer_connect_(std::move(trainer)),
         options_(options),
         sharded_(true) {}
+  ~Sender() override { (void)Land(nullptr); }
 
   Result<SyncStats> Sync(std::span<const SyncTensor> tensors) override;
   Result<SyncStats> SyncShards(std::span<const ModelTensor> model,
@@ -140,6 +154,21 @@ class Sender final : public StreamSender {
     std::vector<uint8_t> bucket;
     uint32_t frames = 0;
     bool open = false;
+    // Its finished frames travel on the flight thread while the next one
+    // fills (a round of one group: its bucket and the flight's are the two
+    // the sender holds).
+    bool overlap = false;
+  };
+
+  // The frame on its way to a group's receivers, sent on a thread of its
+  // own while the caller diffs and encodes the next one. Only that thread
+  // uses the stream communicator until Land returns.
+  struct Flight {
+    std::thread thread;
+    std::vector<uint8_t> frame;  // in flight, or the idle second bucket
+    Status status;
+    double seconds = 0;
+    uint64_t bytes = 0;
   };
 
   // One sync's state on rank 0, from BeginSync to EndSync.
@@ -166,11 +195,17 @@ class Sender final : public StreamSender {
   Status Connect();
   Status Handshake(uint64_t sync_id);
   void Drop() {
+    (void)Land(nullptr);
     comm_.reset();
     welcomed_ = false;
   }
   Status Begin(Group& g, uint64_t sync_id, bool last, bool verify_all);
+  // Finishes the group's frame and sends it to the group (on the flight
+  // thread when the group overlaps).
   Status Flush(Group& g, bool last, SyncStats* stats);
+  // Waits for the frame in flight, if any: its send's status, its time and
+  // bytes added to `stats` (when given).
+  Status Land(SyncStats* stats);
   template <typename AddFn>
   Status Add(Group& g, uint64_t sync_id, SyncStats* stats, AddFn&& add);
   Status StreamTensor(TensorState& t, const UnitSource& src, Round* round);
@@ -197,6 +232,7 @@ class Sender final : public StreamSender {
   uint64_t local_syncs_ = 0;  // sharded ranks other than 0: syncs taken part in
   std::vector<uint8_t> scratch_;
   std::vector<std::vector<uint8_t>> spare_buckets_;  // the last sync's, reused
+  Flight flight_;
   std::unique_ptr<Communicator> comm_;
   bool welcomed_ = false;
   std::vector<Peer> peers_;
@@ -427,16 +463,34 @@ Status Sender::Flush(Group& g, bool last, SyncStats* stats) {
   g.open = false;
   ++g.frames;
   ++stats->frames;
-  const auto t1 = Clock::now();
-  for (size_t m : g.members) {
-    const int r = peers_[m].rank;
-    if (Status s = stream::SendMessage(*comm_, r, MessageType::kFrame, last, g.bucket); !s.ok()) {
-      return Status(s.code(), "receiver " + std::to_string(r) + ": " + s.message());
-    }
-    stats->bytes_sent += stream::kEnvelopeBytes + g.bucket.size();
+  std::vector<int> ranks;
+  for (size_t m : g.members) ranks.push_back(peers_[m].rank);
+  if (!g.overlap) {
+    const auto t1 = Clock::now();
+    Status s = SendFrame(*comm_, ranks, last, g.bucket, &stats->bytes_sent);
+    stats->transfer_s += SecondsSince(t1);
+    return s;
   }
-  stats->transfer_s += SecondsSince(t1);
+  DS_RETURN_IF_ERROR(Land(stats));
+  std::swap(g.bucket, flight_.frame);
+  flight_.thread = std::thread([this, ranks = std::move(ranks), last] {
+    const auto t1 = Clock::now();
+    flight_.status = SendFrame(*comm_, ranks, last, flight_.frame, &flight_.bytes);
+    flight_.seconds = SecondsSince(t1);
+  });
   return Status::OK();
+}
+
+Status Sender::Land(SyncStats* stats) {
+  if (!flight_.thread.joinable()) return Status::OK();
+  flight_.thread.join();
+  if (stats != nullptr) {
+    stats->transfer_s += flight_.seconds;
+    stats->bytes_sent += flight_.bytes;
+  }
+  flight_.seconds = 0;
+  flight_.bytes = 0;
+  return std::exchange(flight_.status, Status::OK());
 }
 
 template <typename AddFn>
@@ -590,12 +644,9 @@ Status Sender::SendRecords(Peer& peer, Group& g, uint64_t sync_id, bool verify_a
     ++own;
     ++stats->frames;
     const auto t1 = Clock::now();
-    Status s = stream::SendMessage(*comm_, peer.rank, MessageType::kFrame, last, g.bucket);
+    Status s = SendFrame(*comm_, {peer.rank}, last, g.bucket, &stats->bytes_sent);
     stats->transfer_s += SecondsSince(t1);
-    stats->bytes_sent += stream::kEnvelopeBytes + g.bucket.size();
-    if (!s.ok())
-      return Status(s.code(), "receiver " + std::to_string(peer.rank) + ": " + s.message());
-    return Status::OK();
+    return s;
   };
   DS_RETURN_IF_ERROR(begin());
   for (TensorState* t : order) {
@@ -631,6 +682,10 @@ Status Sender::BeginSync(Round* round) {
   stats.verify_all = options_.verify_every > 0 && round->sync_id % options_.verify_every == 0;
   // Receivers of one kind and layout take the same frames.
   std::map<std::pair<bool, std::string>, Group*> by_key;
+  if (flight_.frame.capacity() > 0) {
+    spare_buckets_.push_back(std::move(flight_.frame));
+    flight_.frame = {};
+  }
   round->group_of.assign(peers_.size(), nullptr);
   for (size_t i = 0; i < peers_.size(); ++i) {
     Peer& p = peers_[i];
@@ -651,6 +706,14 @@ Status Sender::BeginSync(Round* round) {
     round->group_of[i] = g;
     stats.seeded += seed ? 1 : 0;
   }
+  // One group sends a frame while it fills the next, in a second bucket.
+  if (round->groups.size() == 1) {
+    round->groups[0]->overlap = true;
+    if (flight_.frame.capacity() == 0 && !spare_buckets_.empty()) {
+      flight_.frame = std::move(spare_buckets_.back());
+      spare_buckets_.pop_back();
+    }
+  }
   return Status::OK();
 }
 
@@ -670,6 +733,7 @@ Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>&
   for (const std::unique_ptr<Group>& g : round->groups) {
     if (streamed.ok() && g->open) streamed = Flush(*g, false, &stats);
   }
+  if (Status landed = Land(&stats); streamed.ok()) streamed = landed;
   for (size_t i = 0; i < peers_.size() && streamed.ok(); ++i) {
     streamed = SendRecords(peers_[i], *round->group_of[i], round->sync_id, stats.verify_all, order,
                            &stats);
@@ -678,9 +742,12 @@ Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>&
                        changes_.new_values.capacity() + changes_.old_values.capacity() +
                        scratch_.capacity();
   for (const std::unique_ptr<Group>& g : round->groups) stats.buffer_bytes += g->bucket.capacity();
-  // The buckets serve the next sync: their pages are not faulted in again.
+  stats.buffer_bytes += flight_.frame.capacity();
+  // The buckets serve the next sync: their pages are not faulted in again
+  // (the flight's stays with it).
   for (const std::unique_ptr<Group>& g : round->groups) {
-    if (spare_buckets_.size() < kSpareBuckets && g->bucket.capacity() > 0) {
+    if (spare_buckets_.size() + (flight_.frame.capacity() > 0 ? 1 : 0) < kSpareBuckets &&
+        g->bucket.capacity() > 0) {
       spare_buckets_.push_back(std::move(g->bucket));
     }
   }

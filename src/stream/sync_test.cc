@@ -424,6 +424,50 @@ TEST_F(SyncTest, ATruncatedFrameBreaksTheGroupWhichIsFormedAgainAndReseeded) {
   EXPECT_TRUE(saw_size);
 }
 
+// Receivers of one layout take the same frames: each is sent while the
+// next fills. A send that fails in flight fails the sync, leaves the
+// snapshot as it was, and the next sync repairs the group.
+TEST_F(SyncTest, FramesSentWhileTheNextFillsKeepReceiversExactAndASendFailedInFlightIsRepaired) {
+  SetUpGroup(2);
+  std::vector<Model::Spec> specs = Model::DefaultSpecs();
+  specs.emplace_back("e.weight", DType::kBF16, std::vector<int64_t>{512, 512});  // 512 KiB
+  Model m = Model::Make(6, specs);
+  FaultPlan fail;
+  fail.op = CommOp::kSend;
+  fail.kind = FaultKind::kFail;
+  fail.error = Status::IOError("injected: the link went down");
+  fail.match = OnFrame(4, FaultKind::kFail).match;
+  SenderOptions o;
+  o.bucket_bytes = 64 << 10;  // several frames per sync
+  std::unique_ptr<StreamSender> sender = MakeSender(Factory(0, {fail}), o);
+  ReceiverRig one(m, Hold::kWhole, Factory(1));
+  ReceiverRig two(m, Hold::kWhole, Factory(2));
+  one.Start();
+  two.Start();
+  for (int step = 0; step < 3; ++step) {
+    if (step > 0) m.Step(60 + step, 0.2);
+    Result<SyncStats> s = sender->Sync(m.tensors);
+    ASSERT_TRUE(s.ok()) << "step " << step << ": " << s.status().ToString();
+    EXPECT_GT(s->frames, 2u);
+    EXPECT_GT(s->bytes_sent, 2 * s->frames * stream::kEnvelopeBytes);
+    EXPECT_GT(s->transfer_s, 0);
+    EXPECT_TRUE(one.Matches(m).ok()) << one.Matches(m).ToString();
+    EXPECT_TRUE(two.Matches(m).ok()) << two.Matches(m).ToString();
+  }
+  const std::vector<std::vector<uint8_t>> before = Snapshots(*sender, m);
+  m.Step(70, 0.2);
+  Result<SyncStats> failed = sender->Sync(m.tensors);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_TRUE(Contains(failed.status(), "the link went down")) << failed.status().ToString();
+  EXPECT_EQ(Snapshots(*sender, m), before);
+  EXPECT_EQ(sender->committed_sync_id(), 3u);
+  Result<SyncStats> next = sender->Sync(m.tensors);
+  ASSERT_TRUE(next.ok()) << next.status().ToString();
+  EXPECT_TRUE(one.Matches(m).ok()) << one.Matches(m).ToString();
+  EXPECT_TRUE(two.Matches(m).ok()) << two.Matches(m).ToString();
+  Finish(sender, {&one, &two});
+}
+
 TEST_F(SyncTest, AReceiverWhoseTensorsDifferIsRefusedNamingTheTensor) {
   SetUpGroup(1);
   Model m = Model::Make(5);
