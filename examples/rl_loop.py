@@ -99,19 +99,22 @@ def bf16_named(master) -> dict:
     return {n: p.detach().to(torch.bfloat16) for n, p in master.named_parameters()}
 
 
+_HASH_WEIGHTS: dict = {}
+
+
 def tensor_hashes(tensors: dict) -> dict:
     """Two 64-bit linear hashes of each tensor's bits (odd random weights per
-    element position), on the GPU."""
+    element position, drawn once per tensor size and kept), on the GPU."""
     out = {}
     for n, t in tensors.items():
         x = t.detach().contiguous().view(torch.int16).reshape(-1).to(torch.int64)
-        g = torch.Generator(device=x.device).manual_seed(12345)
-        h = []
-        for _ in range(2):
-            w = torch.randint(-2**62, 2**62, x.shape, device=x.device, generator=g) | 1
-            h.append(int((x * w).sum()))
-        out[n] = h
-    return out
+        key = (x.numel(), str(x.device))
+        if key not in _HASH_WEIGHTS:
+            g = torch.Generator(device=x.device).manual_seed(12345)
+            _HASH_WEIGHTS[key] = torch.randint(-2**62, 2**62, (2, x.numel()), device=x.device,
+                                               generator=g) | 1
+        out[n] = (_HASH_WEIGHTS[key] * x).sum(dim=1)
+    return {n: h.tolist() for n, h in out.items()}
 
 
 @torch.no_grad()
@@ -266,10 +269,12 @@ def main() -> int:
         now = untracked_bytes()
         stats["sender_sync_bytes"] = now - base_untracked if now >= 0 and base_untracked >= 0 \
             else None
-        r_stats, r_hash, r_gen = to_trainer.get()
+        # The trainer's side of the checks runs while the rollout does its own.
         load_into(shadow, weights)
-        ok_bits = r_hash == tensor_hashes(weights)
+        want_hash = tensor_hashes(weights)
         gen = generate(shadow)
+        r_stats, r_hash, r_gen = to_trainer.get()
+        ok_bits = r_hash == want_hash
         ok_gen = gen == r_gen
         if not (ok_bits and ok_gen):
             failures.append(f"{label}: bits {ok_bits}, generations {ok_gen}")
@@ -387,24 +392,65 @@ def main() -> int:
 
     engine = HFEngine()
     pusher = ds_sglang.SGLangPusher(engine)
-    adapter_steps = []
-    for k in range(args.adapter_steps + 1):
-        if k:
-            for p in master.parameters():
-                p.data.add_(1e-4 * torch.randn_like(p))
-        bf = bf16_named(master)
-        t = time.perf_counter()
-        r = pusher.push(bf)
-        el = time.perf_counter() - t
-        ok = tensor_hashes(dict(engine.model.named_parameters())) == tensor_hashes(bf)
-        load_into(shadow, bf)
-        ok = ok and generate(engine.model) == generate(shadow)
-        if not ok:
-            failures.append(f"sglang push {k}: not exact")
-        adapter_steps.append({"push": k, "full": r["full"], "seconds": el, "exact": ok,
-                              "changed_elements": r["changed_elements"]})
+
+    def adapter_rounds(engine_name, what, send, engine_model, keys):
+        """Round 0 sends the weights as they are; each later round first
+        perturbs the master. After each: the engine's weights are the
+        trainer's, bit for bit, and generate the same tokens."""
+        rounds = []
+        for k in range(args.adapter_steps + 1):
+            if k:
+                for p in master.parameters():
+                    p.data.add_(1e-4 * torch.randn_like(p))
+            bf = bf16_named(master)
+            t = time.perf_counter()
+            r = send(bf)
+            el = time.perf_counter() - t
+            ok = tensor_hashes(dict(engine_model.named_parameters())) == tensor_hashes(bf)
+            load_into(shadow, bf)
+            ok = ok and generate(engine_model) == generate(shadow)
+            if not ok:
+                failures.append(f"{engine_name} {what} {k}: not exact")
+            rounds.append({what: k, "seconds": el, "exact": ok, **{key: r[key] for key in keys}})
+        return rounds
+
+    adapter_steps = adapter_rounds("sglang", "push", pusher.push, engine.model,
+                                   ("full", "changed_elements"))
     state = ds_sglang.engine_weights(engine.model)
     report["sglang"] = {"pushes": adapter_steps, "fallback": state.fallback}
+    del engine, pusher
+
+    # vLLM's WeightTransferEngine (the stand-in's base class and factory),
+    # one worker over the same HF model, the trainer's side beside it.
+    from standins import VLLMClientStandIn, install_vllm_standin
+
+    factory = install_vllm_standin()
+    from deltasync.adapters import vllm as ds_vllm
+
+    ds_vllm.register()
+
+    class TransferConfig:
+        backend = "deltasync"
+
+    class ParallelConfig:
+        rank = 0
+
+    class VllmConfig:
+        parallel_config = ParallelConfig()
+
+    worker = HFEngine().model
+    vengine = factory.create_engine(TransferConfig(), VllmConfig(), torch.device("cuda"), worker)
+    client = VLLMClientStandIn([vengine])
+    bf = bf16_named(master)
+    vtrainer = ds_vllm.DeltasyncTrainer(client, bf, rendezvous="file:" + os.path.join(
+        work, "rdv-vllm"), workers=1, timeout_s=600)
+    try:
+        vllm_steps = adapter_rounds("vllm", "update", vtrainer.send_weights, worker,
+                                    ("seeded", "bytes_sent"))
+    finally:
+        vtrainer.close()
+        vengine.shutdown()
+    report["vllm"] = {"updates": vllm_steps, "fallback": vengine.fallback}
 
     to_rollout.put("stop")
     proc.join()
@@ -418,7 +464,9 @@ def main() -> int:
     synth = os.path.join(work, "synth")
     subprocess.run([args.cli, "synth", "--out", synth, "--preset",
                     "qwen2.5-0.5b" if args.preset == "0.5b" else "qwen2.5-1.5b" if
-                    args.preset == "1.5b" else "tiny", "--steps", "3", "--lr", str(args.lr)],
+                    args.preset == "1.5b" else "tiny", "--steps", "3", "--lr", str(args.lr),
+                    # this model's master starts from fp32 draws, off the BF16 grid
+                    "--master-init", "fp32"],
                    check=True, capture_output=True)
     d = cli_diff(args.cli, f"{synth}/step_000002", f"{synth}/step_000003")
     report["synth_diff"] = d.get("total", d)

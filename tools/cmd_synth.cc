@@ -23,6 +23,7 @@ void RegisterSynth(CLI::App& app, CommandFn* run) {
     std::string shard_size = "2GiB";
     bool overwrite = false;
     size_t threads = 0;
+    std::string master_init = "bf16";
   };
   auto opts = std::make_shared<Opts>();
   CLI::App* cmd = app.add_subcommand(
@@ -46,6 +47,11 @@ void RegisterSynth(CLI::App& app, CommandFn* run) {
       ->excludes(scale);
   cmd->add_option("--shard-size", opts->shard_size, "Maximum bytes per safetensors shard")
       ->capture_default_str();
+  cmd->add_option("--master-init", opts->master_init,
+                  "Where the fp32 master starts: bf16 (on the BF16 weights, a loaded BF16 "
+                  "checkpoint) | fp32 (off them, a model initialised in fp32: more changes)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"bf16", "fp32"}));
   cmd->add_flag("--overwrite", opts->overwrite, "Replace existing step directories");
   cmd->add_option("--threads", opts->threads, "Worker threads (0 = all)")->capture_default_str();
   cmd->callback([opts, run] {
@@ -59,6 +65,7 @@ void RegisterSynth(CLI::App& app, CommandFn* run) {
       chain.trainer.seed = opts->seed;
       chain.trainer.scale = opts->scale;
       chain.trainer.num_threads = opts->threads;
+      chain.trainer.master_on_bf16 = opts->master_init == "bf16";
       Result<uint64_t> shard = ParseByteSize(opts->shard_size);
       if (!shard.ok()) return Fail(shard.status());
       chain.max_shard_bytes = *shard;
@@ -75,7 +82,7 @@ void RegisterSynth(CLI::App& app, CommandFn* run) {
       std::cout << "synth: preset " << opts->preset << " scale " << chain.trainer.scale << ", "
                 << specs->size() << " tensors, " << SynthParameterCount(*specs) << " parameters ("
                 << FormatBytes(SynthBf16Bytes(*specs)) << " BF16), lr " << opts->lr << ", seed "
-                << opts->seed << std::endl;
+                << opts->seed << ", master init " << opts->master_init << std::endl;
       const auto start = std::chrono::steady_clock::now();
       chain.progress = [start](const SynthChainProgress& p) {
         const double secs =

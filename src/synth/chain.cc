@@ -74,6 +74,7 @@ std::string ChainManifest(const SynthChainOptions& o, uint64_t bf16_bytes) {
   json += "  \"weight_decay\": " + ShortestDouble(c.weight_decay) + ",\n";
   json += "  \"grad_correlation\": " + ShortestDouble(c.grad_correlation) + ",\n";
   json += "  \"direction_period\": " + std::to_string(c.direction_period) + ",\n";
+  json += std::string("  \"master_init\": \"") + (c.master_on_bf16 ? "bf16" : "fp32") + "\",\n";
   json += "  \"bf16_bytes_per_version\": " + std::to_string(bf16_bytes) + "\n";
   json += "}\n";
   return json;

@@ -312,11 +312,13 @@ void SynthTrainer::State::InitBlock(const Block& b) {
     const uint64_t h = CounterHash(key, static_cast<uint64_t>(i) >> 1);
     for (int64_t j = 0; j < 2 && i + j < b.end; ++j) {
       const float z = normal.Sample32(static_cast<uint32_t>(h >> (32 * j)));
-      // A trainer loads the BF16 checkpoint, so its fp32 master starts on
-      // BF16 values: changes must accumulate past half an ulp to show.
-      const uint16_t w = synth::FloatToBf16(spec.init_mean + spec.init_std * z);
+      // On BF16 values (a loaded BF16 checkpoint), changes must accumulate
+      // past half an ulp to show; off them, the BF16 weight is the
+      // master's rounding (SynthConfig::master_on_bf16).
+      const float master = spec.init_mean + spec.init_std * z;
+      const uint16_t w = synth::FloatToBf16(master);
       t.bf16[i + j] = w;
-      t.master[i + j] = synth::Bf16ToFloat(w);
+      t.master[i + j] = config.master_on_bf16 ? synth::Bf16ToFloat(w) : master;
     }
   }
 }

@@ -435,6 +435,27 @@ TEST(SynthTrainerTest, ChangeDensityIsRealisticAndGrowsWithLearningRate) {
   EXPECT_GT(fast_total, 2 * slow_total);
 }
 
+// A master off the BF16 grid rounds to the same initial BF16 weights, and
+// its small updates cross rounding boundaries more often.
+TEST(SynthTrainerTest, AMasterOffTheBf16GridStartsFromTheSameWeightsAndChangesMore) {
+  SynthConfig off_grid = TinyConfig(5, 1e-6);
+  off_grid.master_on_bf16 = false;
+  auto on = MakeTrainer(TinyConfig(5, 1e-6));
+  auto off = MakeTrainer(off_grid);
+  ASSERT_NE(on, nullptr);
+  ASSERT_NE(off, nullptr);
+  EXPECT_EQ(Snapshot(*on), Snapshot(*off));
+  int64_t on_changed = 0, off_changed = 0;
+  for (int s = 1; s <= 4; ++s) {
+    on->Step();
+    off->Step();
+    on_changed += on->last_step_stats().changed_elements;
+    off_changed += off->last_step_stats().changed_elements;
+  }
+  EXPECT_GT(on_changed, 0);
+  EXPECT_GT(off_changed, on_changed * 13 / 10) << on_changed << " against " << off_changed;
+}
+
 TEST(SynthTrainerTest, NormWeightsChangeMuchLessOftenThanLinearWeights) {
   auto t = MakeTrainer(TinyConfig(9));
   ASSERT_NE(t, nullptr);
