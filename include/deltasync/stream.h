@@ -145,7 +145,7 @@ struct SyncStats {
   double transfer_s = 0;  // sending them (while the next fills, see bucket_bytes)
   double report_s = 0;    // waiting for the receivers' reports
   double commit_s = 0;    // advancing the snapshot
-  double total_s = 0;
+  double total_s = 0;     // the whole call, from the checks of its arguments on
 };
 
 // Rank 0 of a stream group; with a sharded trainer, one on every trainer

@@ -30,7 +30,7 @@ try:
 finally:
     _sys.setdlopenflags(_flags)
 
-from ._tensors import Raw
+from ._tensors import Prepared, Raw, prepare
 from .agent import Agent, SyncCoordinator, pull_on_engines
 from .codec import Changes, decode_apply, diff, dtype_size, encode, encodings
 from .errors import *  # noqa: F401,F403 - the exception classes
@@ -54,6 +54,7 @@ __all__ = [
     "DeltasyncError",
     "Group",
     "LocalCheckpoint",
+    "Prepared",
     "Publisher",
     "Raw",
     "ShardSpec",
@@ -69,6 +70,7 @@ __all__ = [
     "encode",
     "encodings",
     "error_for_code",
+    "prepare",
     "prune",
     "pull_on_engines",
     "shard_spec_from_dtensor",

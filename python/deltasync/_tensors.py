@@ -194,3 +194,68 @@ def args(pairs: list[tuple[str, Any]], *, to_host: bool = False) -> tuple[Any, l
     if to_host:
         pairs = [(name, host(t)) for name, t in pairs]
     return _deltasync.args_from_pairs(pairs, arg), pairs
+
+
+class Prepared:
+    """Tensors read once, for a call made on the same tensors again and again.
+
+    ``prepare(model.named_parameters())`` reads each tensor's dtype, shape,
+    device and memory once. A sender's :meth:`~deltasync.StreamSender.sync`,
+    a publisher's :meth:`~deltasync.Publisher.publish` and a coordinator's
+    :meth:`~deltasync.SyncCoordinator.sync` take the result wherever they
+    take tensors, and then skip that reading, which on a model of hundreds
+    of tensors is most of the binding's cost per call.
+
+    The promise: the tensors stay the same objects over the same memory
+    (an optimizer's in-place step, ``copy_`` and ``param.data.add_`` keep
+    it; ``param.data = ...``, ``model.to(...)`` or ``load_state_dict(...,
+    assign=True)`` break it). Every use checks each torch tensor's data
+    pointer and size and raises FailedPreconditionError naming the first
+    one that moved: prepare again then. CUDA tensors are used on the
+    caller's current stream of each use, as unprepared ones are.
+    """
+
+    __slots__ = ("_pairs", "_sources", "_targs", "_devices")
+
+    def __init__(self, tensors: Any) -> None:
+        if isinstance(tensors, Prepared):
+            tensors = tensors._sources
+        if isinstance(tensors, Mapping):
+            tensors = list(tensors.items())
+        elif isinstance(tensors, Iterable):
+            tensors = list(tensors)
+        self._pairs = named(tensors)
+        # The objects as given: a Parameter whose .data is replaced keeps
+        # its identity, while the detached view in _pairs would not see it.
+        self._sources = tensors
+        self._targs = _deltasync.args_from_pairs(self._pairs, arg)
+        self._devices = sorted({t.device for t in self._targs if t.device >= 0})
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    def names(self) -> list[str]:
+        """The tensors' names, in order."""
+        return [name for name, _ in self._pairs]
+
+    def _use(self, to_host: bool) -> tuple[Any, list]:
+        if to_host and self._devices:
+            # The disk transport copies device tensors to host on each use.
+            return args(self._pairs, to_host=True)
+        streams = {d: torch.cuda.current_stream(d).cuda_stream for d in self._devices}
+        _deltasync.check_prepared(self._targs, self._sources, streams)
+        return self._targs, self._pairs
+
+
+def prepare(tensors: Any) -> Prepared:
+    """The tensors (a state dict or (name, tensor) pairs) read once, for
+    calls that take them again; see :class:`Prepared`."""
+    return Prepared(tensors)
+
+
+def tensor_args(tensors: Any, *, to_host: bool = False) -> tuple[Any, list]:
+    """TensorArgs for what a public call was given (tensors, pairs or a
+    :class:`Prepared`), and the objects to keep alive while it runs."""
+    if isinstance(tensors, Prepared):
+        return tensors._use(to_host)
+    return args(named(tensors), to_host=to_host)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from . import _deltasync
 from ._closing import Closing
-from ._tensors import args, named
+from ._tensors import tensor_args
 from .errors import error_for_code
 from .store import base_args
 
@@ -132,11 +132,12 @@ class SyncCoordinator(Closing):
         del keep
 
     def sync(self, weights: Any, *, full: bool = False, check: bool = True) -> dict:
-        """Publishes ``weights`` and has every engine pull the new version.
+        """Publishes ``weights`` (tensors, or prepared with :func:`~deltasync.prepare`
+        once) and has every engine pull the new version.
         Returns ``version``, ``publish`` (as Publisher.publish), ``engines``,
         ``ok`` and the timings; with ``check`` a failed engine raises (its
         ``report`` attached). A failed publish raises and asks no engine."""
-        targs, keep = args(named(weights), to_host=True)
+        targs, keep = tensor_args(weights, to_host=True)
         report = self._live().sync(targs, full)
         del keep
         return _raise_on_failure(report) if check else _mark(report)

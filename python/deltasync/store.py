@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from . import _deltasync
 from ._closing import Closing
-from ._tensors import args, named
+from ._tensors import args, named, tensor_args
 from .errors import InvalidArgumentError
 
 
@@ -61,11 +61,12 @@ class Publisher(Closing):
         del keep
 
     def publish(self, weights: Any, *, full: bool = False) -> dict:
-        """Publishes ``weights`` (same names, dtypes and shapes as the base) as
-        the next version; returns what was written: ``version``, ``is_delta``,
+        """Publishes ``weights`` (same names, dtypes and shapes as the base;
+        tensors, or prepared once with :func:`~deltasync.prepare`) as the
+        next version; returns what was written: ``version``, ``is_delta``,
         ``tensors_changed``, ``changed_elements``, ``bytes_written``, ``seconds``.
         Nothing is published when it raises."""
-        targs, keep = args(named(weights), to_host=True)
+        targs, keep = tensor_args(weights, to_host=True)
         result = self._live().publish(targs, full)
         del keep
         return result

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from . import _deltasync
 from ._closing import Closing
-from ._tensors import arg, args, dtype_name, named
+from ._tensors import arg, dtype_name, named, tensor_args
 from .errors import InvalidArgumentError, UnsupportedError
 
 ShardSpec = _deltasync.ShardSpec
@@ -86,13 +86,14 @@ class StreamSender(Closing):
 
     def sync(self, tensors: Any) -> dict:
         """Sends the change of ``tensors`` (a state dict or (name, tensor)
-        pairs, host or CUDA) since the last sync to every receiver. The first
-        sync, and any after a receiver joins or fails, seeds the whole model.
-        Returns ``sync_id``, ``changed``, ``bytes_sent``, ``seeded`` and the
+        pairs, host or CUDA, or the same prepared once with
+        :func:`~deltasync.prepare` for a lower cost per call) since the last
+        sync to every receiver. The first sync, and any after a receiver
+        joins or fails, seeds the whole model. Returns ``sync_id``, ``changed``, ``bytes_sent``, ``seeded`` and the
         time split (``diff_s``, ``encode_s``, ``transfer_s``, ``report_s``,
         ``commit_s``, ``total_s``). On an error nothing is committed: the
         next sync resends."""
-        targs, keep = args(named(tensors))
+        targs, keep = tensor_args(tensors)
         stats = self._live().sync(targs)
         del keep
         return stats

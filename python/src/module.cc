@@ -33,20 +33,23 @@ DType TensorArg::ParsedDType() const {
 }
 
 Status TensorArg::Validate() const {
-  const std::string what = "tensor '" + name + "'";
+  // The message is built only on an error: this runs for every tensor of
+  // every call.
+  const auto fail = [this](const std::string& why) {
+    return Status::InvalidArgument("tensor '" + name + "': " + why);
+  };
   Result<DType> d = ParseDType(dtype);
-  if (!d.ok()) return Status::InvalidArgument(what + ": " + d.status().message());
+  if (!d.ok()) return fail(d.status().message());
   uint64_t numel = 1;
   for (int64_t x : shape) {
-    if (x < 0) return Status::InvalidArgument(what + ": a negative dimension");
+    if (x < 0) return fail("a negative dimension");
     numel *= static_cast<uint64_t>(x);
   }
   if (numel * DTypeSize(*d) != nbytes) {
-    return Status::InvalidArgument(what + ": " + std::to_string(nbytes) +
-                                   " bytes, but its shape of " + dtype + " needs " +
-                                   std::to_string(numel * DTypeSize(*d)));
+    return fail(std::to_string(nbytes) + " bytes, but its shape of " + dtype + " needs " +
+                std::to_string(numel * DTypeSize(*d)));
   }
-  if (nbytes > 0 && ptr == 0) return Status::InvalidArgument(what + ": null data");
+  if (nbytes > 0 && ptr == 0) return fail("null data");
   return Status::OK();
 }
 
@@ -191,6 +194,35 @@ TensorArgs ArgsFromPairs(const py::list& pairs, const py::object& slow) {
   return out;
 }
 
+// deltasync._tensors.Prepared's check at each use: every torch tensor of
+// `pairs` still lies where `args` (built from the same pairs) says, with
+// as many bytes; FailedPrecondition naming the first that moved otherwise.
+// A CUDA tensor's stream becomes `streams[device]` (the caller's current
+// one).
+void CheckPrepared(TensorArgs& args, const py::list& pairs, const py::dict& streams) {
+  if (args.size() != pairs.size()) {
+    Raise(Status::Internal("prepared tensors: " + std::to_string(args.size()) + " arguments for " +
+                           std::to_string(pairs.size()) + " tensors"));
+  }
+  const TorchTypes& torch = Torch();
+  for (size_t i = 0; i < args.size(); ++i) {
+    TensorArg& a = args[i];
+    const py::handle obj = py::reinterpret_borrow<py::tuple>(pairs[i])[1];
+    if (torch.tensor_type && py::isinstance(obj, torch.tensor_type)) {
+      const auto ptr = obj.attr("data_ptr")().cast<uintptr_t>();
+      // Its dtype cannot change without its memory moving.
+      const uint64_t nbytes = obj.attr("numel")().cast<uint64_t>() * DTypeSize(a.ParsedDType());
+      if (ptr != a.ptr || nbytes != a.nbytes) {
+        Raise(Status::FailedPrecondition(
+            "tensor '" + a.name + "': its memory " + (ptr != a.ptr ? "moved" : "changed size") +
+            " since it was prepared (param.data assigned, model.to, load_state_dict with assign?); "
+            "prepare the tensors again"));
+      }
+    }
+    if (a.device >= 0) a.stream = streams[py::int_(a.device)].cast<uintptr_t>();
+  }
+}
+
 }  // namespace
 }  // namespace deltasync::python
 
@@ -222,6 +254,7 @@ PYBIND11_MODULE(_deltasync, m) {
     Torch() = {std::move(tensor_type), std::move(strided), std::move(dtypes)};
   });
   m.def("args_from_pairs", &ArgsFromPairs, py::arg("pairs"), py::arg("slow"));
+  m.def("check_prepared", &CheckPrepared, py::arg("args"), py::arg("pairs"), py::arg("streams"));
   m.def("diff", &PyDiff, py::arg("current"), py::arg("snapshot"), py::arg("refresh"));
   m.def("encode", &PyEncode, py::arg("current"), py::arg("base"), py::arg("encoding"));
   m.def("decode_apply", &PyDecodeApply, py::arg("encoded"), py::arg("target"), py::arg("encoding"));

@@ -21,7 +21,8 @@ def bits(t):
 
 
 @cuda
-def test_stream_between_device_tensors(rendezvous):
+@pytest.mark.parametrize("prepared", [False, True], ids=["tensors", "prepared"])
+def test_stream_between_device_tensors(rendezvous, prepared):
     g = torch.Generator(device="cuda").manual_seed(0)
     w = {"emb": torch.randn(512, 256, device="cuda", generator=g).to(torch.bfloat16),
          "norm": torch.randn(256, device="cuda", generator=g),
@@ -46,14 +47,19 @@ def test_stream_between_device_tensors(rendezvous):
 
     ts = [threading.Thread(target=receiver, args=(r,)) for r in (1, 2)]
     [t.start() for t in ts]
-    with ds.StreamSender(ds.Group(rendezvous, 0, 3, timeout_s=60)) as tx:
+    # Prepared tensors are read on the stream current at each sync: here a
+    # side stream that also makes the updates.
+    given = ds.prepare(w) if prepared else w
+    side = torch.cuda.Stream() if prepared else torch.cuda.current_stream()
+    with ds.StreamSender(ds.Group(rendezvous, 0, 3, timeout_s=60)) as tx, torch.cuda.stream(side):
         for k in range(4):
             if k:
                 w["emb"].view(-1)[k::97] += 1
                 w["norm"][k] = float("nan")
                 w["host"][k] += 1
-            stats = tx.sync(w)
+            stats = tx.sync(given)
             assert stats["receivers"] == 2
+    torch.cuda.synchronize()
     [t.join() for t in ts]
     assert not errors, errors
     for n, t in w.items():

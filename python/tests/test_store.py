@@ -57,6 +57,23 @@ def test_publish_from_tensors_writes_what_the_cli_writes(tmp_path, cli):
     same_version(tmp_path / "cli" / "weight_v000001", tmp_path / "py" / "weight_v000001")
 
 
+def test_a_prepared_publish_writes_what_the_tensors_write(tmp_path):
+    w0 = weights()
+    live = {n: t.clone() for n, t in w0.items()}
+    prepared = ds.prepare(live)
+    with ds.Publisher(tmp_path / "a", w0) as a, ds.Publisher(tmp_path / "b", w0) as b:
+        for k in (1, 2):
+            for n, t in step(live, k).items():
+                live[n].copy_(t)
+            ra, rb = a.publish(live), b.publish(prepared)
+            assert rb["version"] == k and rb["changed_elements"] == ra["changed_elements"] > 0
+            same_version(tmp_path / "a" / f"weight_v{k:06d}", tmp_path / "b" / f"weight_v{k:06d}")
+        live["b.bias"].resize_(10)  # the same memory, fewer bytes
+        with pytest.raises(ds.FailedPreconditionError, match="tensor 'b.bias': its memory changed"):
+            b.publish(prepared)
+        assert b.latest_version == 2
+
+
 def test_pull_brings_a_local_checkpoint_to_every_version(tmp_path, cli):
     w = weights(1)
     (tmp_path / "base").mkdir()

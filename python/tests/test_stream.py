@@ -86,6 +86,46 @@ def test_threads_whole_tensors_and_a_column_slice(rendezvous):
     assert torch.equal(bits(cols), bits(w["emb"][:, 16:]))
 
 
+def test_prepared_tensors_sync_as_the_tensors_do_and_a_moved_one_is_refused(rendezvous):
+    w = model()
+    w["emb"] = torch.nn.Parameter(w["emb"])  # as a trainer holds it
+    held = {n: torch.zeros_like(t).detach() for n, t in w.items()}
+    errors = []
+    received = []
+
+    def receiver(r):
+        with ds.StreamReceiver(ds.Group(rendezvous, r, 2, timeout_s=30)) as rx:
+            rx.register_all(held)
+            for _ in range(4):
+                received.append(rx.receive()["sync_id"])
+                received.append({n: bits(t).clone() for n, t in held.items()})
+
+    ts = run_receivers(1, receiver, errors)
+    with ds.StreamSender(ds.Group(rendezvous, 0, 2, timeout_s=30)) as tx:
+        prepared = ds.prepare(w)
+        assert len(prepared) == 3 and prepared.names() == list(w)
+        tx.sync(prepared)
+        with torch.no_grad():
+            for k in (1, 2):
+                step(w, k)  # in place, as an optimizer steps: prepared sees it
+                assert tx.sync(prepared)["changed"] > 0
+            # A parameter given other memory is refused by name, and nothing
+            # of that sync is committed.
+            w["emb"].data = w["emb"].data.clone()
+            with pytest.raises(ds.FailedPreconditionError,
+                               match="tensor 'emb': its memory moved"):
+                tx.sync(prepared)
+            assert tx.committed_sync_id == 3
+            step(w, 3)
+            assert tx.sync(ds.prepare(w))["changed"] > 0
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    assert received[0::2] == [1, 2, 3, 4]
+    want = {n: bits(t.detach()) for n, t in w.items()}
+    assert [n for n in want if not torch.equal(received[-1][n], want[n])] == []
+
+
 def test_a_receiver_subset_is_fine_a_tensor_the_sender_lacks_is_named(rendezvous):
     w = model(1)
     errors = []

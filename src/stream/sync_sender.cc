@@ -182,7 +182,8 @@ class Sender final : public StreamSender {
   };
 
   Status CheckModel(std::span<const TensorMeta> tensors, std::vector<TensorState*>* order);
-  Status BeginSync(Round* round);
+  // `start`: when the sync call began (its total_s counts from there).
+  Status BeginSync(Round* round, Clock::time_point start);
   // Records, reports, and the decision; on success `commit` advances the
   // snapshot, on failure device snapshots go back.
   Result<SyncStats> EndSync(Round* round, const std::vector<TensorState*>& order,
@@ -664,8 +665,8 @@ Status Sender::SendRecords(Peer& peer, Group& g, uint64_t sync_id, bool verify_a
   return send(true);
 }
 
-Status Sender::BeginSync(Round* round) {
-  round->start = Clock::now();
+Status Sender::BeginSync(Round* round, Clock::time_point start) {
+  round->start = start;
   if (!comm_) DS_RETURN_IF_ERROR(Connect());
   round->sync_id = next_sync_id_++;
   const std::string sync_name = "sync " + std::to_string(round->sync_id);
@@ -845,6 +846,7 @@ Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>&
 }
 
 Result<SyncStats> Sender::Sync(std::span<const SyncTensor> tensors) {
+  const Clock::time_point start = Clock::now();
   if (sharded_) return Status::FailedPrecondition("a sharded sender syncs with SyncShards");
   std::vector<TensorMeta> metas;
   for (const SyncTensor& x : tensors) {
@@ -862,7 +864,7 @@ Result<SyncStats> Sender::Sync(std::span<const SyncTensor> tensors) {
     }
   }
   Round round;
-  DS_RETURN_IF_ERROR(BeginSync(&round));
+  DS_RETURN_IF_ERROR(BeginSync(&round, start));
   diff_.refresh_snapshot = false;
   diff_.keep_old_values = true;
   for (TensorState* t : order) {
@@ -1108,6 +1110,7 @@ Result<SyncStats> Sender::SyncShards(std::span<const ModelTensor> model,
 
 Result<SyncStats> Sender::SyncShardsAsRank0(std::span<const ModelTensor> model,
                                             std::span<const ShardedTensor> shards) {
+  const Clock::time_point start = Clock::now();
   std::vector<TensorMeta> metas;
   for (const ModelTensor& m : model) metas.push_back({m.name, m.dtype, &m.shape, {}, {}});
   std::vector<TensorState*> order;
@@ -1116,7 +1119,7 @@ Result<SyncStats> Sender::SyncShardsAsRank0(std::span<const ModelTensor> model,
   SyncStats local_stats;
   Status local = checked.ok() ? DiffShards(model, shards, &mine, &local_stats) : checked;
   Round round;
-  Status begun = local.ok() ? BeginSync(&round) : local;
+  Status begun = local.ok() ? BeginSync(&round, start) : local;
   round.stats.changed = 0;
   round.stats.diff_s = local_stats.diff_s;
   // The gathered changes, kept until the decision: the commit writes them
