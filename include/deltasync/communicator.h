@@ -8,8 +8,12 @@
 //         makes the process ignore SIGPIPE (unless the process handles it
 //         itself): Gloo writes to sockets with writev, and a write to a dead
 //         peer's socket would otherwise end the process.
-//   nccl  CUDA device memory, through NCCL. Built only when CUDA and NCCL are
-//         found (and Gloo, whose stores carry NCCL's unique id).
+//   nccl  CUDA device memory, through NCCL; host memory too, staged through
+//         a device buffer the communicator allocates at its first host call
+//         (up to 64 MiB; a copy in before each NCCL call and out after it).
+//         Built only when CUDA and NCCL are found (and Gloo, whose stores
+//         carry NCCL's unique id). NCCL refuses two ranks of one group on
+//         one GPU.
 //
 // A group is `size` processes with one Communicator each, which find each
 // other in a rendezvous store (Gloo's FileStore on a directory every member

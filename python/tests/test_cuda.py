@@ -125,3 +125,64 @@ def test_shard_spec_of_real_dtensors(tmp_path):
     except ImportError:
         pytest.skip("this torch has no DTensor")
     mp.spawn(_dtensor_worker, args=("file://" + str(tmp_path / "init"),), nprocs=4, join=True)
+
+
+def _nccl_pair_worker(rank, how, init, rendezvous_dir, syncs):
+    # NCCL refuses two ranks of one group on one GPU; a host id of its own
+    # per process makes it take them for two hosts joined over its socket
+    # transport (test-only: a real two-rank NCCL group on a one-GPU machine).
+    import os
+
+    os.environ["NCCL_HOSTID"] = f"deltasync-test-rank{rank}"
+    os.environ["NCCL_SOCKET_IFNAME"] = "lo"
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    if how == "torch":
+        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=2)
+        group = ds.TorchGroup(timeout_s=60)
+    else:
+        group = ds.Group("file:" + rendezvous_dir, rank, 2, backend="nccl", timeout_s=60)
+    try:
+        g = torch.Generator(device="cuda").manual_seed(3)
+        w = {"emb": torch.randn(300, 70, device="cuda", generator=g).to(torch.bfloat16),
+             "norm": torch.randn(70, device="cuda", generator=g),
+             "host": torch.randn(33)}
+
+        def step(k):
+            w["emb"].view(-1)[k::31] += 1
+            w["norm"][k] = float("nan")
+            w["host"][k] = -0.0
+
+        if rank == 0:
+            with ds.StreamSender(group) as tx:
+                for k in range(syncs):
+                    if k:
+                        step(k)
+                    stats = tx.sync(w)
+                    assert stats["seeded"] == (1 if k == 0 else 0), stats
+        else:
+            got = {n: torch.zeros_like(t) for n, t in w.items()}
+            with ds.StreamReceiver(group) as rx:
+                rx.register_all(got)
+                for k in range(syncs):
+                    rx.receive()
+                    if k:
+                        step(k)
+                    torch.cuda.synchronize()
+                    for n, t in w.items():
+                        if not torch.equal(bits(got[n]), bits(t)):
+                            raise AssertionError(f"{how} sync {k + 1}: {n} differs")
+    finally:
+        if how == "torch":
+            dist.destroy_process_group()
+
+
+@cuda
+@pytest.mark.parametrize("how", ["torch", "group"], ids=["torch-nccl-group", "deltasync-nccl"])
+def test_device_tensors_over_nccl_between_two_processes(tmp_path, how):
+    if how == "group" and "nccl" not in ds.built_communicators():
+        pytest.skip("this build has no nccl communicator")
+    init = "file://" + str(tmp_path / "pg_init")
+    mp.spawn(_nccl_pair_worker, args=(how, init, str(tmp_path / "rv"), 3), nprocs=2, join=True)

@@ -8,9 +8,19 @@
 // call out of time aborts the communicator (ncclCommAbort), which is what
 // frees a rank stuck waiting for a dead peer. NCCL does not say which peer
 // failed a collective, so only point-to-point errors name one.
+//
+// Host memory is staged through a device buffer the communicator owns
+// (allocated at the first host-memory call, up to kChunk bytes for the
+// point-to-point calls and the broadcast; a gather's records and output):
+// the bytes are copied in before the NCCL call and out after it completes,
+// on this communicator's stream and within the operation's deadline. Every
+// call of more than kChunk bytes runs as NCCL calls of kChunk bytes,
+// whatever memory holds the span, so that a rank passing device memory and
+// a peer passing host memory issue the same NCCL calls.
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -28,6 +38,9 @@ namespace {
 // few microseconds then costs at most this much more; an idle spin would
 // take a core from the trainer.
 constexpr auto kPollInterval = std::chrono::microseconds(50);
+
+// The most bytes of one NCCL call (see the file comment).
+constexpr size_t kChunk = size_t{64} << 20;
 
 std::string NcclText(ncclResult_t r) { return ncclGetErrorString(r); }
 
@@ -65,6 +78,7 @@ class NcclCommunicator final : public Communicator {
       }
     }
     if (scratch_ != nullptr) cudaFree(scratch_);
+    if (staging_ != nullptr) cudaFree(staging_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
@@ -74,6 +88,7 @@ class NcclCommunicator final : public Communicator {
   uint64_t generation() const override { return generation_; }
   CommunicatorCapabilities capabilities() const override {
     CommunicatorCapabilities c;
+    c.host_buffers = true;  // staged through the device (see the file comment)
     c.device_buffers = true;
     c.point_to_point = true;
     return c;
@@ -89,37 +104,34 @@ class NcclCommunicator final : public Communicator {
     const std::string_view call = "nccl send";
     DS_RETURN_IF_ERROR(Usable(call));
     DS_RETURN_IF_ERROR(CheckPeer(call, size(), rank(), peer));
-    DS_RETURN_IF_ERROR(CheckDevice(call, "data", data.data(), data.size()));
-    if (data.empty()) return Status::OK();
-    return Run(call, peer,
-               [&] { return ncclSend(data.data(), data.size(), ncclUint8, peer, comm_, stream_); });
+    return Chunked(
+        call, peer, const_cast<uint8_t*>(data.data()), data.size(), Way::kOut,
+        [&](uint8_t* p, size_t n) { return ncclSend(p, n, ncclUint8, peer, comm_, stream_); });
   }
 
   Status Recv(int peer, std::span<uint8_t> data) override {
     const std::string_view call = "nccl recv";
     DS_RETURN_IF_ERROR(Usable(call));
     DS_RETURN_IF_ERROR(CheckPeer(call, size(), rank(), peer));
-    DS_RETURN_IF_ERROR(CheckDevice(call, "data", data.data(), data.size()));
-    if (data.empty()) return Status::OK();
-    return Run(call, peer,
-               [&] { return ncclRecv(data.data(), data.size(), ncclUint8, peer, comm_, stream_); });
+    return Chunked(call, peer, data.data(), data.size(), Way::kIn, [&](uint8_t* p, size_t n) {
+      return ncclRecv(p, n, ncclUint8, peer, comm_, stream_);
+    });
   }
 
   Status Broadcast(int root, std::span<uint8_t> data) override {
     const std::string_view call = "nccl broadcast";
     DS_RETURN_IF_ERROR(Usable(call));
     DS_RETURN_IF_ERROR(CheckRoot(call, size(), root));
-    DS_RETURN_IF_ERROR(CheckDevice(call, "data", data.data(), data.size()));
-    if (data.empty()) return Status::OK();
-    return Run(call, -1, [&] {
-      return ncclBroadcast(data.data(), data.data(), data.size(), ncclUint8, root, comm_, stream_);
-    });
+    return Chunked(call, -1, data.data(), data.size(), rank() == root ? Way::kOut : Way::kIn,
+                   [&](uint8_t* p, size_t n) {
+                     return ncclBroadcast(p, p, n, ncclUint8, root, comm_, stream_);
+                   });
   }
 
   Status Barrier() override {
     const std::string_view call = "nccl barrier";
     DS_RETURN_IF_ERROR(Usable(call));
-    return Run(call, -1, [&] {
+    return Run(call, -1, Deadline(options_.timeout), [&] {
       return ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, comm_, stream_);
     });
   }
@@ -128,45 +140,47 @@ class NcclCommunicator final : public Communicator {
     const std::string_view call = "nccl gather";
     DS_RETURN_IF_ERROR(Usable(call));
     DS_RETURN_IF_ERROR(CheckRoot(call, size(), root));
-    DS_RETURN_IF_ERROR(CheckDevice(call, "record", record.data(), record.size()));
     const size_t bytes = record.size();
-    if (rank() == root) {
-      DS_RETURN_IF_ERROR(CheckSize(call, "out", bytes * size(), out.size()));
-      DS_RETURN_IF_ERROR(CheckDevice(call, "out", out.data(), out.size()));
-    }
+    const bool root_rank = rank() == root;
+    if (root_rank) DS_RETURN_IF_ERROR(CheckSize(call, "out", bytes * size(), out.size()));
     if (bytes == 0) return Status::OK();
-    return Run(call, -1, [&]() -> ncclResult_t {
-      if (rank() == root) {
-        const cudaError_t e = cudaMemcpyAsync(out.data() + root * bytes, record.data(), bytes,
+    if (!root_rank) out = {};
+    const Deadline deadline(options_.timeout);
+    DS_ASSIGN_OR_RETURN(Staged staged, Stage(call, deadline, record, out));
+    DS_RETURN_IF_ERROR(Run(call, -1, deadline, [&]() -> ncclResult_t {
+      if (root_rank) {
+        const cudaError_t e = cudaMemcpyAsync(staged.out + root * bytes, staged.record, bytes,
                                               cudaMemcpyDeviceToDevice, stream_);
         if (e != cudaSuccess) return ncclUnhandledCudaError;
       }
       ncclResult_t r = ncclGroupStart();
       if (r != ncclSuccess) return r;
-      if (rank() == root) {
+      if (root_rank) {
         for (int p = 0; p < size(); ++p) {
           if (p == root) continue;
-          r = ncclRecv(out.data() + p * bytes, bytes, ncclUint8, p, comm_, stream_);
+          r = ncclRecv(staged.out + p * bytes, bytes, ncclUint8, p, comm_, stream_);
           if (r != ncclSuccess && r != ncclInProgress) break;
         }
       } else {
-        r = ncclSend(record.data(), bytes, ncclUint8, root, comm_, stream_);
+        r = ncclSend(staged.record, bytes, ncclUint8, root, comm_, stream_);
       }
       const ncclResult_t end = ncclGroupEnd();
       return (r != ncclSuccess && r != ncclInProgress) ? r : end;
-    });
+    }));
+    return Unstage(call, deadline, staged, out);
   }
 
   Status AllGather(std::span<const uint8_t> record, std::span<uint8_t> out) override {
     const std::string_view call = "nccl all-gather";
     DS_RETURN_IF_ERROR(Usable(call));
     DS_RETURN_IF_ERROR(CheckSize(call, "out", record.size() * size(), out.size()));
-    DS_RETURN_IF_ERROR(CheckDevice(call, "record", record.data(), record.size()));
-    DS_RETURN_IF_ERROR(CheckDevice(call, "out", out.data(), out.size()));
     if (record.empty()) return Status::OK();
-    return Run(call, -1, [&] {
-      return ncclAllGather(record.data(), out.data(), record.size(), ncclUint8, comm_, stream_);
-    });
+    const Deadline deadline(options_.timeout);
+    DS_ASSIGN_OR_RETURN(Staged staged, Stage(call, deadline, record, out));
+    DS_RETURN_IF_ERROR(Run(call, -1, deadline, [&] {
+      return ncclAllGather(staged.record, staged.out, record.size(), ncclUint8, comm_, stream_);
+    }));
+    return Unstage(call, deadline, staged, out);
   }
 
  private:
@@ -175,23 +189,115 @@ class NcclCommunicator final : public Communicator {
     return Status::OK();
   }
 
-  // InvalidArgument unless `ptr` is device (or managed) memory; an empty
-  // buffer may be anything.
-  Status CheckDevice(std::string_view call, std::string_view what, const void* ptr,
-                     size_t bytes) const {
-    if (bytes == 0) return Status::OK();
+  // Whether `ptr` is device (or managed) memory, which NCCL takes as it is;
+  // anything else is host memory, staged.
+  static bool OnDevice(const void* ptr) {
     cudaPointerAttributes attr = {};
-    const cudaError_t e = cudaPointerGetAttributes(&attr, ptr);
-    if (e != cudaSuccess) {
+    if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
       cudaGetLastError();  // clears the error, which would otherwise stick
-      return Status::InvalidArgument(std::string(call) + ": " + std::string(what) +
-                                     " is not CUDA memory (" + CudaText(e) + ")");
+      return false;
     }
-    if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) {
-      return Status::InvalidArgument(std::string(call) + ": " + std::string(what) +
-                                     " is host memory; nccl takes device buffers");
+    return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+  }
+
+  // Which way a chunked call's bytes go: out of this rank (host bytes are
+  // copied to the device before the call) or into it (copied back after).
+  enum class Way : uint8_t { kOut, kIn };
+
+  // Makes the staging buffer hold at least `bytes`.
+  Status Reserve(std::string_view call, size_t bytes) {
+    if (bytes <= staging_bytes_) return Status::OK();
+    if (staging_ != nullptr) cudaFree(staging_);
+    staging_ = nullptr;
+    staging_bytes_ = 0;
+    cudaError_t e = cudaSetDevice(options_.cuda_device);
+    if (e == cudaSuccess) e = cudaMalloc(&staging_, bytes);
+    if (e != cudaSuccess) {
+      staging_ = nullptr;
+      cudaGetLastError();
+      return Fail(
+          Status::Unavailable(Where(call, -1) + "staging " + std::to_string(bytes) +
+                              " bytes of host memory needs as much device memory: " + CudaText(e)));
+    }
+    staging_bytes_ = bytes;
+    return Status::OK();
+  }
+
+  // A copy on this communicator's stream, waited for within `deadline`.
+  Status Copy(std::string_view call, const Deadline& deadline, void* dst, const void* src,
+              size_t bytes, cudaMemcpyKind kind) {
+    return Run(call, -1, deadline, [&]() -> ncclResult_t {
+      return cudaMemcpyAsync(dst, src, bytes, kind, stream_) == cudaSuccess
+                 ? ncclSuccess
+                 : ncclUnhandledCudaError;
+    });
+  }
+
+  // `op(p, n)` enqueues one NCCL call on the n device bytes at p; runs it
+  // over `data` in calls of at most kChunk bytes, within one deadline.
+  template <typename Op>
+  Status Chunked(std::string_view call, int peer, uint8_t* data, size_t bytes, Way way, Op&& op) {
+    if (bytes == 0) return Status::OK();
+    const Deadline deadline(options_.timeout);
+    if (OnDevice(data)) {
+      // One call at a time, as a non-blocking communicator wants them
+      // (each taken before the next is issued), and as a peer staging host
+      // memory issues them.
+      for (size_t at = 0; at < bytes; at += kChunk) {
+        const size_t n = std::min(kChunk, bytes - at);
+        DS_RETURN_IF_ERROR(Run(call, peer, deadline, [&] { return op(data + at, n); }));
+      }
+      return Status::OK();
+    }
+    DS_RETURN_IF_ERROR(Reserve(call, std::min(kChunk, bytes)));
+    uint8_t* stage = static_cast<uint8_t*>(staging_);
+    for (size_t at = 0; at < bytes; at += kChunk) {
+      const size_t n = std::min(kChunk, bytes - at);
+      if (way == Way::kOut) {
+        DS_RETURN_IF_ERROR(Copy(call, deadline, stage, data + at, n, cudaMemcpyHostToDevice));
+      }
+      DS_RETURN_IF_ERROR(Run(call, peer, deadline, [&] { return op(stage, n); }));
+      if (way == Way::kIn) {
+        DS_RETURN_IF_ERROR(Copy(call, deadline, data + at, stage, n, cudaMemcpyDeviceToHost));
+      }
     }
     return Status::OK();
+  }
+
+  // A gather's record and output as device memory: as they are, or in the
+  // staging buffer (a host record copied in).
+  struct Staged {
+    const uint8_t* record = nullptr;
+    uint8_t* out = nullptr;
+    bool out_staged = false;
+  };
+  Result<Staged> Stage(std::string_view call, const Deadline& deadline,
+                       std::span<const uint8_t> record, std::span<uint8_t> out) {
+    Staged s;
+    const bool record_host = !OnDevice(record.data());
+    const bool out_host = !out.empty() && !OnDevice(out.data());
+    // The record's slot is rounded up so that the output stays aligned.
+    const size_t record_slot = record_host ? (record.size() + 255) / 256 * 256 : 0;
+    DS_RETURN_IF_ERROR(
+        Reserve(call, std::max<size_t>(1, record_slot + (out_host ? out.size() : 0))));
+    uint8_t* stage = static_cast<uint8_t*>(staging_);
+    s.record = record.data();
+    if (record_host) {
+      DS_RETURN_IF_ERROR(
+          Copy(call, deadline, stage, record.data(), record.size(), cudaMemcpyHostToDevice));
+      s.record = stage;
+    }
+    s.out = out.data();
+    if (out_host) {
+      s.out = stage + record_slot;
+      s.out_staged = true;
+    }
+    return s;
+  }
+  Status Unstage(std::string_view call, const Deadline& deadline, const Staged& s,
+                 std::span<uint8_t> out) {
+    if (!s.out_staged) return Status::OK();
+    return Copy(call, deadline, out.data(), s.out, out.size(), cudaMemcpyDeviceToHost);
   }
 
   // Aborts the communicator and records `status` as what broke it.
@@ -245,8 +351,7 @@ class NcclCommunicator final : public Communicator {
 
   // Enqueues through `enqueue` and waits for the stream.
   template <typename Enqueue>
-  Status Run(std::string_view call, int peer, Enqueue&& enqueue) {
-    const Deadline deadline(options_.timeout);
+  Status Run(std::string_view call, int peer, const Deadline& deadline, Enqueue&& enqueue) {
     cudaError_t e = cudaSetDevice(options_.cuda_device);
     if (e != cudaSuccess) return Fail(Status::Internal(Where(call, peer) + CudaText(e)));
     const ncclResult_t r = enqueue();
@@ -274,6 +379,8 @@ class NcclCommunicator final : public Communicator {
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   void* scratch_ = nullptr;  // the barrier's all-reduce operand: one int, on the device
+  void* staging_ = nullptr;  // host memory's way through the device (see the file comment)
+  size_t staging_bytes_ = 0;
   Status broken_;
 };
 

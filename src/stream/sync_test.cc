@@ -577,26 +577,6 @@ TEST(SyncArguments, ADevicePlacementThatCannotBeServedIsRefusedNamingTheTensor) 
   EXPECT_TRUE((*r)->Register("w", DType::kBF16, {4}, dest).ok());
 }
 
-// The file a peer process writes after each sync, once it holds `want`
-// (polled: the peer writes it after its report).
-bool PeerHolds(const std::string& path, const Model& m, std::chrono::milliseconds limit) {
-  std::vector<uint8_t> want;
-  for (const std::vector<uint8_t>& b : m.bytes) want.insert(want.end(), b.begin(), b.end());
-  const auto end = std::chrono::steady_clock::now() + limit;
-  for (;;) {
-    std::vector<uint8_t> got;
-    if (FILE* f = std::fopen(path.c_str(), "rb")) {
-      uint8_t buf[4096];
-      size_t n = 0;
-      while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) got.insert(got.end(), buf, buf + n);
-      std::fclose(f);
-    }
-    if (got == want) return true;
-    if (std::chrono::steady_clock::now() >= end) return false;
-    std::this_thread::sleep_for(10ms);
-  }
-}
-
 TEST_F(SyncTest, AReceiverKilledMidSyncFailsItInTimeAndIsReseededOnceRestarted) {
   SetUpGroup(2);
   Model m = Model::Make(0);
@@ -615,7 +595,7 @@ TEST_F(SyncTest, AReceiverKilledMidSyncFailsItInTimeAndIsReseededOnceRestarted) 
     m.Step(60 + step, 0.05);
     Result<SyncStats> s = sender->Sync(m.tensors);
     ASSERT_TRUE(s.ok()) << s.status().ToString();
-    EXPECT_TRUE(PeerHolds(file, m, 5000ms));
+    EXPECT_TRUE(sync_test::PeerHolds(file, m, 5000ms));
   }
   const std::vector<std::vector<uint8_t>> before = Snapshots(*sender, m);
   m.Step(70, 0.05);
@@ -640,7 +620,7 @@ TEST_F(SyncTest, AReceiverKilledMidSyncFailsItInTimeAndIsReseededOnceRestarted) 
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     EXPECT_EQ(s->seeded, step == 0 ? 2u : 0u);
     EXPECT_TRUE(local.Matches(m).ok()) << local.Matches(m).ToString();
-    EXPECT_TRUE(PeerHolds(file, m, 5000ms)) << "step " << step;
+    EXPECT_TRUE(sync_test::PeerHolds(file, m, 5000ms)) << "step " << step;
   }
   Finish(sender, {&local});
 }

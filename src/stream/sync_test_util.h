@@ -1,10 +1,13 @@
 // Shared by the stream sync tests and their peer process.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -109,5 +112,26 @@ struct Model {
     return none;
   }
 };
+
+// That the file a peer process writes after each sync (every tensor's
+// bytes back to back) holds `m`, within `limit` (polled: the peer writes it
+// after its report).
+inline bool PeerHolds(const std::string& path, const Model& m, std::chrono::milliseconds limit) {
+  std::vector<uint8_t> want;
+  for (const std::vector<uint8_t>& b : m.bytes) want.insert(want.end(), b.begin(), b.end());
+  const auto end = std::chrono::steady_clock::now() + limit;
+  for (;;) {
+    std::vector<uint8_t> got;
+    if (FILE* f = std::fopen(path.c_str(), "rb")) {
+      uint8_t buf[4096];
+      size_t n = 0;
+      while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) got.insert(got.end(), buf, buf + n);
+      std::fclose(f);
+    }
+    if (got == want) return true;
+    if (std::chrono::steady_clock::now() >= end) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
 
 }  // namespace deltasync::sync_test
