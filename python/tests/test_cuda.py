@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 
 import deltasync as ds
 from deltasync.adapters import sglang as ds_sglang
+from stream_rounds import run_rounds
 from standins import SGLangEngineStandIn, assert_matches_reference, make_checkpoint, rl_step
 
 cuda = pytest.mark.skipif(not (torch.cuda.is_available() and ds.built_with_cuda()),
@@ -155,25 +156,7 @@ def _nccl_pair_worker(rank, how, init, rendezvous_dir, syncs):
             w["norm"][k] = float("nan")
             w["host"][k] = -0.0
 
-        if rank == 0:
-            with ds.StreamSender(group) as tx:
-                for k in range(syncs):
-                    if k:
-                        step(k)
-                    stats = tx.sync(w)
-                    assert stats["seeded"] == (1 if k == 0 else 0), stats
-        else:
-            got = {n: torch.zeros_like(t) for n, t in w.items()}
-            with ds.StreamReceiver(group) as rx:
-                rx.register_all(got)
-                for k in range(syncs):
-                    rx.receive()
-                    if k:
-                        step(k)
-                    torch.cuda.synchronize()
-                    for n, t in w.items():
-                        if not torch.equal(bits(got[n]), bits(t)):
-                            raise AssertionError(f"{how} sync {k + 1}: {n} differs")
+        run_rounds(group, rank, w, step, syncs, label=how + " ")
     finally:
         if how == "torch":
             dist.destroy_process_group()

@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 
 import deltasync as ds
 from deltasync import _deltasync
+from stream_rounds import run_rounds
 
 pytestmark = pytest.mark.skipif("gloo" not in ds.built_communicators(),
                                 reason="this build has no gloo communicator")
@@ -312,23 +313,7 @@ def _torch_group_worker(rank, size, init, rendezvous_dir, syncs):
     try:
         w = model(7)
         group = ds.TorchGroup(timeout_s=60)
-        if rank == 0:
-            with ds.StreamSender(group) as tx:
-                for k in range(syncs):
-                    if k:
-                        step(w, k)
-                    tx.sync(w)
-        else:
-            got = {n: torch.zeros_like(t) for n, t in w.items()}
-            with ds.StreamReceiver(group) as rx:
-                rx.register_all(got)
-                for k in range(syncs):
-                    rx.receive()
-                    if k:
-                        step(w, k)
-                    for n, t in w.items():
-                        if not torch.equal(bits(got[n]), bits(t)):
-                            raise AssertionError(f"rank {rank} sync {k + 1}: {n} differs")
+        run_rounds(group, rank, w, lambda k: step(w, k), syncs)
     finally:
         dist.destroy_process_group()
 

@@ -1,5 +1,5 @@
-// Shared by the two-rank nccl tests (stream_nccl_test.cc) and their peer
-// process (stream_nccl_peer.cc).
+// Shared by the nccl tests (nccl_communicator_test.cc, stream_nccl_test.cc)
+// and their peer process (stream_nccl_peer.cc).
 //
 // NCCL refuses two ranks of one group on one GPU of one host ("Duplicate
 // GPU detected"). The tests run each rank in its own process with its own
@@ -28,6 +28,16 @@ namespace deltasync::nccl_pair {
 inline constexpr size_t kBigBytes = (size_t{64} << 20) + 12345;
 inline constexpr size_t kBroadcastBytes = (size_t{1} << 20) + 5;
 inline constexpr size_t kRecordBytes = 100;
+
+// Whether this machine has a CUDA device (clearing the error when not).
+inline bool HaveGpu() {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    cudaGetLastError();
+    return false;
+  }
+  return true;
+}
 
 // This process as rank `rank` of a pair: its own NCCL host id, NCCL's
 // sockets on loopback, NVLink multicast off. Before any NCCL call.

@@ -29,11 +29,7 @@ constexpr auto kTimeout = 10000ms;
 class StreamNcclTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    int devices = 0;
-    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-      cudaGetLastError();
-      GTEST_SKIP() << "no CUDA device";
-    }
+    if (!nccl_pair::HaveGpu()) GTEST_SKIP() << "no CUDA device";
     nccl_pair::BecomeRank(0);
   }
 

@@ -14,49 +14,23 @@
 
 #include "deltasync/communicator.h"
 #include "stream/communicator_test_util.h"
+#include "tests/gpu/nccl_pair.h"
 
 namespace deltasync {
 namespace {
 
 using namespace std::chrono_literals;
+using nccl_pair::DeviceBytes;
 using Clock = std::chrono::steady_clock;
 
 bool Contains(const Status& s, const std::string& text) {
   return s.message().find(text) != std::string::npos;
 }
 
-// Device memory holding `bytes`, freed at the end.
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t n) : n_(n) {
-    if (cudaMalloc(&ptr_, n) != cudaSuccess) ptr_ = nullptr;
-  }
-  ~DeviceBuffer() {
-    if (ptr_ != nullptr) cudaFree(ptr_);
-  }
-  std::span<uint8_t> span() { return {static_cast<uint8_t*>(ptr_), n_}; }
-  bool Upload(const std::vector<uint8_t>& v) {
-    return cudaMemcpy(ptr_, v.data(), v.size(), cudaMemcpyHostToDevice) == cudaSuccess;
-  }
-  std::vector<uint8_t> Download() const {
-    std::vector<uint8_t> v(n_);
-    if (cudaMemcpy(v.data(), ptr_, n_, cudaMemcpyDeviceToHost) != cudaSuccess) v.clear();
-    return v;
-  }
-
- private:
-  void* ptr_ = nullptr;
-  size_t n_;
-};
-
 class NcclTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    int devices = 0;
-    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-      cudaGetLastError();
-      GTEST_SKIP() << "no CUDA device";
-    }
+    if (!nccl_pair::HaveGpu()) GTEST_SKIP() << "no CUDA device";
   }
 
   CommunicatorOptions Options(int rank, int size) const {
@@ -77,7 +51,7 @@ TEST_F(NcclTest, AGroupOfOneRunsEveryOperationOnDeviceMemory) {
   EXPECT_FALSE(comm.capabilities().checks_sizes);
 
   const std::vector<uint8_t> bytes = comm_test::PatternBytes(1, (1 << 20) + 3);
-  DeviceBuffer data(bytes.size());
+  DeviceBytes data(bytes.size());
   ASSERT_TRUE(data.Upload(bytes));
   Status s = comm.Broadcast(0, data.span());
   ASSERT_TRUE(s.ok()) << s.ToString();
@@ -85,7 +59,7 @@ TEST_F(NcclTest, AGroupOfOneRunsEveryOperationOnDeviceMemory) {
   s = comm.Barrier();
   ASSERT_TRUE(s.ok()) << s.ToString();
 
-  DeviceBuffer record(64), out(64);
+  DeviceBytes record(64), out(64);
   ASSERT_TRUE(record.Upload(comm_test::PatternBytes(2, 64)));
   s = comm.AllGather(record.span(), out.span());
   ASSERT_TRUE(s.ok()) << s.ToString();
@@ -114,7 +88,7 @@ TEST_F(NcclTest, AGroupOfOneRunsEveryOperationOnHostMemory) {
   ASSERT_TRUE(s.ok()) << s.ToString();
   EXPECT_EQ(out, record);
   // A host record into a device output, and the other way round.
-  DeviceBuffer dev_out(100);
+  DeviceBytes dev_out(100);
   s = comm.Gather(0, record, dev_out.span());
   ASSERT_TRUE(s.ok()) << s.ToString();
   EXPECT_EQ(dev_out.Download(), record);
@@ -129,7 +103,7 @@ TEST_F(NcclTest, BadArgumentsAreRefusedAndLeaveItUsable) {
   Result<std::unique_ptr<Communicator>> c = CreateCommunicator("nccl", Options(0, 1));
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   Communicator& comm = **c;
-  DeviceBuffer dev(64);
+  DeviceBytes dev(64);
   Status s = comm.Send(0, dev.span());
   EXPECT_TRUE(Contains(s, "nccl send: peer rank 0 is this rank")) << s.ToString();
   s = comm.Recv(3, dev.span());
