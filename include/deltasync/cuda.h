@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -190,19 +191,110 @@ Status CopyToDevice(DeviceTensor& dest, const void* source, uint64_t source_byte
 Status CopyBytes(std::string_view name, void* dest, const void* source, uint64_t bytes,
                  StreamHandle stream, bool wait);
 
+// Writes each value whose position falls in one of `runs` (stride-1 runs
+// of the receiver's map: tensor elements hf_first + k live at dest element
+// dest_offset + k) at that element of `dest`, in place, and skips the
+// others: the apply of a frame entry into a slice the receiver holds.
+// `changes` are absolute tensor positions that the caller has checked
+// (CheckFrameOnDevice); a destination element past `dest` is never
+// written. `runs` is device memory (ascending hf_first, not overlapping).
+// Enqueues only.
+struct DeviceRun {
+  uint64_t hf_first = 0;
+  uint64_t count = 0;
+  uint64_t dest_offset = 0;
+};
+Status ScatterRunsOnDevice(DeviceTensor& dest, const DeviceChanges& changes, const DeviceRun* runs,
+                           uint64_t run_count);
+
+// Checks of a flush frame's payload in device memory (docs/format.md,
+// "Rules the reader enforces", 9 and 10): `bytes` bytes at base + offset
+// are 0 (padding), or `count` positions of `width` bytes (4 or 8) at base +
+// offset are strictly increasing inside [first, end).
+struct ZeroCheck {
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+};
+struct PositionCheck {
+  uint64_t offset = 0;
+  uint64_t count = 0;
+  uint32_t width = 4;
+  uint64_t first = 0;
+  uint64_t end = 0;
+};
+// Runs every check in one pass: the index of the first that fails (the
+// zero checks first, then position check k as zeros.size() + k), or
+// nullopt when all hold. `base` is device memory of the workspace's device;
+// offsets are 8-byte aligned. Waits for the stream.
+Result<std::optional<uint64_t>> CheckFrameOnDevice(Workspace& ws, std::string_view name,
+                                                   const void* base,
+                                                   const std::vector<ZeroCheck>& zeros,
+                                                   const std::vector<PositionCheck>& positions,
+                                                   StreamHandle stream);
+
+// Copies `count` positions (int32, or int64 with src_wide) to `dest` (int32,
+// or int64 with dest_wide), adding `add` to each: a chunk's diff positions
+// made a frame's absolute ones. Device memory. Enqueues only.
+Status CopyPositionsOnDevice(std::string_view name, void* dest, bool dest_wide, const void* src,
+                             bool src_wide, uint64_t count, uint64_t add, StreamHandle stream);
+
+// For `count` ascending positions (int32, or int64 with `wide`) in device
+// memory, offsets[k] = how many are below k * unit, for k = 0 .. units:
+// where each unit of a diffed chunk starts among its changes. Waits.
+Result<std::vector<uint64_t>> SplitPositionsOnDevice(Workspace& ws, std::string_view name,
+                                                     const void* positions, bool wide,
+                                                     uint64_t count, uint64_t unit, uint64_t units,
+                                                     StreamHandle stream);
+
+// Waits for the work queued on `stream`.
+Status Synchronize(StreamHandle stream);
+
+// Sets `bytes` bytes of device memory at `dest` to 0 on `stream`. Enqueues
+// only.
+Status ZeroBytes(std::string_view name, void* dest, uint64_t bytes, StreamHandle stream);
+
+// A stream of this module's own on one device, that does not wait for the
+// legacy default stream (the stream layer's receiver checks its frames on
+// one), destroyed with it.
+class OwnedStream {
+ public:
+  static Result<OwnedStream> Create(int device);
+  OwnedStream() = default;
+  OwnedStream(OwnedStream&& other) noexcept;
+  OwnedStream& operator=(OwnedStream&& other) noexcept;
+  OwnedStream(const OwnedStream&) = delete;
+  OwnedStream& operator=(const OwnedStream&) = delete;
+  ~OwnedStream();
+  StreamHandle get() const { return stream_; }
+
+ private:
+  StreamHandle stream_ = nullptr;
+};
+
 // The state digest of `tensor`'s elements (device or pinned host memory)
 // at flat positions first_position, first_position + 1, ... Waits for the
 // stream.
 Result<Digest> StateDigestOnDevice(Workspace& ws, const DeviceTensor& tensor,
                                    uint64_t first_position = 0);
 
+// A block of flat positions (docs/format.md, "Stream: state digest"):
+// first + r * row_stride + c for r < rows, c < count.
+struct PositionBlock {
+  uint64_t first = 0;
+  uint64_t count = 0;
+  uint64_t rows = 1;
+  uint64_t row_stride = 0;
+};
+
 // The digest change of elements at `changes.positions + base` going from
 // `old_values` to the changes' values (both device memory, elem_size
-// each): digest(new) - digest(old). Positions as ScatterOnDevice checks
-// them, against `limit`. Waits for the stream.
+// each): digest(new) - digest(old); with `block`, over the elements whose
+// position + base lies in it only (a receiver's slice). Positions as
+// ScatterOnDevice checks them, against `limit`. Waits for the stream.
 Result<Digest> DigestChangeOnDevice(Workspace& ws, std::string_view name, uint32_t elem_size,
                                     const DeviceChanges& changes, const void* old_values,
-                                    uint64_t base, uint64_t limit, StreamHandle stream);
+                                    uint64_t base, uint64_t limit, StreamHandle stream,
+                                    const PositionBlock* block = nullptr);
 
 // xxh3-128 (the flush frame's trailer) of `bytes` bytes at `data` (device
 // or pinned host memory), the same value libxxhash's XXH3_128bits gives.

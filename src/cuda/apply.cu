@@ -1,5 +1,6 @@
 // The receiver's apply on the device: the positions are checked first (in
-// range, strictly ascending), then each value is written at its position.
+// range, strictly ascending), then each value is written at its position,
+// directly or through the destination's runs (a slice the receiver holds).
 // Values are raw bits: NaN, -0.0 and every other pattern land as sent.
 #include <cstdint>
 
@@ -35,6 +36,32 @@ __global__ void ScatterKernel(ScatterLaunch p) {
   }
 }
 
+template <int W>
+__global__ void ScatterRunsKernel(ScatterRunsLaunch p) {
+  using T = typename ElemType<W>::T;
+  const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
+  T* dest = static_cast<T*>(p.dest);
+  const T* values = static_cast<const T*>(p.values);
+  for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < p.count; i += stride) {
+    const uint64_t pos = static_cast<uint64_t>(PositionAt(p.positions, p.wide, i));
+    // The last run starting at or before pos.
+    uint64_t lo = 0, hi = p.nruns;
+    while (lo < hi) {
+      const uint64_t mid = lo + (hi - lo) / 2;
+      if (p.runs[mid].hf_first <= pos) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    if (lo == 0) continue;
+    const RunLaunch r = p.runs[lo - 1];
+    if (pos - r.hf_first >= r.count) continue;
+    const uint64_t at = r.dest_offset + (pos - r.hf_first);
+    if (at < p.dest_numel) dest[at] = values[i];
+  }
+}
+
 unsigned GridFor(uint64_t count, unsigned threads) {
   const uint64_t blocks = (count + threads - 1) / threads;
   return static_cast<unsigned>(blocks < 65536 ? (blocks == 0 ? 1 : blocks) : 65536);
@@ -56,6 +83,17 @@ cudaError_t LaunchScatter(const ScatterLaunch& p) {
     case 2: ScatterKernel<2><<<grid, 256, 0, p.stream>>>(p); break;
     case 4: ScatterKernel<4><<<grid, 256, 0, p.stream>>>(p); break;
     default: ScatterKernel<8><<<grid, 256, 0, p.stream>>>(p); break;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchScatterRuns(const ScatterRunsLaunch& p) {
+  const unsigned grid = GridFor(p.count, 256);
+  switch (p.elem_size) {
+    case 1: ScatterRunsKernel<1><<<grid, 256, 0, p.stream>>>(p); break;
+    case 2: ScatterRunsKernel<2><<<grid, 256, 0, p.stream>>>(p); break;
+    case 4: ScatterRunsKernel<4><<<grid, 256, 0, p.stream>>>(p); break;
+    default: ScatterRunsKernel<8><<<grid, 256, 0, p.stream>>>(p); break;
   }
   return cudaGetLastError();
 }

@@ -67,6 +67,16 @@ __global__ void __launch_bounds__(kDigestThreads) DigestChangeKernel(DigestLaunc
     const uint64_t pos =
         p.base + (p.wide ? static_cast<uint64_t>(static_cast<const long long*>(p.positions)[i])
                          : static_cast<uint64_t>(static_cast<const int32_t*>(p.positions)[i]));
+    if (p.block_rows > 0) {
+      // Only the block's elements: rows of block_count at block_row_stride.
+      if (pos < p.block_first) continue;
+      const uint64_t off = pos - p.block_first;
+      if (p.block_rows == 1 ? off >= p.block_count
+                            : off / p.block_row_stride >= p.block_rows ||
+                                  off % p.block_row_stride >= p.block_count) {
+        continue;
+      }
+    }
     const uint64_t t = ed::PositionKey(pos, W);
     const uint64_t ka = ed::KeyA(t), kb = ed::KeyB(t);
     const uint64_t nv = BitsAt<W>(p.new_values, i), ov = BitsAt<W>(p.old_values, i);

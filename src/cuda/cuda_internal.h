@@ -89,6 +89,83 @@ struct ScatterLaunch {
 cudaError_t LaunchCheckPositions(const ScatterLaunch& launch);
 cudaError_t LaunchScatter(const ScatterLaunch& launch);
 
+// A destination run with stride 1 (the receiver's map), in device memory.
+struct RunLaunch {
+  uint64_t hf_first;
+  uint64_t count;
+  uint64_t dest_offset;
+};
+// Writes each value whose (checked) position lies in one of `nruns` runs,
+// ascending by hf_first, at the run's destination element; skips the
+// others, and any destination element at or past `dest_numel`.
+struct ScatterRunsLaunch {
+  void* dest = nullptr;
+  uint64_t dest_numel = 0;
+  uint32_t elem_size = 2;
+  const void* positions = nullptr;
+  bool wide = false;
+  const void* values = nullptr;
+  uint64_t count = 0;
+  const RunLaunch* runs = nullptr;
+  uint64_t nruns = 0;
+  cudaStream_t stream = nullptr;
+};
+cudaError_t LaunchScatterRuns(const ScatterRunsLaunch& launch);
+
+// The frame checks (include/deltasync/cuda.h, CheckFrameOnDevice): `zeros`
+// then `position_checks`, and per position check the index of its first
+// element among all positions (`starts`, position_checks + 1 entries), in
+// device memory. Writes the index of the first failing check in
+// results->count (UINT64_MAX when none).
+struct FrameZero {
+  uint64_t offset;
+  uint64_t bytes;
+};
+struct FramePositions {
+  uint64_t offset;
+  uint64_t count;
+  uint64_t width;
+  uint64_t first;
+  uint64_t end;
+};
+struct FrameCheckLaunch {
+  const uint8_t* base = nullptr;
+  const FrameZero* zeros = nullptr;
+  uint64_t nzeros = 0;
+  const FramePositions* positions = nullptr;
+  const uint64_t* starts = nullptr;
+  uint64_t npositions = 0;
+  uint64_t total_positions = 0;
+  Results* results = nullptr;
+  cudaStream_t stream = nullptr;
+};
+cudaError_t LaunchFrameCheck(const FrameCheckLaunch& launch);
+
+// dest[i] = src[i] + add, for int32 or int64 on either side.
+struct CopyPositionsLaunch {
+  void* dest = nullptr;
+  bool dest_wide = false;
+  const void* src = nullptr;
+  bool src_wide = false;
+  uint64_t count = 0;
+  uint64_t add = 0;
+  cudaStream_t stream = nullptr;
+};
+cudaError_t LaunchCopyPositions(const CopyPositionsLaunch& launch);
+
+// offsets[k] = the number of sorted positions below k * unit, for k in
+// [0, units]; offsets in device memory.
+struct SplitLaunch {
+  const void* positions = nullptr;
+  bool wide = false;
+  uint64_t count = 0;
+  uint64_t unit = 1;
+  uint64_t units = 0;
+  unsigned long long* offsets = nullptr;
+  cudaStream_t stream = nullptr;
+};
+cudaError_t LaunchSplitPositions(const SplitLaunch& launch);
+
 // Partial sums per block of the digest kernels: at most this many blocks.
 inline constexpr uint32_t kDigestMaxBlocks = 2048;
 
@@ -104,6 +181,12 @@ struct DigestLaunch {
   const void* old_values = nullptr;
   const void* new_values = nullptr;
   uint64_t base = 0;
+  // Digest change: only positions (+ base) in this block count (rows 0:
+  // every position).
+  uint64_t block_first = 0;
+  uint64_t block_count = 0;
+  uint64_t block_rows = 0;
+  uint64_t block_row_stride = 0;
   unsigned long long* partials = nullptr;  // 2 * kDigestMaxBlocks
   Results* results = nullptr;
   cudaStream_t stream = nullptr;

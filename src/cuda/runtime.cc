@@ -532,6 +532,171 @@ Status CopyBytes(std::string_view name, void* dest, const void* source, uint64_t
   return Status::OK();
 }
 
+Status ScatterRunsOnDevice(DeviceTensor& dest, const DeviceChanges& changes, const DeviceRun* runs,
+                           uint64_t run_count) {
+  if (DeviceCount() == 0) return NoDevice();
+  if (changes.count == 0 || run_count == 0) return Status::OK();
+  int device = 0;
+  if (dest.data != nullptr) {
+    DS_ASSIGN_OR_RETURN(const PointerInfo info, Inspect(dest.data));
+    if (info.kind == MemoryKind::kDevice) device = info.device;
+  }
+  DS_RETURN_IF_ERROR(CheckTensor(dest, "destination", Place::kDevice, device).status());
+  const uint32_t w = static_cast<uint32_t>(DTypeSize(dest.dtype));
+  DS_RETURN_IF_ERROR(
+      CheckDevicePointer(changes.positions, dest.name, "positions", changes.wide ? 8 : 4, device));
+  DS_RETURN_IF_ERROR(CheckDevicePointer(changes.values, dest.name, "values", w, device));
+  DS_RETURN_IF_ERROR(CheckDevicePointer(runs, dest.name, "runs", 8, device));
+  static_assert(sizeof(DeviceRun) == sizeof(internal::RunLaunch));
+  internal::ScatterRunsLaunch launch;
+  launch.dest = dest.data;
+  launch.dest_numel = dest.numel();
+  launch.elem_size = w;
+  launch.positions = changes.positions;
+  launch.wide = changes.wide;
+  launch.values = changes.values;
+  launch.count = changes.count;
+  launch.runs = reinterpret_cast<const internal::RunLaunch*>(runs);
+  launch.nruns = run_count;
+  launch.stream = AsStream(dest.stream);
+  DS_CUDA_RETURN(internal::LaunchScatterRuns(launch), "scatter into " + Quoted(dest.name));
+  return Status::OK();
+}
+
+Result<std::optional<uint64_t>> CheckFrameOnDevice(Workspace& ws, std::string_view name,
+                                                   const void* base,
+                                                   const std::vector<ZeroCheck>& zeros,
+                                                   const std::vector<PositionCheck>& positions,
+                                                   StreamHandle stream) {
+  if (zeros.empty() && positions.empty()) return std::optional<uint64_t>();
+  const std::string who = "frame of " + std::string(name);
+  DS_RETURN_IF_ERROR(CheckDevicePointer(base, name, "frame", 8, ws.device()));
+  // One upload: the zero checks, the position checks, their starts.
+  std::vector<uint64_t> words;
+  words.reserve(2 * zeros.size() + 6 * positions.size() + 1);
+  for (const ZeroCheck& z : zeros) {
+    words.push_back(z.offset);
+    words.push_back(z.bytes);
+  }
+  uint64_t total = 0;
+  std::vector<uint64_t> starts;
+  for (size_t k = 0; k < positions.size(); ++k) {
+    const PositionCheck& c = positions[k];
+    if ((c.width != 4 && c.width != 8) || c.offset % 8 != 0) {
+      return Status::InvalidArgument(who + ": position check " + std::to_string(k) + " has width " +
+                                     std::to_string(c.width) + " at offset " +
+                                     std::to_string(c.offset));
+    }
+    words.insert(words.end(), {c.offset, c.count, c.width, c.first, c.end});
+    starts.push_back(total);
+    total += c.count;
+  }
+  starts.push_back(total);
+  words.insert(words.end(), starts.begin(), starts.end());
+  DS_ASSIGN_OR_RETURN(unsigned long long* scratch, Impl(ws).Scratch(words.size() * 8));
+  const cudaStream_t s = AsStream(stream);
+  DS_CUDA_RETURN(
+      cudaMemcpyAsync(scratch, words.data(), words.size() * 8, cudaMemcpyHostToDevice, s),
+      "upload of the checks of the " + who);
+  internal::FrameCheckLaunch launch;
+  launch.base = static_cast<const uint8_t*>(base);
+  launch.zeros = reinterpret_cast<const internal::FrameZero*>(scratch);
+  launch.nzeros = zeros.size();
+  launch.positions = reinterpret_cast<const internal::FramePositions*>(scratch + 2 * zeros.size());
+  launch.npositions = positions.size();
+  launch.starts =
+      reinterpret_cast<const uint64_t*>(scratch + 2 * zeros.size() + 5 * positions.size());
+  launch.total_positions = total;
+  launch.results = Impl(ws).results();
+  launch.stream = s;
+  DS_CUDA_RETURN(internal::LaunchFrameCheck(launch), "checks of the " + who);
+  DS_ASSIGN_OR_RETURN(const Results r, Impl(ws).Fetch(s));
+  if (r.count == ~0ull) return std::optional<uint64_t>();
+  return std::optional<uint64_t>(r.count);
+}
+
+Status CopyPositionsOnDevice(std::string_view name, void* dest, bool dest_wide, const void* src,
+                             bool src_wide, uint64_t count, uint64_t add, StreamHandle stream) {
+  if (count == 0) return Status::OK();
+  if (dest == nullptr || src == nullptr) {
+    return Status::InvalidArgument(Quoted(name) + ": a position copy with a null pointer");
+  }
+  internal::CopyPositionsLaunch launch;
+  launch.dest = dest;
+  launch.dest_wide = dest_wide;
+  launch.src = src;
+  launch.src_wide = src_wide;
+  launch.count = count;
+  launch.add = add;
+  launch.stream = AsStream(stream);
+  DS_CUDA_RETURN(internal::LaunchCopyPositions(launch), "position copy of " + Quoted(name));
+  return Status::OK();
+}
+
+Result<std::vector<uint64_t>> SplitPositionsOnDevice(Workspace& ws, std::string_view name,
+                                                     const void* positions, bool wide,
+                                                     uint64_t count, uint64_t unit, uint64_t units,
+                                                     StreamHandle stream) {
+  if (unit == 0) return Status::InvalidArgument(Quoted(name) + ": a unit of 0 elements");
+  std::vector<uint64_t> offsets(units + 1, 0);
+  if (count == 0) return offsets;
+  DS_RETURN_IF_ERROR(CheckDevicePointer(positions, name, "positions", wide ? 8 : 4, ws.device()));
+  DS_ASSIGN_OR_RETURN(unsigned long long* scratch, Impl(ws).Scratch((units + 1) * 8));
+  internal::SplitLaunch launch;
+  launch.positions = positions;
+  launch.wide = wide;
+  launch.count = count;
+  launch.unit = unit;
+  launch.units = units;
+  launch.offsets = scratch;
+  launch.stream = AsStream(stream);
+  const std::string what = "unit split of " + Quoted(name);
+  DS_CUDA_RETURN(internal::LaunchSplitPositions(launch), what);
+  DS_CUDA_RETURN(cudaMemcpyAsync(offsets.data(), scratch, offsets.size() * 8,
+                                 cudaMemcpyDeviceToHost, launch.stream),
+                 what);
+  DS_CUDA_RETURN(cudaStreamSynchronize(launch.stream), what);
+  return offsets;
+}
+
+Status Synchronize(StreamHandle stream) {
+  if (DeviceCount() == 0) return NoDevice();
+  DS_CUDA_RETURN(cudaStreamSynchronize(AsStream(stream)), "cudaStreamSynchronize");
+  return Status::OK();
+}
+
+Status ZeroBytes(std::string_view name, void* dest, uint64_t bytes, StreamHandle stream) {
+  if (bytes == 0) return Status::OK();
+  if (dest == nullptr) return Status::InvalidArgument(Quoted(name) + ": zeroing a null pointer");
+  DS_CUDA_RETURN(cudaMemsetAsync(dest, 0, bytes, AsStream(stream)), "zeroing " + Quoted(name));
+  return Status::OK();
+}
+
+Result<OwnedStream> OwnedStream::Create(int device) {
+  if (DeviceCount() == 0) return NoDevice();
+  DS_CUDA_RETURN(cudaSetDevice(device), "cudaSetDevice");
+  cudaStream_t s = nullptr;
+  DS_CUDA_RETURN(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  OwnedStream owned;
+  owned.stream_ = s;
+  return owned;
+}
+
+OwnedStream::OwnedStream(OwnedStream&& other) noexcept
+    : stream_(std::exchange(other.stream_, nullptr)) {}
+
+OwnedStream& OwnedStream::operator=(OwnedStream&& other) noexcept {
+  if (this != &other) {
+    OwnedStream old(std::move(*this));
+    stream_ = std::exchange(other.stream_, nullptr);
+  }
+  return *this;
+}
+
+OwnedStream::~OwnedStream() {
+  if (stream_ != nullptr) cudaStreamDestroy(AsStream(stream_));
+}
+
 Result<Digest> StateDigestOnDevice(Workspace& ws, const DeviceTensor& tensor,
                                    uint64_t first_position) {
   DS_RETURN_IF_ERROR(CheckTensor(tensor, "digest", Place::kDeviceOrPinned, ws.device()).status());
@@ -556,7 +721,8 @@ Result<Digest> StateDigestOnDevice(Workspace& ws, const DeviceTensor& tensor,
 
 Result<Digest> DigestChangeOnDevice(Workspace& ws, std::string_view name, uint32_t elem_size,
                                     const DeviceChanges& changes, const void* old_values,
-                                    uint64_t base, uint64_t limit, StreamHandle stream) {
+                                    uint64_t base, uint64_t limit, StreamHandle stream,
+                                    const PositionBlock* block) {
   if (!IsElemSize(elem_size)) {
     return Status::InvalidArgument(Quoted(name) + ": element size " + std::to_string(elem_size) +
                                    " is not 1, 2, 4 or 8");
@@ -579,6 +745,17 @@ Result<Digest> DigestChangeOnDevice(Workspace& ws, std::string_view name, uint32
   launch.old_values = old_values;
   launch.new_values = changes.values;
   launch.base = base;
+  if (block != nullptr) {
+    if (block->rows == 0 || (block->rows > 1 && block->row_stride <= block->count)) {
+      return Status::InvalidArgument(Quoted(name) + ": a block of " + std::to_string(block->rows) +
+                                     " rows of " + std::to_string(block->count) + " at stride " +
+                                     std::to_string(block->row_stride));
+    }
+    launch.block_first = block->first;
+    launch.block_count = block->count;
+    launch.block_rows = block->rows;
+    launch.block_row_stride = block->row_stride;
+  }
   launch.partials = scratch;
   launch.results = Impl(ws).results();
   launch.stream = AsStream(stream);

@@ -9,7 +9,9 @@
 #include <gtest/gtest.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -346,6 +348,198 @@ TEST_F(CudaTest, BadTensorsAreRefusedByName) {
   // None of it touched the tensors.
   EXPECT_EQ(ToHost(dev.data, n * 2), host);
   EXPECT_EQ(ToHost(dev2.data, n * 2), host);
+}
+
+// Positions and values as bytes, for uploads.
+template <typename T>
+std::vector<uint8_t> AsBytes(const std::vector<T>& v) {
+  std::vector<uint8_t> out(v.size() * sizeof(T));
+  if (!out.empty()) std::memcpy(out.data(), v.data(), out.size());
+  return out;
+}
+
+TEST_F(CudaTest, FrameChecksFindTheFirstBadPaddingOrPositionRun) {
+  // A payload of three position runs (int32, int64, int32) with padding
+  // between them, all valid to start with.
+  std::vector<uint8_t> frame(4096, 0);
+  const auto put32 = [&](uint64_t off, const std::vector<int32_t>& v) {
+    std::memcpy(&frame[off], v.data(), v.size() * 4);
+  };
+  const auto put64 = [&](uint64_t off, const std::vector<int64_t>& v) {
+    std::memcpy(&frame[off], v.data(), v.size() * 8);
+  };
+  std::vector<int32_t> a(301);
+  for (size_t k = 0; k < a.size(); ++k) a[k] = static_cast<int32_t>(1000 + 3 * k);
+  std::vector<int64_t> b = {5, 6, 7, int64_t{1} << 40};
+  std::vector<int32_t> c = {0};
+  put32(64, a);
+  put64(1280, b);
+  put32(1344, c);
+  std::vector<ZeroCheck> zeros = {{1268, 4}, {1348, 4}};
+  std::vector<PositionCheck> checks = {{64, a.size(), 4, 1000, 1000 + 3 * 301},
+                                       {1280, b.size(), 8, 5, (uint64_t{1} << 40) + 1},
+                                       {1344, 1, 4, 0, 1}};
+  const auto run = [&](const std::vector<uint8_t>& bytes) {
+    DeviceCopy d = ToDevice(bytes, 0);
+    Result<std::optional<uint64_t>> r =
+        CheckFrameOnDevice(*ws_, "f", d.data, zeros, checks, nullptr);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return r.ok() ? *r : std::optional<uint64_t>(~0ull);
+  };
+  EXPECT_EQ(run(frame), std::nullopt);
+  // Padding not zero: the zero check's index.
+  std::vector<uint8_t> bad = frame;
+  bad[1350] = 1;
+  EXPECT_EQ(run(bad), std::optional<uint64_t>(1));
+  // Not strictly increasing in the first run, and out of range in the
+  // second: the first failing check wins.
+  bad = frame;
+  std::vector<int32_t> a2 = a;
+  a2[200] = a2[199];
+  std::memcpy(&bad[64], a2.data(), a2.size() * 4);
+  std::vector<int64_t> b2 = b;
+  b2[3] = int64_t{1} << 41;
+  std::memcpy(&bad[1280], b2.data(), b2.size() * 8);
+  EXPECT_EQ(run(bad), std::optional<uint64_t>(2));
+  bad = frame;
+  std::memcpy(&bad[1280], b2.data(), b2.size() * 8);
+  EXPECT_EQ(run(bad), std::optional<uint64_t>(3));
+  // Below the range's first, and a negative int32 (out of range too).
+  bad = frame;
+  a2 = a;
+  a2[0] = 999;
+  std::memcpy(&bad[64], a2.data(), a2.size() * 4);
+  EXPECT_EQ(run(bad), std::optional<uint64_t>(2));
+  std::vector<uint8_t> neg = frame;
+  const int32_t minus_one = -1;
+  std::memcpy(&neg[1344], &minus_one, 4);
+  EXPECT_EQ(run(neg), std::optional<uint64_t>(4));
+  // Bad arguments are refused by name.
+  checks[1].width = 2;
+  DeviceCopy d = ToDevice(frame, 0);
+  Result<std::optional<uint64_t>> r = CheckFrameOnDevice(*ws_, "f", d.data, zeros, checks, nullptr);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("width 2"), std::string::npos) << r.status().message();
+  r = CheckFrameOnDevice(*ws_, "f", frame.data(), zeros, {}, nullptr);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("host"), std::string::npos) << r.status().message();
+}
+
+TEST_F(CudaTest, PositionCopiesAddTheBaseAtEitherWidth) {
+  std::vector<uint32_t> narrow(1000);
+  for (size_t k = 0; k < narrow.size(); ++k) narrow[k] = static_cast<uint32_t>(7 * k + 1);
+  DeviceCopy src = ToDevice(AsBytes(narrow), 0);
+  auto dest = Buffer::Device(narrow.size() * 8);
+  ASSERT_TRUE(dest.ok());
+  ASSERT_TRUE(
+      CopyPositionsOnDevice("p", dest->data(), false, src.data, false, narrow.size(), 500, nullptr)
+          .ok());
+  std::vector<uint32_t> got32(narrow.size());
+  std::memcpy(got32.data(), ToHost(dest->data(), narrow.size() * 4).data(), got32.size() * 4);
+  for (size_t k = 0; k < narrow.size(); ++k) ASSERT_EQ(got32[k], narrow[k] + 500) << k;
+  const uint64_t base = uint64_t{3} << 32;
+  ASSERT_TRUE(
+      CopyPositionsOnDevice("p", dest->data(), true, src.data, false, narrow.size(), base, nullptr)
+          .ok());
+  std::vector<uint64_t> got64(narrow.size());
+  std::memcpy(got64.data(), ToHost(dest->data(), narrow.size() * 8).data(), got64.size() * 8);
+  for (size_t k = 0; k < narrow.size(); ++k) ASSERT_EQ(got64[k], narrow[k] + base) << k;
+  EXPECT_FALSE(CopyPositionsOnDevice("p", nullptr, true, src.data, false, 1, 0, nullptr).ok());
+}
+
+TEST_F(CudaTest, UnitSplitsMatchLowerBound) {
+  for (uint64_t n : {0ull, 1ull, 5000ull}) {
+    std::vector<uint32_t> pos;
+    std::bernoulli_distribution pick(0.3);
+    for (uint32_t p = 0; pos.size() < n; ++p) {
+      if (pick(rng_)) pos.push_back(p);
+    }
+    DeviceCopy d = ToDevice(AsBytes(pos), 0);
+    const uint64_t unit = 97;
+    const uint64_t units = pos.empty() ? 3 : pos.back() / unit + 1;
+    Result<std::vector<uint64_t>> got =
+        SplitPositionsOnDevice(*ws_, "p", d.data, false, pos.size(), unit, units, nullptr);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    ASSERT_EQ(got->size(), units + 1);
+    for (uint64_t k = 0; k <= units; ++k) {
+      const uint64_t want = std::lower_bound(pos.begin(), pos.end(), k * unit) - pos.begin();
+      ASSERT_EQ((*got)[k], want) << "n=" << n << " k=" << k;
+    }
+  }
+}
+
+TEST_F(CudaTest, ScatterThroughRunsWritesHeldPositionsOnly) {
+  // A 40 x 33 tensor of which the destination holds columns [5, 17): one
+  // run per row, at 12 elements a row.
+  const uint64_t rows = 40, cols = 33, c0 = 5, c1 = 17, w = 2;
+  std::vector<DeviceRun> runs;
+  for (uint64_t r = 0; r < rows; ++r) runs.push_back({r * cols + c0, c1 - c0, r * (c1 - c0)});
+  const uint64_t extent = rows * (c1 - c0);
+  std::vector<uint8_t> dest_host = RandomElements(extent, w, rng_);
+  std::vector<uint64_t> pos;
+  for (uint64_t p = 0; p < rows * cols; ++p) {
+    if (rng_() % 3 == 0) pos.push_back(p);
+  }
+  const std::vector<uint8_t> values = RandomElements(pos.size(), w, rng_);
+  std::vector<uint8_t> want = dest_host;
+  for (size_t k = 0; k < pos.size(); ++k) {
+    const uint64_t r = pos[k] / cols, c = pos[k] % cols;
+    if (c < c0 || c >= c1) continue;
+    std::memcpy(&want[(r * (c1 - c0) + c - c0) * w], &values[k * w], w);
+  }
+  DeviceCopy dest = ToDevice(dest_host, 0);
+  DeviceCopy p = ToDevice(AsBytes(pos), 0);
+  DeviceCopy v = ToDevice(values, 0);
+  DeviceCopy r = ToDevice(AsBytes(runs), 0);
+  DeviceTensor t = Tensor("cols", w, extent, dest.data);
+  ASSERT_TRUE(ScatterRunsOnDevice(t, DeviceChanges{p.data, true, v.data, pos.size()},
+                                  reinterpret_cast<const DeviceRun*>(r.data), runs.size())
+                  .ok());
+  EXPECT_EQ(ToHost(dest.data, extent * w), want);
+  // Runs in host memory are refused by name, the destination untouched.
+  Status s = ScatterRunsOnDevice(t, DeviceChanges{p.data, true, v.data, pos.size()}, runs.data(),
+                                 runs.size());
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("'cols' (runs)"), std::string::npos) << s.message();
+}
+
+TEST_F(CudaTest, DigestChangeOverABlockMatchesTheCpu) {
+  const uint32_t w = 4;
+  const uint64_t n = 5000, base = 123;
+  std::vector<uint32_t> pos;
+  for (uint32_t p = 0; p < n; ++p) {
+    if (rng_() % 4 == 0) pos.push_back(p);
+  }
+  const std::vector<uint8_t> olds = RandomElements(pos.size(), w, rng_);
+  const std::vector<uint8_t> news = RandomElements(pos.size(), w, rng_);
+  DeviceCopy p = ToDevice(AsBytes(pos), 0);
+  DeviceCopy o = ToDevice(olds, 0);
+  DeviceCopy v = ToDevice(news, 0);
+  for (const PositionBlock& b : {PositionBlock{0, n + base, 1, 0}, PositionBlock{500, 1000, 1, 0},
+                                 PositionBlock{200, 30, 50, 97}}) {
+    stream::StateDigest want;
+    for (size_t k = 0; k < pos.size(); ++k) {
+      const uint64_t at = pos[k] + base;
+      if (at < b.first) continue;
+      const uint64_t off = at - b.first;
+      if (b.rows == 1 ? off >= b.count
+                      : off / b.row_stride >= b.rows || off % b.row_stride >= b.count)
+        continue;
+      uint32_t ov = 0, nv = 0;
+      std::memcpy(&ov, &olds[k * w], w);
+      std::memcpy(&nv, &news[k * w], w);
+      want += stream::ElementChangeDigest(at, ov, nv, w);
+    }
+    Result<Digest> got = DigestChangeOnDevice(*ws_, "d", w, {p.data, false, v.data, pos.size()},
+                                              o.data, base, n, nullptr, &b);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_EQ(got->a, want.a) << b.first << " " << b.rows;
+    EXPECT_EQ(got->b, want.b) << b.first << " " << b.rows;
+  }
+  const PositionBlock bad{0, 10, 2, 5};
+  EXPECT_FALSE(DigestChangeOnDevice(*ws_, "d", w, {p.data, false, v.data, pos.size()}, o.data, base,
+                                    n, nullptr, &bad)
+                   .ok());
 }
 
 // Runs everywhere: without a GPU every entry point is a clean error, never
