@@ -179,6 +179,16 @@ FlushWriter::~FlushWriter() = default;
 
 Status FlushWriter::Begin(const FlushHeader& header, uint64_t budget_bytes,
                           std::vector<uint8_t>* out) {
+  return Start(header, budget_bytes, out, /*placed=*/false);
+}
+
+Status FlushWriter::BeginPlaced(const FlushHeader& header, uint64_t budget_bytes,
+                                std::vector<uint8_t>* out) {
+  return Start(header, budget_bytes, out, /*placed=*/true);
+}
+
+Status FlushWriter::Start(const FlushHeader& header, uint64_t budget_bytes,
+                          std::vector<uint8_t>* out, bool placed) {
   if (out == nullptr) return Status::InvalidArgument("flush writer: no output buffer");
   if (header.sync_id == 0) return Status::InvalidArgument("flush writer: sync id 0");
   if (header.verify_all && !header.last) {
@@ -199,6 +209,8 @@ Status FlushWriter::Begin(const FlushHeader& header, uint64_t budget_bytes,
   sparse_decoded_ = 0;
   tensors_.clear();
   digest_keys_.clear();
+  placed_ = placed;
+  end_ = kFlushHeaderBytes;
   out_->clear();
   out_->resize(kFlushHeaderBytes);
   return Status::OK();
@@ -206,7 +218,7 @@ Status FlushWriter::Begin(const FlushHeader& header, uint64_t budget_bytes,
 
 uint64_t FlushWriter::frame_bytes() const {
   if (out_ == nullptr) return 0;
-  return Align8(out_->size()) + manifest_.size() + records_.size() + kFlushTrailerBytes;
+  return Align8(end_) + manifest_.size() + records_.size() + kFlushTrailerBytes;
 }
 
 bool FlushWriter::Fits(uint64_t payload_end, size_t manifest_add) const {
@@ -328,15 +340,26 @@ void FlushWriter::AppendEntry(const TensorRange& range, WireEncoding encoding, u
   it->second.ranges[range.first] = range.first + range.count;
 }
 
+Status FlushWriter::CheckMode(bool placed) const {
+  if (out_ != nullptr && placed_ != placed) {
+    return Status::FailedPrecondition(
+        placed_ ? "flush writer: a placed frame takes Place calls, not Add"
+                : "flush writer: Place calls are for a frame begun with BeginPlaced");
+  }
+  return Status::OK();
+}
+
 Result<bool> FlushWriter::AddDense(const TensorRange& range, std::span<const uint8_t> values) {
   uint64_t numel = 0;
+  DS_RETURN_IF_ERROR(CheckMode(false));
   DS_RETURN_IF_ERROR(CheckRange(range, WireEncoding::kDense, &numel));
   DS_RETURN_IF_ERROR(CheckValues(range, nullptr, values));
   const size_t entry_bytes = kEntryFixedBytes + 8 * range.shape.size() + range.name.size();
-  const uint64_t off = Align8(out_->size());
+  const uint64_t off = Align8(end_);
   if (!Fits(off + values.size(), entry_bytes)) return false;
   out_->resize(off);
   out_->insert(out_->end(), values.begin(), values.end());
+  end_ = out_->size();
   AppendEntry(range, WireEncoding::kDense, range.count, off, 0, off, values.size());
   return true;
 }
@@ -344,18 +367,20 @@ Result<bool> FlushWriter::AddDense(const TensorRange& range, std::span<const uin
 Result<bool> FlushWriter::AddIndices(const TensorRange& range, const Positions& positions,
                                      std::span<const uint8_t> values) {
   uint64_t numel = 0;
+  DS_RETURN_IF_ERROR(CheckMode(false));
   DS_RETURN_IF_ERROR(CheckRange(range, WireEncoding::kIndices, &numel));
   DS_RETURN_IF_ERROR(CheckValues(range, &positions, values));
   const size_t entry_bytes = kEntryFixedBytes + 8 * range.shape.size() + range.name.size();
   const uint32_t width = PositionWidth(numel);
   const uint64_t n = positions.size();
-  const uint64_t pos_off = Align8(out_->size());
+  const uint64_t pos_off = Align8(end_);
   const uint64_t val_off = Align8(pos_off + n * width);
   if (!Fits(val_off + values.size(), entry_bytes)) return false;
   out_->resize(val_off);
   uint8_t* p = out_->data() + pos_off;
   for (uint64_t k = 0; k < n; ++k) StoreLeWidth(p + k * width, positions[k], width);
   out_->insert(out_->end(), values.begin(), values.end());
+  end_ = out_->size();
   AppendEntry(range, WireEncoding::kIndices, n, pos_off, n * width, val_off, values.size());
   return true;
 }
@@ -379,6 +404,7 @@ Result<size_t> FlushWriter::Compress(std::span<const uint8_t> content, uint64_t 
 Result<bool> FlushWriter::AddSparse(const TensorRange& range, const Positions& positions,
                                     std::span<const uint8_t> values) {
   uint64_t numel = 0;
+  DS_RETURN_IF_ERROR(CheckMode(false));
   DS_RETURN_IF_ERROR(CheckRange(range, WireEncoding::kSparse, &numel));
   DS_RETURN_IF_ERROR(CheckValues(range, &positions, values));
   const size_t entry_bytes = kEntryFixedBytes + 8 * range.shape.size() + range.name.size();
@@ -388,6 +414,7 @@ Result<bool> FlushWriter::AddSparse(const TensorRange& range, const Positions& p
   if (n == 0) {
     if (!Fits(pos_off, entry_bytes)) return false;
     out_->resize(pos_off);
+    end_ = pos_off;
     AppendEntry(range, WireEncoding::kSparse, 0, pos_off, 0, pos_off, 0);
     return true;
   }
@@ -425,8 +452,48 @@ Result<bool> FlushWriter::AddSparse(const TensorRange& range, const Positions& p
   // Compress resized the buffer with value-initialized bytes: the padding
   // before each region is zero.
   sparse_decoded_ += gaps_.size() + values.size();
+  end_ = out_->size();
   AppendEntry(range, WireEncoding::kSparse, n, pos_off, pos_bytes, val_off, *val_bytes);
   return true;
+}
+
+Result<std::optional<PlacedEntry>> FlushWriter::PlaceDense(const TensorRange& range) {
+  uint64_t numel = 0;
+  DS_RETURN_IF_ERROR(CheckMode(true));
+  DS_RETURN_IF_ERROR(CheckRange(range, WireEncoding::kDense, &numel));
+  const size_t entry_bytes = kEntryFixedBytes + 8 * range.shape.size() + range.name.size();
+  PlacedEntry e;
+  e.positions_offset = Align8(end_);
+  e.values_offset = e.positions_offset;
+  e.values_bytes = range.count * DTypeSize(range.dtype);
+  if (!Fits(e.values_offset + e.values_bytes, entry_bytes)) return std::optional<PlacedEntry>();
+  end_ = e.values_offset + e.values_bytes;
+  AppendEntry(range, WireEncoding::kDense, range.count, e.positions_offset, 0, e.values_offset,
+              e.values_bytes);
+  return std::optional<PlacedEntry>(e);
+}
+
+Result<std::optional<PlacedEntry>> FlushWriter::PlaceIndices(const TensorRange& range, uint64_t n) {
+  uint64_t numel = 0;
+  DS_RETURN_IF_ERROR(CheckMode(true));
+  DS_RETURN_IF_ERROR(CheckRange(range, WireEncoding::kIndices, &numel));
+  if (n > range.count) {
+    return Status::InvalidArgument("flush writer: sync " + U64(header_.sync_id) + ": tensor " +
+                                   Quote(range.name) + ": " + U64(n) + " positions in a range of " +
+                                   U64(range.count));
+  }
+  const size_t entry_bytes = kEntryFixedBytes + 8 * range.shape.size() + range.name.size();
+  PlacedEntry e;
+  e.position_width = PositionWidth(numel);
+  e.positions_offset = Align8(end_);
+  e.positions_bytes = n * e.position_width;
+  e.values_offset = Align8(e.positions_offset + e.positions_bytes);
+  e.values_bytes = n * DTypeSize(range.dtype);
+  if (!Fits(e.values_offset + e.values_bytes, entry_bytes)) return std::optional<PlacedEntry>();
+  end_ = e.values_offset + e.values_bytes;
+  AppendEntry(range, WireEncoding::kIndices, n, e.positions_offset, e.positions_bytes,
+              e.values_offset, e.values_bytes);
+  return std::optional<PlacedEntry>(e);
 }
 
 Result<bool> FlushWriter::AddDigest(std::string_view name, const DigestBlock& block,
@@ -450,7 +517,7 @@ Result<bool> FlushWriter::AddDigest(std::string_view name, const DigestBlock& bl
                                    " already has a record in this frame");
   }
   const size_t record_bytes = kDigestFixedBytes + name.size();
-  if (!Fits(out_->size(), record_bytes)) return false;
+  if (!Fits(end_, record_bytes)) return false;
   Append(&records_, name.size(), 2);
   records_.insert(records_.end(), 6, 0);  // reserved
   Append(&records_, block.first, 8);
@@ -467,11 +534,13 @@ Result<bool> FlushWriter::AddDigest(std::string_view name, const DigestBlock& bl
 
 Status FlushWriter::Finish() {
   if (out_ == nullptr) return Status::FailedPrecondition("flush writer: no frame begun");
-  out_->resize(Align8(out_->size()));
-  const uint64_t payload = out_->size() - kFlushHeaderBytes;
+  const uint64_t payload_end = Align8(end_);
+  // A placed frame's payload lies elsewhere: *out keeps the header alone.
+  if (!placed_) out_->resize(payload_end);
+  const uint64_t payload = payload_end - kFlushHeaderBytes;
   out_->insert(out_->end(), manifest_.begin(), manifest_.end());
   out_->insert(out_->end(), records_.begin(), records_.end());
-  const uint64_t total = out_->size() + kFlushTrailerBytes;
+  const uint64_t total = payload_end + manifest_.size() + records_.size() + kFlushTrailerBytes;
   uint8_t* h = out_->data();
   std::memcpy(h, kMagic, 4);
   StoreLe<uint16_t>(h + 4, kFlushFrameVersion);
@@ -488,8 +557,10 @@ Status FlushWriter::Finish() {
   StoreLe<uint64_t>(h + 40, payload);
   StoreLe<uint64_t>(h + 48, manifest_.size() + records_.size());
   StoreLe<uint64_t>(h + 56, 0);
-  const std::vector<uint8_t> sum = ChecksumBytes(ChecksumAlgo::kXxh3_128, *out_);
-  out_->insert(out_->end(), sum.begin(), sum.end());
+  if (!placed_) {
+    const std::vector<uint8_t> sum = ChecksumBytes(ChecksumAlgo::kXxh3_128, *out_);
+    out_->insert(out_->end(), sum.begin(), sum.end());
+  }
   out_ = nullptr;
   return Status::OK();
 }
@@ -621,13 +692,42 @@ Status FlushReader::Read(std::span<const uint8_t> frame) {
                               ToHex(frame.subspan(size - kFlushTrailerBytes)) +
                               ", frame hashes to " + ToHex(sum));
   }
+  return ReadParts(
+      size, f,
+      [&](uint64_t offset, uint64_t bytes) -> Result<std::span<const uint8_t>> {
+        return frame.subspan(offset, bytes);
+      },
+      f, nullptr, nullptr);
+}
+
+Status FlushReader::ReadPlaced(
+    std::span<const uint8_t> head, uint64_t frame_bytes,
+    const std::function<Result<std::span<const uint8_t>>(uint64_t, uint64_t)>& manifest,
+    const uint8_t* base, const PayloadChecker& check, bool* needs_host) {
+  header_ = FlushHeader{};
+  entries_.clear();
+  digests_.clear();
+  *needs_host = false;
+  if (frame_bytes < kFlushHeaderBytes + kFlushTrailerBytes || head.size() < kFlushHeaderBytes) {
+    return Status::Corruption("flush frame of " + U64(frame_bytes) +
+                              " bytes: shorter than a 64-byte header and a 16-byte trailer");
+  }
+  if (!check) return Status::InvalidArgument("flush reader: a placed frame needs a checker");
+  return ReadParts(frame_bytes, head.data(), manifest, base, &check, needs_host);
+}
+
+Status FlushReader::ReadParts(
+    uint64_t size, const uint8_t* f,
+    const std::function<Result<std::span<const uint8_t>>(uint64_t, uint64_t)>& manifest_at,
+    const uint8_t* base, const PayloadChecker* check, bool* needs_host) {
+  const std::span<const uint8_t> frame_head(f, kFlushHeaderBytes);
   const uint64_t sync_id = LoadLe<uint64_t>(f + 8);
   const uint32_t flush_index = LoadLe<uint32_t>(f + 16);
   const std::string where = "flush frame of sync " + U64(sync_id) + ", flush " + U64(flush_index);
   auto bad = [&](const std::string& problem) { return Status::Corruption(where + ": " + problem); };
 
   // 3. Header fields.
-  if (std::memcmp(f, kMagic, 4) != 0) return bad("bad magic " + ToHex(frame.first(4)));
+  if (std::memcmp(f, kMagic, 4) != 0) return bad("bad magic " + ToHex(frame_head.first(4)));
   const uint16_t version = LoadLe<uint16_t>(f + 4);
   if (version != kFlushFrameVersion) {
     return Status::Unsupported(where + ": protocol version " + U64(version) +
@@ -666,9 +766,16 @@ Status FlushReader::Read(std::span<const uint8_t> frame) {
                " entries and " + U64(digest_count) + " digest records");
   }
 
-  // 6. Entries.
+  // 6. Entries. The manifest's bytes: `mf + (c - payload_end)` is offset c.
   const uint64_t payload_begin = kFlushHeaderBytes, payload_end = kFlushHeaderBytes + payload;
   const uint64_t manifest_end = payload_end + manifest;
+  Result<std::span<const uint8_t>> manifest_bytes = manifest_at(payload_end, manifest);
+  if (!manifest_bytes.ok()) return manifest_bytes.status();
+  if (manifest_bytes->size() != manifest) {
+    return Status::Internal(where + ": the manifest's copy holds " + U64(manifest_bytes->size()) +
+                            " bytes, not " + U64(manifest));
+  }
+  const uint8_t* const mf = manifest_bytes->data() - payload_end;
   uint64_t c = payload_end;
   std::vector<FlushEntry> entries(entry_count);
   std::vector<RawRegions> regions(entry_count);
@@ -676,7 +783,7 @@ Status FlushReader::Read(std::span<const uint8_t> frame) {
   for (uint32_t e = 0; e < entry_count; ++e) {
     const std::string at = "entry " + U64(e);
     if (manifest_end - c < kEntryFixedBytes) return bad(at + ": cut short by the manifest's end");
-    const uint8_t* m = f + c;
+    const uint8_t* m = mf + c;
     const uint16_t name_len = LoadLe<uint16_t>(m);
     const uint8_t code = m[2], encoding = m[3], ndim = m[4];
     if (name_len == 0 || name_len > kMaxTensorNameBytes) {
@@ -734,7 +841,7 @@ Status FlushReader::Read(std::span<const uint8_t> frame) {
     if (manifest_end - c < kDigestFixedBytes) {
       return bad(at + ": cut short by the manifest's end");
     }
-    const uint8_t* m = f + c;
+    const uint8_t* m = mf + c;
     const uint16_t name_len = LoadLe<uint16_t>(m);
     if (name_len == 0 || name_len > kMaxTensorNameBytes) {
       return bad(at + ": name of " + U64(name_len) + " bytes (1 to 1024)");
@@ -759,7 +866,18 @@ Status FlushReader::Read(std::span<const uint8_t> frame) {
     return bad("the manifest holds " + U64(manifest_end - c) + " bytes after its last record");
   }
 
-  // 9. Regions: sizes, canonical offsets, zero padding.
+  // 9. Regions: sizes, canonical offsets, zero padding. A placed frame's
+  // payload checks are gathered for `check`, each with what its failure
+  // means.
+  PayloadChecks checks;
+  std::vector<std::string> check_problems;
+  const auto zero = [&](uint64_t off, uint64_t bytes, const std::string& problem) -> bool {
+    if (bytes == 0) return true;
+    if (check == nullptr) return AllZero(f + off, bytes);
+    checks.zeros.push_back({off, bytes});
+    check_problems.push_back(problem);
+    return true;
+  };
   uint64_t cursor = payload_begin;
   auto region = [&](const std::string& what, const char* kind, uint64_t off, uint64_t bytes,
                     uint64_t expected_bytes, bool any_size) -> std::string {
@@ -774,9 +892,8 @@ Status FlushReader::Read(std::span<const uint8_t> frame) {
     if (!any_size && bytes != expected_bytes) {
       return what + ": " + kind + " of " + U64(bytes) + " bytes, not " + U64(expected_bytes);
     }
-    if (!AllZero(f + cursor, expected_off - cursor)) {
-      return what + ": padding before its " + kind + " is not 0";
-    }
+    const std::string padding = what + ": padding before its " + kind + " is not 0";
+    if (!zero(cursor, expected_off - cursor, padding)) return padding;
     cursor = off + bytes;
     return "";
   };
@@ -800,14 +917,17 @@ Status FlushReader::Read(std::span<const uint8_t> frame) {
       problem = region(what, "values", r.val_off, r.val_bytes, n * w, sparse);
     }
     if (!problem.empty()) return bad(problem);
-    entry.positions = frame.subspan(r.pos_off, r.pos_bytes);
-    entry.values = frame.subspan(r.val_off, r.val_bytes);
+    entry.positions = {base + r.pos_off, r.pos_bytes};
+    entry.values = {base + r.val_off, r.val_bytes};
+    entry.host_readable = check == nullptr;
   }
   if (Align8(cursor) != payload_end) {
     return bad("the payload holds " + U64(payload_end - cursor) +
                " bytes after its last entry's values");
   }
-  if (!AllZero(f + cursor, payload_end - cursor)) return bad("the payload's padding is not 0");
+  if (!zero(cursor, payload_end - cursor, "the payload's padding is not 0")) {
+    return bad("the payload's padding is not 0");
+  }
 
   // 10. Positions. Sparse sizes first, so the scratch is sized once.
   std::vector<std::pair<uint64_t, uint64_t>> sparse_sizes(entry_count, {0, 0});
@@ -816,10 +936,20 @@ Status FlushReader::Read(std::span<const uint8_t> frame) {
     FlushEntry& entry = entries[e];
     const std::string what = "entry " + U64(e) + " (" + Quote(entry.name) + ")";
     const uint64_t n = entry.value_count;
-    if (entry.encoding == WireEncoding::kIndices) {
+    if (entry.encoding == WireEncoding::kIndices && check != nullptr) {
+      checks.positions.push_back({static_cast<uint64_t>(entry.positions.data() - base), n,
+                                  entry.position_width, entry.first, entry.first + entry.count});
+      check_problems.push_back(what + ": positions not strictly increasing inside the range [" +
+                               U64(entry.first) + ", " + U64(entry.first + entry.count) + ")");
+    } else if (entry.encoding == WireEncoding::kIndices) {
       const std::string problem =
           entry.position_width == 4 ? CheckIndexPositions<4>(entry) : CheckIndexPositions<8>(entry);
       if (!problem.empty()) return bad(what + ": " + problem);
+    } else if (entry.encoding == WireEncoding::kSparse && n > 0 && check != nullptr) {
+      // zstd content is decoded on the host: the caller reads the frame
+      // from a host copy.
+      *needs_host = true;
+      return Status::OK();
     } else if (entry.encoding == WireEncoding::kSparse && n > 0) {
       const uint64_t w = DTypeSize(entry.dtype);
       uint64_t gap_bytes = 0, value_bytes = 0;
@@ -832,6 +962,20 @@ Status FlushReader::Read(std::span<const uint8_t> frame) {
       }
       decoded += gap_bytes + value_bytes;
       sparse_sizes[e] = {gap_bytes, value_bytes};
+    }
+  }
+  if (check != nullptr) {
+    // Rule 9 gathered every zero check before rule 10's position checks:
+    // check_problems is in the checker's index order.
+    Result<std::optional<uint64_t>> failed = (*check)(checks);
+    if (!failed.ok()) {
+      return Status(failed.status().code(),
+                    where + ": checking the payload: " + failed.status().message());
+    }
+    if (failed->has_value()) {
+      const uint64_t k = **failed;
+      return bad(k < check_problems.size() ? check_problems[k]
+                                           : "payload check " + U64(k) + " failed");
     }
   }
   if (decoded > 0) {
@@ -1163,6 +1307,11 @@ uint64_t ApplyWidth(const FlushEntry& entry, std::span<const DestinationRun> run
 Result<uint64_t> ApplyEntry(const FlushEntry& entry, const DestinationMap& map,
                             std::span<uint8_t> dest, StateDigest* digest) {
   const uint32_t w = static_cast<uint32_t>(DTypeSize(entry.dtype));
+  if (!entry.host_readable) {
+    return Status::InvalidArgument("apply: tensor " + Quote(entry.name) +
+                                   ": the entry lies in memory the host does not read (a "
+                                   "placed frame); apply it where it lies");
+  }
   if (map.hf_numel() != entry.numel) {
     return Status::InvalidArgument("apply: tensor " + Quote(entry.name) + " has " +
                                    U64(entry.numel) + " elements, its destination map " +

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -72,6 +73,17 @@ struct TensorRange {
   uint64_t count = 0;
 };
 
+// Where a placed entry's regions lie in its frame (offsets from the frame's
+// start; FlushWriter::BeginPlaced). Indices: positions_bytes holds n
+// positions of position_width bytes; dense: no positions.
+struct PlacedEntry {
+  uint64_t positions_offset = 0;
+  uint64_t positions_bytes = 0;
+  uint32_t position_width = 0;
+  uint64_t values_offset = 0;
+  uint64_t values_bytes = 0;
+};
+
 // Builds one frame at a time into a caller's buffer, appending each entry's
 // positions and values straight into it, up to a byte budget. Reusable: its
 // scratch buffers (sparse staging, the zstd context) are kept from frame to
@@ -97,6 +109,22 @@ class FlushWriter {
   // a null out.
   Status Begin(const FlushHeader& header, uint64_t budget_bytes, std::vector<uint8_t>* out);
 
+  // A frame whose payload the caller writes elsewhere (a device bucket):
+  // the writer lays the entries out (PlaceDense, PlaceIndices) and builds
+  // the header and manifest. The caller writes each entry's bytes at the
+  // offsets given and zeros every other payload byte (the padding), puts
+  // *out's first 64 bytes (the header) at offset 0 of the frame and the
+  // rest (the manifest) at payload_end(), and appends the trailer: the
+  // xxh3-128 of all of it, as Finish would. The same checks and budget as
+  // Begin; Add calls are refused on such a frame (FailedPrecondition).
+  Status BeginPlaced(const FlushHeader& header, uint64_t budget_bytes, std::vector<uint8_t>* out);
+  // Dense and indices entries of a placed frame (n positions): where their
+  // regions go, or nullopt when the entry does not fit (the frame is as it
+  // was). The same refusals as AddDense and AddIndices, but for the bytes,
+  // which the writer never sees.
+  Result<std::optional<PlacedEntry>> PlaceDense(const TensorRange& range);
+  Result<std::optional<PlacedEntry>> PlaceIndices(const TensorRange& range, uint64_t n);
+
   // Every element of the range, `values` holding count * elem_size bytes.
   Result<bool> AddDense(const TensorRange& range, std::span<const uint8_t> values);
   // The elements at `positions` (absolute flat positions, strictly
@@ -114,9 +142,14 @@ class FlushWriter {
   Result<bool> AddDigest(std::string_view name, const DigestBlock& block,
                          const StateDigest& digest);
 
-  // Writes the manifest, the header and the trailer: *out holds the frame.
-  // FailedPrecondition without Begin (or after Finish).
+  // Writes the manifest, the header and the trailer: *out holds the frame
+  // (placed: the header and the manifest, no trailer). FailedPrecondition
+  // without Begin (or after Finish).
   Status Finish();
+
+  // Where the payload ends (a multiple of 8): the manifest's offset once
+  // finished.
+  uint64_t payload_end() const { return (end_ + 7) & ~uint64_t{7}; }
 
   // The size the frame would have if finished now.
   uint64_t frame_bytes() const;
@@ -136,6 +169,9 @@ class FlushWriter {
     std::vector<int64_t> shape;
     std::map<uint64_t, uint64_t> ranges;  // first -> end
   };
+  Status Start(const FlushHeader& header, uint64_t budget_bytes, std::vector<uint8_t>* out,
+               bool placed);
+  Status CheckMode(bool placed) const;
   Status CheckRange(const TensorRange& range, WireEncoding encoding, uint64_t* numel) const;
   Status CheckValues(const TensorRange& range, const Positions* positions,
                      std::span<const uint8_t> values) const;
@@ -145,6 +181,8 @@ class FlushWriter {
   Result<size_t> Compress(std::span<const uint8_t> content, uint64_t offset);
 
   std::vector<uint8_t>* out_ = nullptr;
+  bool placed_ = false;
+  uint64_t end_ = 0;  // the payload's end so far (its last region's)
   FlushHeader header_;
   uint64_t budget_ = 0;
   std::vector<uint8_t> manifest_;  // the entries
@@ -181,6 +219,9 @@ struct FlushEntry {
   // n values of DTypeSize(dtype) bytes in position order (sparse: already
   // gathered back from its planes).
   std::span<const uint8_t> values;
+  // False for a frame read with ReadPlaced: positions and values then view
+  // memory the host does not read (a device bucket).
+  bool host_readable = true;
 };
 
 struct FlushDigest {
@@ -188,6 +229,30 @@ struct FlushDigest {
   DigestBlock block;
   StateDigest digest;
 };
+
+// The checks of a frame's payload that a reader of a placed frame
+// (FlushReader::ReadPlaced) leaves to the memory that holds it: bytes that
+// must be 0 (padding), and indices positions that must be strictly
+// increasing inside [first, end). Offsets are from the frame's start.
+struct PayloadChecks {
+  struct Zero {
+    uint64_t offset = 0;
+    uint64_t bytes = 0;
+  };
+  struct Positions {
+    uint64_t offset = 0;
+    uint64_t count = 0;
+    uint32_t width = 4;
+    uint64_t first = 0;
+    uint64_t end = 0;
+  };
+  std::vector<Zero> zeros;
+  std::vector<Positions> positions;
+};
+// Runs every check where the payload lies: the index of the first that
+// fails (the zeros first, then position check k as zeros.size() + k), or
+// nullopt when all hold; an error when it could not check.
+using PayloadChecker = std::function<Result<std::optional<uint64_t>>(const PayloadChecks&)>;
 
 // Validates whole frames (docs/format.md, "Rules the reader enforces") and
 // only then exposes their entries and digest records. Reusable: its sparse
@@ -207,12 +272,34 @@ class FlushReader {
   // exposed then. `frame` must outlive the entries' views.
   Status Read(std::span<const uint8_t> frame);
 
+  // A frame of `frame_bytes` bytes at `base`, in memory the host does not
+  // read (a device bucket), whose trailer the caller has checked against
+  // the rest (rule 2). `head` is a host copy of its first 64 bytes;
+  // `manifest(offset, bytes)` gives a host copy of the manifest once the
+  // header says where it is. Rules 3 to 11 as Read, except that the
+  // payload's padding and positions are checked by `check`, before
+  // anything is exposed. The entries' views point at `base` and are not
+  // host_readable. A frame holding sparse entries (zstd content, decoded
+  // on the host) sets *needs_host and exposes nothing: read it with Read.
+  Status ReadPlaced(
+      std::span<const uint8_t> head, uint64_t frame_bytes,
+      const std::function<Result<std::span<const uint8_t>>(uint64_t, uint64_t)>& manifest,
+      const uint8_t* base, const PayloadChecker& check, bool* needs_host);
+
   // The last frame Read accepted (empty after a refusal).
   const FlushHeader& header() const { return header_; }
   std::span<const FlushEntry> entries() const { return entries_; }
   std::span<const FlushDigest> digests() const { return digests_; }
 
  private:
+  // Rules 3 to 11 over a frame whose header is at `head`, whose manifest
+  // `manifest` gives and whose payload is at `base`: checked here when
+  // `check` is null (host memory), by `check` otherwise.
+  Status ReadParts(
+      uint64_t size, const uint8_t* head,
+      const std::function<Result<std::span<const uint8_t>>(uint64_t, uint64_t)>& manifest,
+      const uint8_t* base, const PayloadChecker* check, bool* needs_host);
+
   FlushHeader header_;
   std::vector<FlushEntry> entries_;
   std::vector<FlushDigest> digests_;
@@ -288,8 +375,8 @@ class DestinationMap {
 // new one added, so a running digest of the held elements stays the digest
 // of dest. Returns the number of elements written. InvalidArgument, before
 // writing anything, when the map is for another element count than the
-// entry's tensor or dest is smaller than map.dest_extent() elements. `dest`
-// must not overlap the frame.
+// entry's tensor, dest is smaller than map.dest_extent() elements, or the
+// entry is not host_readable. `dest` must not overlap the frame.
 Result<uint64_t> ApplyEntry(const FlushEntry& entry, const DestinationMap& map,
                             std::span<uint8_t> dest, StateDigest* digest = nullptr);
 

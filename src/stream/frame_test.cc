@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <optional>
@@ -1239,6 +1240,268 @@ TEST(FlushFrameCorpus, SeedsAreFramesTheReaderAccepts) {
     ++seen;
   }
   EXPECT_GE(seen, 8u);
+}
+
+// ---------------------------------------------------------------------------
+// Placed frames: the payload written by the caller where it lies (a device
+// bucket), here host memory standing in for it.
+
+struct PlacedCase {
+  std::vector<int64_t> a_shape{1000};
+  std::vector<int64_t> b_shape{3, 7};
+  Bytes dense = RandomBytes(300 * 2, 1);
+  std::vector<uint64_t> a_pos{300, 301, 309, 640, 999};
+  Bytes a_val = RandomBytes(5 * 2, 2);
+  std::vector<uint64_t> b_pos{0, 4, 20};  // an odd count: padding after them
+  Bytes b_val = RandomBytes(3 * 4, 3);
+  FlushHeader header{7, 1, FrameKind::kDelta, true, true};
+
+  TensorRange A(uint64_t first, uint64_t count) const {
+    return {"a", DType::kBF16, a_shape, first, count};
+  }
+  TensorRange B() const { return {"b", DType::kF32, b_shape, 0, 21}; }
+
+  Bytes Written() const {
+    FlushWriter w;
+    Bytes out;
+    EXPECT_TRUE(w.Begin(header, 1 << 16, &out).ok());
+    EXPECT_TRUE(*w.AddDense(A(0, 300), dense));
+    EXPECT_TRUE(*w.AddIndices(A(300, 700), Positions::Absolute(a_pos), a_val));
+    EXPECT_TRUE(*w.AddIndices(B(), Positions::Absolute(b_pos), b_val));
+    EXPECT_TRUE(*w.AddDigest("b", {0, 21, 1, 0}, {5, 6}));
+    EXPECT_TRUE(w.Finish().ok());
+    return out;
+  }
+
+  // The same frame through BeginPlaced, its payload put in place here.
+  Bytes Placed() const {
+    FlushWriter w;
+    Bytes head;
+    EXPECT_TRUE(w.BeginPlaced(header, 1 << 16, &head).ok());
+    Bytes payload(1 << 16, 0);
+    const auto put_positions = [&](const PlacedEntry& e, const std::vector<uint64_t>& pos) {
+      for (size_t k = 0; k < pos.size(); ++k) {
+        for (uint32_t i = 0; i < e.position_width; ++i) {
+          payload[e.positions_offset + k * e.position_width + i] =
+              static_cast<uint8_t>(pos[k] >> (8 * i));
+        }
+      }
+    };
+    const auto put = [&](uint64_t off, const Bytes& v) {
+      std::copy(v.begin(), v.end(), payload.begin() + off);
+    };
+    Result<std::optional<PlacedEntry>> e = w.PlaceDense(A(0, 300));
+    EXPECT_TRUE(e.ok() && e->has_value());
+    put((*e)->values_offset, dense);
+    e = w.PlaceIndices(A(300, 700), a_pos.size());
+    EXPECT_TRUE(e.ok() && e->has_value());
+    EXPECT_EQ((*e)->position_width, 4u);
+    put_positions(**e, a_pos);
+    put((*e)->values_offset, a_val);
+    e = w.PlaceIndices(B(), b_pos.size());
+    EXPECT_TRUE(e.ok() && e->has_value());
+    put_positions(**e, b_pos);
+    put((*e)->values_offset, b_val);
+    EXPECT_TRUE(*w.AddDigest("b", {0, 21, 1, 0}, {5, 6}));
+    const uint64_t end = w.payload_end();
+    EXPECT_TRUE(w.Finish().ok());
+    Bytes frame(head.begin(), head.begin() + 64);
+    frame.insert(frame.end(), payload.begin() + 64, payload.begin() + end);
+    frame.insert(frame.end(), head.begin() + 64, head.end());
+    frame.resize(frame.size() + 16);
+    Rehash(frame);
+    return frame;
+  }
+};
+
+// The checks a placed frame's reader asks for, run on the host bytes.
+PayloadChecker HostChecker(const Bytes& frame, PayloadChecks* seen = nullptr) {
+  return [&frame, seen](const PayloadChecks& c) -> Result<std::optional<uint64_t>> {
+    if (seen) *seen = c;
+    for (size_t k = 0; k < c.zeros.size(); ++k) {
+      for (uint64_t i = 0; i < c.zeros[k].bytes; ++i) {
+        if (frame[c.zeros[k].offset + i] != 0) return std::optional<uint64_t>(k);
+      }
+    }
+    for (size_t k = 0; k < c.positions.size(); ++k) {
+      const PayloadChecks::Positions& p = c.positions[k];
+      for (uint64_t i = 0; i < p.count; ++i) {
+        const uint64_t v = Get(frame, p.offset + i * p.width, static_cast<int>(p.width));
+        const bool bad =
+            v < p.first || v >= p.end ||
+            (i > 0 && Get(frame, p.offset + (i - 1) * p.width, static_cast<int>(p.width)) >= v);
+        if (bad) return std::optional<uint64_t>(c.zeros.size() + k);
+      }
+    }
+    return std::optional<uint64_t>();
+  };
+}
+
+Status ReadPlacedFrom(FlushReader& r, const Bytes& frame, const PayloadChecker& check,
+                      bool* needs_host) {
+  const auto manifest = [&](uint64_t off, uint64_t n) -> Result<std::span<const uint8_t>> {
+    if (off > frame.size() || n > frame.size() - off) {
+      return Status::OutOfRange("manifest past the frame");
+    }
+    return std::span<const uint8_t>(frame).subspan(off, n);
+  };
+  return r.ReadPlaced(std::span(frame).first(64), frame.size(), manifest, frame.data(), check,
+                      needs_host);
+}
+
+TEST(PlacedFrame, LaysOutTheBytesTheWriterWrites) {
+  const PlacedCase c;
+  EXPECT_EQ(c.Placed(), c.Written());
+}
+
+TEST(PlacedFrame, RefusesWhatTheWriterRefusesAndTheOtherModesCalls) {
+  const PlacedCase c;
+  FlushWriter w;
+  Bytes head;
+  ASSERT_TRUE(w.BeginPlaced(c.header, 1 << 16, &head).ok());
+  Result<bool> add = w.AddDense(c.A(0, 300), c.dense);
+  ASSERT_FALSE(add.ok());
+  EXPECT_EQ(add.status().code(), StatusCode::kFailedPrecondition);
+  Result<std::optional<PlacedEntry>> e = w.PlaceIndices(c.A(300, 10), 11);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("11 positions in a range of 10"), std::string::npos)
+      << e.status().ToString();
+  e = w.PlaceDense({"a", DType::kBF16, c.a_shape, 900, 200});
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("outside its 1000 elements"), std::string::npos);
+  ASSERT_TRUE(w.PlaceDense(c.A(0, 300)).ok());
+  e = w.PlaceDense(c.A(100, 300));
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("overlaps"), std::string::npos);
+  // Past the budget: nullopt, the frame unchanged.
+  e = w.PlaceDense({"big", DType::kF64, std::vector<int64_t>{1 << 20}, 0, 1 << 20});
+  ASSERT_TRUE(e.ok());
+  EXPECT_FALSE(e->has_value());
+  EXPECT_EQ(w.entry_count(), 1u);
+  // A plain frame takes no Place calls.
+  Bytes out;
+  ASSERT_TRUE(w.Begin(c.header, 1 << 16, &out).ok());
+  e = w.PlaceDense(c.A(0, 300));
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kFailedPrecondition);
+}
+
+TEST(PlacedFrame, ReadsWhatReadReadsAndLeavesThePayloadChecksToTheCaller) {
+  const PlacedCase c;
+  const Bytes frame = c.Written();
+  FlushReader plain, placed;
+  ASSERT_TRUE(plain.Read(frame).ok());
+  bool needs_host = true;
+  PayloadChecks asked;
+  Status s = ReadPlacedFrom(placed, frame, HostChecker(frame, &asked), &needs_host);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_FALSE(needs_host);
+  ASSERT_EQ(placed.entries().size(), plain.entries().size());
+  for (size_t k = 0; k < plain.entries().size(); ++k) {
+    const FlushEntry &a = plain.entries()[k], &b = placed.entries()[k];
+    EXPECT_EQ(a.name, b.name);
+    EXPECT_EQ(a.first, b.first);
+    EXPECT_EQ(a.count, b.count);
+    EXPECT_EQ(a.value_count, b.value_count);
+    EXPECT_EQ(a.position_width, b.position_width);
+    EXPECT_EQ(a.positions.data(), b.positions.data());  // views at the same offsets
+    EXPECT_EQ(a.values.data(), b.values.data());
+    EXPECT_TRUE(a.host_readable);
+    EXPECT_FALSE(b.host_readable);
+  }
+  EXPECT_EQ(placed.digests().size(), 1u);
+  EXPECT_TRUE(placed.header().verify_all);
+  // The two indices entries' positions, and the padding after b's odd
+  // count of positions, were left to the checker.
+  ASSERT_EQ(asked.positions.size(), 2u);
+  EXPECT_EQ(asked.positions[0].first, 300u);
+  EXPECT_EQ(asked.positions[0].end, 1000u);
+  EXPECT_EQ(asked.positions[1].count, 3u);
+  ASSERT_FALSE(asked.zeros.empty());
+  // A host apply of a placed entry is refused, not a read of that memory.
+  Bytes dest(1000 * 2);
+  Result<uint64_t> applied = ApplyEntry(placed.entries()[1], DestinationMap::Whole(1000), dest);
+  ASSERT_FALSE(applied.ok());
+  EXPECT_NE(applied.status().message().find("placed frame"), std::string::npos);
+}
+
+TEST(PlacedFrame, WhatTheCheckerFindsRefusesTheFrameAndExposesNothing) {
+  const PlacedCase c;
+  const Bytes good = c.Written();
+  FlushReader plain;
+  ASSERT_TRUE(plain.Read(good).ok());
+  const uint64_t b_positions = plain.entries()[2].positions.data() - good.data();
+  const uint64_t a_positions = plain.entries()[1].positions.data() - good.data();
+  struct Case {
+    const char* what;
+    std::function<void(Bytes&)> damage;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {"padding", [&](Bytes& f) { f[b_positions + 12] = 1; },
+       "entry 2 ('b'): padding before its values is not 0"},
+      {"order", [&](Bytes& f) { Set(f, a_positions + 4, 300, 4); },
+       "entry 1 ('a'): positions not strictly increasing inside the range [300, 1000)"},
+      {"range", [&](Bytes& f) { Set(f, a_positions, 299, 4); },
+       "entry 1 ('a'): positions not strictly increasing inside the range [300, 1000)"},
+  };
+  for (const Case& k : cases) {
+    Bytes bad = good;
+    k.damage(bad);
+    Rehash(bad);
+    FlushReader r, host;
+    bool needs_host = false;
+    Status s = ReadPlacedFrom(r, bad, HostChecker(bad), &needs_host);
+    ASSERT_FALSE(s.ok()) << k.what;
+    EXPECT_EQ(s.code(), StatusCode::kCorruption) << k.what;
+    EXPECT_NE(s.message().find(k.message), std::string::npos) << k.what << ": " << s.ToString();
+    EXPECT_NE(s.message().find("sync 7, flush 1"), std::string::npos) << s.ToString();
+    EXPECT_TRUE(r.entries().empty()) << k.what;
+    EXPECT_FALSE(host.Read(bad).ok()) << k.what << ": the host reader refuses it too";
+  }
+  // A checker that cannot check fails the read, naming the frame.
+  FlushReader r;
+  bool needs_host = false;
+  Status s = ReadPlacedFrom(
+      r, good,
+      [](const PayloadChecks&) -> Result<std::optional<uint64_t>> {
+        return Status::Internal("device lost");
+      },
+      &needs_host);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("checking the payload: device lost"), std::string::npos);
+  EXPECT_TRUE(r.entries().empty());
+  // The header and manifest rules hold as in Read: a bad magic.
+  Bytes bad = good;
+  bad[0] = 'X';
+  s = ReadPlacedFrom(r, bad, HostChecker(bad), &needs_host);
+  EXPECT_EQ(s.code(), StatusCode::kCorruption);
+  EXPECT_NE(s.message().find("bad magic"), std::string::npos) << s.ToString();
+}
+
+TEST(PlacedFrame, SparseEntriesSendTheReadToTheHost) {
+  const PlacedCase c;
+  FlushWriter w;
+  Bytes frame;
+  ASSERT_TRUE(w.Begin(c.header, 1 << 16, &frame).ok());
+  ASSERT_TRUE(*w.AddSparse(c.A(300, 700), Positions::Absolute(c.a_pos), c.a_val));
+  ASSERT_TRUE(w.Finish().ok());
+  FlushReader r;
+  bool needs_host = false;
+  bool checked = false;
+  Status s = ReadPlacedFrom(
+      r, frame,
+      [&](const PayloadChecks&) -> Result<std::optional<uint64_t>> {
+        checked = true;
+        return std::optional<uint64_t>();
+      },
+      &needs_host);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_TRUE(needs_host);
+  EXPECT_FALSE(checked);
+  EXPECT_TRUE(r.entries().empty());
+  ASSERT_TRUE(r.Read(frame).ok());
+  EXPECT_EQ(EntryPositions(r.entries()[0]), c.a_pos);
 }
 
 }  // namespace
