@@ -27,10 +27,13 @@
 //
 // Tensors live in host memory, or in CUDA device memory (Placement): there
 // the sender diffs on the device against a snapshot it keeps on the device,
-// and only the changes come back to the host frames; a receiver applies
-// into its device tensors with the device's kernels
-// (include/deltasync/cuda.h). Each side uses one thread; neither is
-// thread-safe.
+// and a receiver applies into its device tensors with the device's kernels
+// (include/deltasync/cuda.h). Over a communicator that carries device
+// memory (nccl), with every tensor of a side on one device, the frames stay
+// on the device end to end: built there from the diff's outputs, sent from
+// and received into device buckets, checked and scattered there; over
+// gloo only the changes come back to host frames. Each side uses one
+// thread; neither is thread-safe.
 #pragma once
 
 #include <chrono>
@@ -124,6 +127,10 @@ struct SenderOptions {
   // holds from memory instead of trusting its running digests; 0: never.
   uint32_t verify_every = 0;
   int zstd_level = 1;  // sparse
+  // Build frames in device memory when every tensor lives on one device and
+  // the communicator sends device memory (SyncStats::device_frames); false:
+  // on the host always (two buckets of device memory fewer).
+  bool device_frames = true;
 };
 
 // What one sync did, split by phase (seconds).
@@ -134,7 +141,11 @@ struct SyncStats {
   uint64_t changed = 0;        // elements that differ from the snapshot
   uint64_t sent_elements = 0;  // elements the delta frames carry (changed + resent)
   uint64_t frames = 0;         // frames built (each sent to every receiver of its kind)
-  uint64_t bytes_sent = 0;     // over all receivers, envelopes included
+  // Of those, frames built in device memory: device tensors on one device
+  // over a communicator that sends device memory (nccl), with the dense or
+  // indices encoding. Their bytes never cross to the host.
+  uint64_t device_frames = 0;
+  uint64_t bytes_sent = 0;  // over all receivers, envelopes included
   bool verify_all = false;
   // The most bytes of frame buckets and diff scratch the sync held at once,
   // beside the snapshot (capacities, measured at the end of the sync;
@@ -210,6 +221,10 @@ struct ReceiverOptions {
   // Frames larger than this are refused (the receiver then leaves the
   // group). The receiver holds one frame and one decode chunk.
   uint64_t max_frame_bytes = uint64_t{1} << 30;
+  // Take frames into device memory when every registered tensor lives on
+  // one device and the communicator takes device memory
+  // (ReceiveStats::device_frames); false: into host memory always.
+  bool device_frames = true;
   // Tests only: called before each entry is applied with the sync id, the
   // tensor and the entry's index in the sync; an error stops the apply
   // there, as a failure half way through would.
@@ -221,6 +236,10 @@ struct ReceiveStats {
   bool seed = false;
   bool verify_all = false;
   uint64_t frames = 0;
+  // Of those, frames taken into device memory and checked and applied from
+  // there: every registered tensor on one device, over a communicator that
+  // takes device memory.
+  uint64_t device_frames = 0;
   uint64_t bytes = 0;             // frame bytes taken
   uint64_t elements_written = 0;  // into destinations
   double wait_s = 0;              // for the sync's first frame

@@ -187,6 +187,7 @@ py::dict SyncDict(const SyncStats& s) {
   d["changed"] = s.changed;
   d["sent_elements"] = s.sent_elements;
   d["frames"] = s.frames;
+  d["device_frames"] = s.device_frames;
   d["bytes_sent"] = s.bytes_sent;
   d["verify_all"] = s.verify_all;
   d["buffer_bytes"] = s.buffer_bytes;
@@ -205,6 +206,7 @@ py::dict ReceiveDict(const ReceiveStats& s) {
   d["seed"] = s.seed;
   d["verify_all"] = s.verify_all;
   d["frames"] = s.frames;
+  d["device_frames"] = s.device_frames;
   d["bytes"] = s.bytes;
   d["elements_written"] = s.elements_written;
   d["wait_s"] = s.wait_s;

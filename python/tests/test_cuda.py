@@ -147,25 +147,27 @@ def _nccl_pair_worker(rank, how, init, rendezvous_dir, syncs):
         group = ds.Group("file:" + rendezvous_dir, rank, 2, backend="nccl", timeout_s=60)
     try:
         g = torch.Generator(device="cuda").manual_seed(3)
+        # "device": every tensor on the GPU, so the frames stay there too.
         w = {"emb": torch.randn(300, 70, device="cuda", generator=g).to(torch.bfloat16),
              "norm": torch.randn(70, device="cuda", generator=g),
-             "host": torch.randn(33)}
+             "host": torch.randn(33, device="cuda" if how == "device" else "cpu")}
 
         def step(k):
             w["emb"].view(-1)[k::31] += 1
             w["norm"][k] = float("nan")
             w["host"][k] = -0.0
 
-        run_rounds(group, rank, w, step, syncs, label=how + " ")
+        run_rounds(group, rank, w, step, syncs, label=how + " ", device_frames=how == "device")
     finally:
         if how == "torch":
             dist.destroy_process_group()
 
 
 @cuda
-@pytest.mark.parametrize("how", ["torch", "group"], ids=["torch-nccl-group", "deltasync-nccl"])
+@pytest.mark.parametrize("how", ["torch", "group", "device"],
+                         ids=["torch-nccl-group", "deltasync-nccl", "deltasync-nccl-device-frames"])
 def test_device_tensors_over_nccl_between_two_processes(tmp_path, how):
-    if how == "group" and "nccl" not in ds.built_communicators():
+    if how != "torch" and "nccl" not in ds.built_communicators():
         pytest.skip("this build has no nccl communicator")
     init = "file://" + str(tmp_path / "pg_init")
     mp.spawn(_nccl_pair_worker, args=(how, init, str(tmp_path / "rv"), 3), nprocs=2, join=True)

@@ -2,10 +2,13 @@
 #include "stream/device_path.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <utility>
 
 #if DS_HAVE_CUDA
+#include <set>
+
 #include "core/endian.h"
 #include "deltasync/cuda.h"
 #endif
@@ -27,8 +30,14 @@ Result<std::unique_ptr<DeviceContext>> DeviceContext::Create(int cuda_device) {
   return NotBuilt("CUDA device " + std::to_string(cuda_device));
 }
 Result<std::unique_ptr<DeviceSource>> DeviceSource::Create(DeviceContext&, std::string name, DType,
-                                                           uint64_t, uint64_t) {
+                                                           uint64_t, uint64_t, uint64_t) {
   return NotBuilt("tensor '" + name + "'");
+}
+Result<std::unique_ptr<DeviceFrame>> DeviceFrame::Create(DeviceContext& ctx, uint64_t) {
+  return NotBuilt("a frame on CUDA device " + std::to_string(ctx.device()));
+}
+Result<std::unique_ptr<DeviceFrameReader>> DeviceFrameReader::Create(DeviceContext& ctx) {
+  return NotBuilt("a frame on CUDA device " + std::to_string(ctx.device()));
 }
 Result<std::unique_ptr<DeviceDestination>> DeviceDestination::Create(DeviceContext&,
                                                                      std::string name, DType,
@@ -87,26 +96,16 @@ class ContextImpl final : public DeviceContext {
 
 ContextImpl& Impl(DeviceContext& ctx) { return static_cast<ContextImpl&>(ctx); }
 
-// A chunk's refresh, to undo: its changed positions (from the chunk's
-// first element, int32 or int64) and the values they had.
-struct UndoChunk {
-  uint64_t first = 0;
-  uint64_t count = 0;  // elements of the chunk
-  bool wide = false;
-  uint64_t changed = 0;
-  std::vector<uint8_t> positions;
-  std::vector<uint8_t> old_values;
-};
-
 class SourceImpl final : public DeviceSource {
  public:
-  SourceImpl(ContextImpl& ctx, std::string name, DType dtype, uint64_t numel, uint64_t chunk,
-             cuda::Buffer snapshot)
+  SourceImpl(ContextImpl& ctx, std::string name, DType dtype, uint64_t numel, uint64_t unit,
+             uint64_t chunk, cuda::Buffer snapshot)
       : ctx_(ctx),
         name_(std::move(name)),
         dtype_(dtype),
         w_(static_cast<uint32_t>(DTypeSize(dtype))),
         numel_(numel),
+        unit_(unit),
         chunk_(chunk),
         snapshot_(std::move(snapshot)) {}
 
@@ -122,50 +121,57 @@ class SourceImpl final : public DeviceSource {
     current_ = bytes.data();
     stream_ = place.cuda_stream;
     chunk_count_ = 0;
-    undo_.clear();
     return Status::OK();
   }
 
   Status Changes(uint64_t first, uint64_t count, ChangeSet* out) override {
-    if (chunk_count_ == 0 || first < chunk_first_ || first + count > chunk_first_ + chunk_count_) {
-      DS_RETURN_IF_ERROR(DiffChunk(first));
-    }
-    const UndoChunk& c = undo_.back();
-    const uint64_t lo = first - chunk_first_;
-    const uint64_t hi = lo + count;
-    const uint32_t pw = c.wide ? 8 : 4;
+    DS_ASSIGN_OR_RETURN(const Slice s, Unit(first, count));
+    if (!on_host_) DS_RETURN_IF_ERROR(ChunkToHost());
+    const uint32_t pw = wide_ ? 8 : 4;
     const uint8_t* pos = Bytes(ctx_.changes);
-    const auto at = [&](uint64_t k) -> uint64_t {
-      return c.wide ? LoadLe<uint64_t>(pos + 8 * k) : LoadLe<uint32_t>(pos + 4 * k);
-    };
-    // The unit's changes: the positions in [lo, hi), found by bisection.
-    const auto lower = [&](uint64_t p) {
-      uint64_t a = 0, b = c.changed;
-      while (a < b) {
-        const uint64_t m = a + (b - a) / 2;
-        if (at(m) < p) {
-          a = m + 1;
-        } else {
-          b = m;
-        }
-      }
-      return a;
-    };
-    const uint64_t k0 = lower(lo);
-    const uint64_t k1 = lower(hi);
-    const uint64_t n = k1 - k0;
+    const uint64_t lo = first - chunk_first_;
     out->Clear();
     out->numel = count;
     out->elem_size = w_;
     out->wide = false;  // a unit has fewer than 2^31 elements
-    out->pos32.resize(n);
-    for (uint64_t k = 0; k < n; ++k) out->pos32[k] = static_cast<uint32_t>(at(k0 + k) - lo);
-    const uint8_t* values = pos + c.changed * pw;
-    const uint8_t* old_values = values + c.changed * w_;
-    out->new_values.assign(values + k0 * w_, values + k1 * w_);
-    out->old_values.assign(old_values + k0 * w_, old_values + k1 * w_);
+    out->pos32.resize(s.n);
+    for (uint64_t k = 0; k < s.n; ++k) {
+      const uint8_t* p = pos + (s.k0 + k) * pw;
+      const uint64_t at = wide_ ? LoadLe<uint64_t>(p) : LoadLe<uint32_t>(p);
+      out->pos32[k] = static_cast<uint32_t>(at - lo);
+    }
+    const uint8_t* values = pos + changed_ * pw;
+    const uint8_t* old_values = values + changed_ * w_;
+    out->new_values.assign(values + s.k0 * w_, values + (s.k0 + s.n) * w_);
+    out->old_values.assign(old_values + s.k0 * w_, old_values + (s.k0 + s.n) * w_);
     return Status::OK();
   }
+
+  Result<DeviceUnitChanges> DeviceChanges(uint64_t first, uint64_t count) override {
+    DS_ASSIGN_OR_RETURN(const Slice s, Unit(first, count));
+    const uint32_t pw = wide_ ? 8 : 4;
+    DeviceUnitChanges c;
+    c.positions = Bytes(ctx_.positions) + s.k0 * pw;
+    c.wide = wide_;
+    c.base = chunk_first_;
+    c.values = Bytes(ctx_.values) + s.k0 * w_;
+    c.old_values = Bytes(ctx_.old_values) + s.k0 * w_;
+    c.count = s.n;
+    return c;
+  }
+
+  Result<StateDigest> BlockDigestChange(const DeviceUnitChanges& c,
+                                        const DigestBlock& block) override {
+    const cuda::DeviceChanges changes{c.positions, c.wide, c.values, c.count};
+    const cuda::PositionBlock b{block.first, block.count, block.rows, block.row_stride};
+    DS_ASSIGN_OR_RETURN(cuda::Digest d,
+                        cuda::DigestChangeOnDevice(ctx_.ws(), name_, w_, changes, c.old_values,
+                                                   c.base, numel_ - c.base, stream_, &b));
+    return FromDevice(d);
+  }
+
+  const uint8_t* current(uint64_t first) const override { return current_ + first * w_; }
+  void* stream() const override { return stream_; }
 
   Result<StateDigest> WholeDigest(uint64_t first, uint64_t count, bool seed) override {
     if (seed) {
@@ -185,26 +191,16 @@ class SourceImpl final : public DeviceSource {
     return std::span<const uint8_t>(Bytes(ctx_.dense), bytes);
   }
 
-  Status Commit(bool whole) override {
-    undo_.clear();
+  Status Commit() override {
     chunk_count_ = 0;
-    if (whole || !have_) {
-      have_ = false;
-      DS_RETURN_IF_ERROR(cuda::CopyBytes(name_, snapshot_.data(), current_, numel_ * w_, stream_,
-                                         /*wait=*/true));
-      have_ = true;
-    }
+    have_ = false;
+    DS_RETURN_IF_ERROR(cuda::CopyBytes(name_, snapshot_.data(), current_, numel_ * w_, stream_,
+                                       /*wait=*/true));
+    have_ = true;
     return Status::OK();
   }
 
-  Status Rollback() override {
-    chunk_count_ = 0;
-    std::vector<UndoChunk> undo = std::move(undo_);
-    undo_.clear();
-    Status s = Undo(undo);
-    if (!s.ok()) have_ = false;
-    return s;
-  }
+  void Rollback() override { chunk_count_ = 0; }
 
   Result<StateDigest> SnapshotDigest(const DigestBlock& block) override {
     if (!have_) return Status::FailedPrecondition(Quoted(name_) + ": no committed snapshot");
@@ -224,28 +220,27 @@ class SourceImpl final : public DeviceSource {
     if (!have_) return {};
     return {Bytes(snapshot_), numel_ * w_};
   }
-  uint64_t buffer_bytes() const override {
-    uint64_t n = 0;
-    for (const UndoChunk& c : undo_) n += c.positions.capacity() + c.old_values.capacity();
-    return n;
-  }
+  uint64_t buffer_bytes() const override { return offsets_.capacity() * 8; }
 
  private:
-  // Scatters the logged old values back into the snapshot.
-  Status Undo(const std::vector<UndoChunk>& undo) {
-    for (const UndoChunk& c : undo) {
-      if (c.changed == 0) continue;
-      DS_RETURN_IF_ERROR(Reserve(&ctx_.positions, c.positions.size(), ctx_.device()));
-      DS_RETURN_IF_ERROR(Reserve(&ctx_.values, c.old_values.size(), ctx_.device()));
-      DS_RETURN_IF_ERROR(cuda::CopyBytes(name_, ctx_.positions.data(), c.positions.data(),
-                                         c.positions.size(), stream_, false));
-      DS_RETURN_IF_ERROR(cuda::CopyBytes(name_, ctx_.values.data(), c.old_values.data(),
-                                         c.old_values.size(), stream_, false));
-      cuda::DeviceTensor snap = View(Bytes(snapshot_), c.first, c.count);
-      const cuda::DeviceChanges back{ctx_.positions.data(), c.wide, ctx_.values.data(), c.changed};
-      DS_RETURN_IF_ERROR(cuda::ScatterOnDevice(ctx_.ws(), snap, back));
+  // A unit's changes among its chunk's: [k0, k0 + n).
+  struct Slice {
+    uint64_t k0 = 0;
+    uint64_t n = 0;
+  };
+
+  // The unit at `first` (a multiple of the unit) within its chunk, which is
+  // diffed first when it is not the current one.
+  Result<Slice> Unit(uint64_t first, uint64_t count) {
+    if (chunk_count_ == 0 || first < chunk_first_ || first + count > chunk_first_ + chunk_count_) {
+      DS_RETURN_IF_ERROR(DiffChunk(first - first % chunk_));
     }
-    return Status::OK();
+    const uint64_t u = (first - chunk_first_) / unit_;
+    if (u + 1 >= offsets_.size()) {
+      return Status::Internal(Quoted(name_) + ": unit at " + std::to_string(first) +
+                              " outside its diffed chunk");
+    }
+    return Slice{offsets_[u], offsets_[u + 1] - offsets_[u]};
   }
 
   cuda::DeviceTensor View(const uint8_t* base, uint64_t first, uint64_t count) const {
@@ -258,8 +253,8 @@ class SourceImpl final : public DeviceSource {
     return t;
   }
 
-  // Diffs the chunk at `first` on the device (refreshing the snapshot) and
-  // brings its changes back into the pinned staging; logs the refresh.
+  // Diffs the chunk at `first` on the device into the context's scratch
+  // (the snapshot is not written) and splits its changes by unit.
   Status DiffChunk(uint64_t first) {
     const uint64_t count = std::min(chunk_, numel_ - first);
     const uint32_t pw = count >= (uint64_t{1} << 31) ? 8 : 4;
@@ -273,38 +268,37 @@ class SourceImpl final : public DeviceSource {
     out.values = ctx_.values.data();
     out.old_values = ctx_.old_values.data();
     out.capacity = count;
-    out.refresh_snapshot = true;
+    out.refresh_snapshot = false;
     out.digest = true;
     out.first_position = first;
     chunk_count_ = 0;
     DS_ASSIGN_OR_RETURN(cuda::DiffResult r, cuda::DiffOnDevice(ctx_.ws(), cur, snap, out));
-    UndoChunk c;
-    c.first = first;
-    c.count = count;
-    c.wide = r.wide;
-    c.changed = r.count;
-    const uint64_t pos_bytes = r.count * (r.wide ? 8 : 4);
-    const uint64_t val_bytes = r.count * w_;
-    // Logged before anything can fail: the snapshot already holds the
-    // refresh.
-    undo_.push_back(std::move(c));
-    UndoChunk& logged = undo_.back();
-    DS_RETURN_IF_ERROR(Reserve(&ctx_.changes, pos_bytes + 2 * val_bytes, -1));
-    uint8_t* host = Bytes(ctx_.changes);
-    logged.positions.resize(pos_bytes);
-    logged.old_values.resize(val_bytes);
-    DS_RETURN_IF_ERROR(cuda::CopyBytes(name_, host, out.positions, pos_bytes, stream_, false));
-    DS_RETURN_IF_ERROR(
-        cuda::CopyBytes(name_, host + pos_bytes, out.values, val_bytes, stream_, false));
-    DS_RETURN_IF_ERROR(cuda::CopyBytes(name_, host + pos_bytes + val_bytes, out.old_values,
-                                       val_bytes, stream_, true));
-    if (pos_bytes > 0) std::memcpy(logged.positions.data(), host, pos_bytes);
-    if (val_bytes > 0) {
-      std::memcpy(logged.old_values.data(), host + pos_bytes + val_bytes, val_bytes);
-    }
+    const uint64_t units = (count + unit_ - 1) / unit_;
+    DS_ASSIGN_OR_RETURN(
+        offsets_, cuda::SplitPositionsOnDevice(ctx_.ws(), name_, out.positions, r.wide, r.count,
+                                               unit_, units, stream_));
+    wide_ = r.wide;
+    changed_ = r.count;
+    on_host_ = false;
     chunk_first_ = first;
     chunk_count_ = count;
     chunk_digest_ = FromDevice(r.digest_change);
+    return Status::OK();
+  }
+
+  // Brings the diffed chunk's changes into the pinned staging.
+  Status ChunkToHost() {
+    const uint64_t pos_bytes = changed_ * (wide_ ? 8 : 4);
+    const uint64_t val_bytes = changed_ * w_;
+    DS_RETURN_IF_ERROR(Reserve(&ctx_.changes, pos_bytes + 2 * val_bytes, -1));
+    uint8_t* host = Bytes(ctx_.changes);
+    DS_RETURN_IF_ERROR(
+        cuda::CopyBytes(name_, host, ctx_.positions.data(), pos_bytes, stream_, false));
+    DS_RETURN_IF_ERROR(
+        cuda::CopyBytes(name_, host + pos_bytes, ctx_.values.data(), val_bytes, stream_, false));
+    DS_RETURN_IF_ERROR(cuda::CopyBytes(name_, host + pos_bytes + val_bytes, ctx_.old_values.data(),
+                                       val_bytes, stream_, true));
+    on_host_ = true;
     return Status::OK();
   }
 
@@ -313,6 +307,7 @@ class SourceImpl final : public DeviceSource {
   DType dtype_;
   uint32_t w_;
   uint64_t numel_;
+  uint64_t unit_;
   uint64_t chunk_;
   cuda::Buffer snapshot_;
   bool have_ = false;
@@ -321,20 +316,24 @@ class SourceImpl final : public DeviceSource {
   uint64_t chunk_first_ = 0;
   uint64_t chunk_count_ = 0;  // 0: no chunk diffed
   StateDigest chunk_digest_;
-  std::vector<UndoChunk> undo_;
+  std::vector<uint64_t> offsets_;  // per unit of the chunk, where its changes start
+  bool wide_ = false;
+  uint64_t changed_ = 0;
+  bool on_host_ = false;
 };
 
 class DestinationImpl final : public DeviceDestination {
  public:
   DestinationImpl(ContextImpl& ctx, std::string name, DType dtype, DestinationMap map,
-                  uint8_t* dest, void* stream)
+                  uint8_t* dest, void* stream, cuda::Buffer device_runs)
       : ctx_(ctx),
         name_(std::move(name)),
         dtype_(dtype),
         w_(static_cast<uint32_t>(DTypeSize(dtype))),
         map_(std::move(map)),
         dest_(dest),
-        stream_(stream) {
+        stream_(stream),
+        runs_(std::move(device_runs)) {
     const auto runs = map_.runs();
     whole_ = runs.size() == 1 && runs[0].hf_first == 0 && runs[0].count == map_.hf_numel() &&
              runs[0].dest_offset == 0;
@@ -342,6 +341,20 @@ class DestinationImpl final : public DeviceDestination {
 
   Result<uint64_t> Apply(const FlushEntry& e) override {
     const auto runs = map_.runs();
+    if (!e.host_readable && e.encoding == WireEncoding::kIndices) {
+      // Straight from the device bucket, through the runs: the frame's
+      // check proved the positions inside the entry's range.
+      cuda::DeviceTensor dest = View(0, map_.dest_extent());
+      const cuda::DeviceChanges changes{e.positions.data(), e.position_width == 8, e.values.data(),
+                                        e.value_count};
+      DS_RETURN_IF_ERROR(cuda::ScatterRunsOnDevice(
+          dest, changes, static_cast<const cuda::DeviceRun*>(runs_.data()), runs.size()));
+      return e.value_count;
+    }
+    if (!e.host_readable && e.encoding != WireEncoding::kDense) {
+      return Status::Internal(Quoted(name_) + ": a " + std::string(WireEncodingName(e.encoding)) +
+                              " entry left in device memory");
+    }
     if (e.encoding == WireEncoding::kDense) {
       // Contiguous pieces, one per run the range meets.
       uint64_t written = 0;
@@ -401,6 +414,8 @@ class DestinationImpl final : public DeviceDestination {
     return n;
   }
 
+  Status Wait() override { return cuda::Synchronize(stream_); }
+
   Result<StateDigest> Digest() override {
     StateDigest sum;
     for (const DestinationRun& r : map_.runs()) {
@@ -429,9 +444,195 @@ class DestinationImpl final : public DeviceDestination {
   DestinationMap map_;
   uint8_t* dest_;
   void* stream_;
+  cuda::Buffer runs_;  // the map's runs on the device (cuda::DeviceRun)
   bool whole_ = false;
   std::vector<int64_t> dest_positions_;
   std::vector<uint8_t> gathered_;
+};
+
+// The trailer of docs/format.md: high64 then low64, most significant byte
+// first.
+std::array<uint8_t, kFlushTrailerBytes> Trailer(const cuda::Hash128& h) {
+  std::array<uint8_t, kFlushTrailerBytes> t{};
+  for (int k = 0; k < 8; ++k) {
+    t[k] = static_cast<uint8_t>(h.high64 >> (56 - 8 * k));
+    t[8 + k] = static_cast<uint8_t>(h.low64 >> (56 - 8 * k));
+  }
+  return t;
+}
+
+std::string Hex(std::span<const uint8_t> bytes) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string s;
+  for (uint8_t b : bytes) {
+    s += kDigits[b >> 4];
+    s += kDigits[b & 15];
+  }
+  return s;
+}
+
+constexpr std::string_view kFrameName = "a device frame";
+
+class FrameImpl final : public DeviceFrame {
+ public:
+  FrameImpl(ContextImpl& ctx, uint64_t budget, cuda::Buffer bucket)
+      : ctx_(ctx), budget_(budget), bucket_(std::move(bucket)) {}
+
+  Status Begin(const FlushHeader& header, void* stream) override {
+    finished_ = 0;
+    streams_.clear();
+    stream_ = stream;
+    streams_.insert(stream);
+    DS_RETURN_IF_ERROR(writer_.BeginPlaced(header, budget_, &head_));
+    return cuda::ZeroBytes(kFrameName, bucket_.data(), budget_, stream);
+  }
+
+  Result<bool> AddDense(const TensorRange& range, const uint8_t* values, void* stream) override {
+    DS_ASSIGN_OR_RETURN(std::optional<PlacedEntry> e, writer_.PlaceDense(range));
+    if (!e) return false;
+    DS_RETURN_IF_ERROR(On(stream));
+    DS_RETURN_IF_ERROR(cuda::CopyBytes(range.name, Bytes(bucket_) + e->values_offset, values,
+                                       e->values_bytes, stream, false));
+    return true;
+  }
+
+  Result<bool> AddIndices(const TensorRange& range, const DeviceUnitChanges& c,
+                          void* stream) override {
+    DS_ASSIGN_OR_RETURN(std::optional<PlacedEntry> e, writer_.PlaceIndices(range, c.count));
+    if (!e) return false;
+    DS_RETURN_IF_ERROR(On(stream));
+    DS_RETURN_IF_ERROR(cuda::CopyPositionsOnDevice(range.name, Bytes(bucket_) + e->positions_offset,
+                                                   e->position_width == 8, c.positions, c.wide,
+                                                   c.count, c.base, stream));
+    DS_RETURN_IF_ERROR(cuda::CopyBytes(range.name, Bytes(bucket_) + e->values_offset, c.values,
+                                       e->values_bytes, stream, false));
+    return true;
+  }
+
+  Result<bool> AddDigest(std::string_view name, const DigestBlock& block,
+                         const StateDigest& digest) override {
+    return writer_.AddDigest(name, block, digest);
+  }
+
+  Status Finish() override {
+    const uint64_t payload_end = writer_.payload_end();
+    DS_RETURN_IF_ERROR(writer_.Finish());
+    // Every copy into the payload is done before the hash reads it.
+    for (void* s : streams_) {
+      if (s != stream_) DS_RETURN_IF_ERROR(cuda::Synchronize(s));
+    }
+    const uint64_t manifest = head_.size() - kFlushHeaderBytes;
+    const uint64_t total = payload_end + manifest + kFlushTrailerBytes;
+    uint8_t* f = Bytes(bucket_);
+    DS_RETURN_IF_ERROR(
+        cuda::CopyBytes(kFrameName, f, head_.data(), kFlushHeaderBytes, stream_, false));
+    DS_RETURN_IF_ERROR(cuda::CopyBytes(kFrameName, f + payload_end,
+                                       head_.data() + kFlushHeaderBytes, manifest, stream_, false));
+    DS_ASSIGN_OR_RETURN(
+        const cuda::Hash128 h,
+        cuda::Xxh3_128OnDevice(ctx_.ws(), kFrameName, f, total - kFlushTrailerBytes, stream_));
+    trailer_ = Trailer(h);
+    DS_RETURN_IF_ERROR(cuda::CopyBytes(kFrameName, f + total - kFlushTrailerBytes, trailer_.data(),
+                                       kFlushTrailerBytes, stream_, true));
+    finished_ = total;
+    return Status::OK();
+  }
+
+  std::span<const uint8_t> frame() const override { return {Bytes(bucket_), finished_}; }
+  uint32_t entry_count() const override { return writer_.entry_count(); }
+  uint64_t buffer_bytes() const override { return bucket_.size(); }
+
+ private:
+  // Work on `stream` after the frame's own: the zeroing, and copies queued
+  // on another stream (tensors on several streams), are done first.
+  Status On(void* stream) {
+    if (streams_.insert(stream).second) DS_RETURN_IF_ERROR(cuda::Synchronize(stream_));
+    return Status::OK();
+  }
+
+  ContextImpl& ctx_;
+  uint64_t budget_;
+  cuda::Buffer bucket_;
+  FlushWriter writer_;
+  std::vector<uint8_t> head_;  // the header and manifest, on the host
+  void* stream_ = nullptr;
+  std::set<void*> streams_;
+  std::array<uint8_t, kFlushTrailerBytes> trailer_{};
+  uint64_t finished_ = 0;
+};
+
+constexpr std::string_view kReceivedName = "a received frame";
+
+class FrameReaderImpl final : public DeviceFrameReader {
+ public:
+  FrameReaderImpl(ContextImpl& ctx, cuda::OwnedStream stream)
+      : ctx_(ctx), stream_(std::move(stream)) {}
+
+  Result<std::span<uint8_t>> Bucket(uint64_t bytes) override {
+    DS_RETURN_IF_ERROR(Reserve(&bucket_, bytes, ctx_.device()));
+    return std::span<uint8_t>(Bytes(bucket_), bytes);
+  }
+
+  Status Read(FlushReader* reader, uint64_t bytes) override {
+    if (bytes < kFlushHeaderBytes + kFlushTrailerBytes || bytes > bucket_.size()) {
+      return Status::Corruption("flush frame of " + std::to_string(bytes) +
+                                " bytes: shorter than a 64-byte header and a 16-byte trailer");
+    }
+    void* s = stream_.get();
+    const uint8_t* f = Bytes(bucket_);
+    // Nothing is believed before the trailer.
+    DS_ASSIGN_OR_RETURN(
+        const cuda::Hash128 h,
+        cuda::Xxh3_128OnDevice(ctx_.ws(), kReceivedName, f, bytes - kFlushTrailerBytes, s));
+    std::array<uint8_t, kFlushHeaderBytes + kFlushTrailerBytes> ends{};
+    DS_RETURN_IF_ERROR(cuda::CopyBytes(kReceivedName, ends.data(), f, kFlushHeaderBytes, s, false));
+    DS_RETURN_IF_ERROR(cuda::CopyBytes(kReceivedName, ends.data() + kFlushHeaderBytes,
+                                       f + bytes - kFlushTrailerBytes, kFlushTrailerBytes, s,
+                                       true));
+    const std::array<uint8_t, kFlushTrailerBytes> sum = Trailer(h);
+    const std::span<const uint8_t> trailer(ends.data() + kFlushHeaderBytes, kFlushTrailerBytes);
+    if (!std::equal(sum.begin(), sum.end(), trailer.begin())) {
+      return Status::Corruption(
+          "flush frame of " + std::to_string(bytes) + " bytes (unverified sync " +
+          std::to_string(LoadLe<uint64_t>(ends.data() + 8)) + "): xxh3-128 mismatch: trailer " +
+          Hex(trailer) + ", frame hashes to " + Hex(sum));
+    }
+    const auto manifest = [&](uint64_t offset, uint64_t size) -> Result<std::span<const uint8_t>> {
+      manifest_.resize(size);
+      DS_RETURN_IF_ERROR(cuda::CopyBytes(kReceivedName, manifest_.data(), f + offset, size, s,
+                                         /*wait=*/true));
+      return std::span<const uint8_t>(manifest_);
+    };
+    const PayloadChecker check = [&](const PayloadChecks& c) -> Result<std::optional<uint64_t>> {
+      std::vector<cuda::ZeroCheck> zeros;
+      zeros.reserve(c.zeros.size());
+      for (const PayloadChecks::Zero& z : c.zeros) zeros.push_back({z.offset, z.bytes});
+      std::vector<cuda::PositionCheck> positions;
+      positions.reserve(c.positions.size());
+      for (const PayloadChecks::Positions& p : c.positions) {
+        positions.push_back({p.offset, p.count, p.width, p.first, p.end});
+      }
+      return cuda::CheckFrameOnDevice(ctx_.ws(), kReceivedName, f, zeros, positions, s);
+    };
+    bool needs_host = false;
+    DS_RETURN_IF_ERROR(reader->ReadPlaced(std::span<const uint8_t>(ends.data(), kFlushHeaderBytes),
+                                          bytes, manifest, f, check, &needs_host));
+    if (!needs_host) return Status::OK();
+    host_.resize(bytes);
+    DS_RETURN_IF_ERROR(cuda::CopyBytes(kReceivedName, host_.data(), f, bytes, s, /*wait=*/true));
+    return reader->Read(host_);
+  }
+
+  uint64_t buffer_bytes() const override {
+    return bucket_.size() + manifest_.capacity() + host_.capacity();
+  }
+
+ private:
+  ContextImpl& ctx_;
+  cuda::OwnedStream stream_;
+  cuda::Buffer bucket_;
+  std::vector<uint8_t> manifest_;
+  std::vector<uint8_t> host_;
 };
 
 }  // namespace
@@ -443,16 +644,20 @@ Result<std::unique_ptr<DeviceContext>> DeviceContext::Create(int cuda_device) {
 
 Result<std::unique_ptr<DeviceSource>> DeviceSource::Create(DeviceContext& ctx, std::string name,
                                                            DType dtype, uint64_t numel,
-                                                           uint64_t chunk) {
+                                                           uint64_t unit, uint64_t chunk) {
+  if (unit == 0 || chunk % unit != 0) {
+    return Status::InvalidArgument(Quoted(name) + ": a chunk of " + std::to_string(chunk) +
+                                   " elements is not a multiple of the unit of " +
+                                   std::to_string(unit));
+  }
   Result<cuda::Buffer> snapshot =
       cuda::Buffer::Device(std::max<uint64_t>(numel * DTypeSize(dtype), 1), ctx.device());
   if (!snapshot.ok()) {
     return Status(snapshot.status().code(),
                   Quoted(name) + ": its device snapshot: " + snapshot.status().message());
   }
-  return std::unique_ptr<DeviceSource>(new SourceImpl(Impl(ctx), std::move(name), dtype, numel,
-                                                      std::max<uint64_t>(chunk, 1),
-                                                      std::move(*snapshot)));
+  return std::unique_ptr<DeviceSource>(
+      new SourceImpl(Impl(ctx), std::move(name), dtype, numel, unit, chunk, std::move(*snapshot)));
 }
 
 Result<std::unique_ptr<DeviceDestination>> DeviceDestination::Create(DeviceContext& ctx,
@@ -478,8 +683,29 @@ Result<std::unique_ptr<DeviceDestination>> DeviceDestination::Create(DeviceConte
   t.data = dest.data();
   t.stream = place.cuda_stream;
   DS_RETURN_IF_ERROR(cuda::CheckDeviceTensor(t, ctx.device()));
-  return std::unique_ptr<DeviceDestination>(
-      new DestinationImpl(Impl(ctx), std::move(name), dtype, map, dest.data(), place.cuda_stream));
+  // The runs go to the device once, for the scatter from device frames.
+  std::vector<cuda::DeviceRun> device_runs;
+  for (const DestinationRun& r : runs) device_runs.push_back({r.hf_first, r.count, r.dest_offset});
+  DS_ASSIGN_OR_RETURN(
+      cuda::Buffer runs_buffer,
+      cuda::Buffer::Device(device_runs.size() * sizeof(cuda::DeviceRun), ctx.device()));
+  DS_RETURN_IF_ERROR(cuda::CopyBytes(name, runs_buffer.data(), device_runs.data(),
+                                     device_runs.size() * sizeof(cuda::DeviceRun),
+                                     place.cuda_stream, /*wait=*/true));
+  return std::unique_ptr<DeviceDestination>(new DestinationImpl(Impl(ctx), std::move(name), dtype,
+                                                                map, dest.data(), place.cuda_stream,
+                                                                std::move(runs_buffer)));
+}
+
+Result<std::unique_ptr<DeviceFrame>> DeviceFrame::Create(DeviceContext& ctx,
+                                                         uint64_t budget_bytes) {
+  DS_ASSIGN_OR_RETURN(cuda::Buffer bucket, cuda::Buffer::Device(budget_bytes, ctx.device()));
+  return std::unique_ptr<DeviceFrame>(new FrameImpl(Impl(ctx), budget_bytes, std::move(bucket)));
+}
+
+Result<std::unique_ptr<DeviceFrameReader>> DeviceFrameReader::Create(DeviceContext& ctx) {
+  DS_ASSIGN_OR_RETURN(cuda::OwnedStream stream, cuda::OwnedStream::Create(ctx.device()));
+  return std::unique_ptr<DeviceFrameReader>(new FrameReaderImpl(Impl(ctx), std::move(stream)));
 }
 
 #endif  // DS_HAVE_CUDA

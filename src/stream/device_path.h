@@ -1,13 +1,19 @@
 // The stream's tensors in CUDA device memory (include/deltasync/stream.h,
 // Placement), on the cuda module's kernels (include/deltasync/cuda.h):
 //   sender    the snapshot lives on the device; each chunk of a tensor is
-//             diffed there (compare, compaction, snapshot refresh and digest
-//             change in one pass) and only its changes come back to the host
-//             frames, through pinned staging. The refresh is undone, from a
-//             log of the old values, when the sync does not commit.
-//   receiver  frame entries are copied up and scattered into the live
-//             device tensor (positions checked on the device first), and its
-//             digests are recomputed from device memory at every sync.
+//             diffed there (compare, compaction and digest change in one
+//             pass). Over a communicator that sends device memory the
+//             frames are built on the device too (DeviceFrame): positions
+//             and values go from the diff's outputs into a device bucket,
+//             the host writes only the header and manifest, the trailer is
+//             hashed on the device. Otherwise only the changes come back to
+//             the host frames, through pinned staging. A commit copies the
+//             tensor into the snapshot; a failed sync leaves it as it was.
+//   receiver  over such a communicator, frames arrive in a device bucket
+//             and are checked there (DeviceFrameReader: trailer, padding,
+//             positions), entries scattered straight from it into the live
+//             tensors; otherwise host entries are copied up and scattered.
+//             Digests are recomputed from device memory at every sync.
 // Built without CUDA, Create answers Unsupported, naming the tensor.
 #pragma once
 
@@ -42,25 +48,48 @@ class DeviceContext {
   virtual uint64_t buffer_bytes() const = 0;
 };
 
+// A unit's changes left in device memory (DeviceSource::DeviceChanges):
+// `count` positions from `base` (int32, or int64 with `wide`; base +
+// position is the tensor's flat position), their new and old values.
+struct DeviceUnitChanges {
+  const void* positions = nullptr;
+  bool wide = false;
+  uint64_t base = 0;
+  const void* values = nullptr;
+  const void* old_values = nullptr;
+  uint64_t count = 0;
+};
+
 // The sender's state of one device tensor.
 class DeviceSource {
  public:
-  // `chunk` elements (a multiple of the sender's unit of work) are diffed
-  // at a time.
+  // `chunk` elements (a multiple of the sender's unit of work, `unit`) are
+  // diffed at a time.
   static Result<std::unique_ptr<DeviceSource>> Create(DeviceContext& ctx, std::string name,
-                                                      DType dtype, uint64_t numel, uint64_t chunk);
+                                                      DType dtype, uint64_t numel, uint64_t unit,
+                                                      uint64_t chunk);
   virtual ~DeviceSource() = default;
 
   // Binds the sync's current values (`bytes`: device memory of `place`).
   // InvalidArgument naming the tensor for host memory, another device or a
   // wrong size.
   virtual Status Begin(std::span<const uint8_t> bytes, const Placement& place) = 0;
-  // The changes of elements [first, first + count) against the snapshot
-  // (positions from first, new and old values), refreshing the snapshot.
-  // Units come in ascending order within a sync, and a tensor's units
-  // before another's: a diffed chunk's changes wait in the context's
-  // shared pinned staging.
+  // The changes of unit [first, first + count) against the snapshot
+  // (positions from first, new and old values). Units come in ascending
+  // order within a sync, and a tensor's units before another's: a diffed
+  // chunk's changes wait in the context's shared pinned staging.
   virtual Status Changes(uint64_t first, uint64_t count, ChangeSet* out) = 0;
+  // The same changes left in device memory, valid until the next chunk is
+  // diffed (the context's scratch); nothing comes back to the host.
+  virtual Result<DeviceUnitChanges> DeviceChanges(uint64_t first, uint64_t count) = 0;
+  // The digest change of `changes` (DeviceChanges) over the elements of
+  // `block` only: a receiver that holds a slice.
+  virtual Result<StateDigest> BlockDigestChange(const DeviceUnitChanges& changes,
+                                                const DigestBlock& block) = 0;
+  // The current values from element `first` (device memory), and the
+  // stream that orders work on them.
+  virtual const uint8_t* current(uint64_t first) const = 0;
+  virtual void* stream() const = 0;
   // What the unit adds to the digest of the whole tensor: before a
   // snapshot (`seed`), the digest of its current values; after, its share
   // of the change since the snapshot (the sum over the units is the
@@ -69,13 +98,13 @@ class DeviceSource {
   // The current values of the unit, in host memory valid until the next
   // call.
   virtual Result<std::span<const uint8_t>> Dense(uint64_t first, uint64_t count) = 0;
-  // The sync committed: the snapshot holds the current values (the diff
-  // wrote the changes in; `whole`, or before a first commit, they are
-  // copied in whole: a seeding sync diffs nothing).
-  virtual Status Commit(bool whole) = 0;
-  // The sync failed: the snapshot goes back to the committed values. When
-  // that fails, the snapshot is dropped (the next Commit copies it whole).
-  virtual Status Rollback() = 0;
+  // The sync committed: the current values are copied into the snapshot
+  // (one device copy: cheaper than logging the diff's writes to undo them).
+  // When the copy fails, the snapshot is dropped.
+  virtual Status Commit() = 0;
+  // The sync failed: the snapshot, which the diff does not write, still
+  // holds the committed values.
+  virtual void Rollback() = 0;
   // The digest of the committed values in `block` (after a commit).
   virtual Result<StateDigest> SnapshotDigest(const DigestBlock& block) = 0;
   // The committed values (device memory); empty before the first commit.
@@ -94,10 +123,64 @@ class DeviceDestination {
                                                            std::span<uint8_t> dest,
                                                            const Placement& place);
   virtual ~DeviceDestination() = default;
-  // Writes a checked entry's values in place; the elements written.
+  // Writes a checked entry's values in place; the elements written. An
+  // entry that is not host_readable lies in a device bucket of the same
+  // device (DeviceFrameReader) and is scattered from there, enqueued only:
+  // Wait before the bucket is reused.
   virtual Result<uint64_t> Apply(const FlushEntry& entry) = 0;
+  // Waits for the applies enqueued so far.
+  virtual Status Wait() = 0;
   // The digest of every held element, read from device memory.
   virtual Result<StateDigest> Digest() = 0;
+};
+
+// A flush frame built in device memory for a communicator that sends it
+// from there: the same bytes FlushWriter builds (docs/format.md, "Stream:
+// flush frame"), but the payload is copied device to device from the
+// diff's outputs and the tensors, the host lays it out (FlushWriter's
+// placed frames) and writes the header and manifest, and the trailer is
+// hashed on the device. One thread at a time.
+class DeviceFrame {
+ public:
+  // A bucket of `budget_bytes` on the context's device.
+  static Result<std::unique_ptr<DeviceFrame>> Create(DeviceContext& ctx, uint64_t budget_bytes);
+  virtual ~DeviceFrame() = default;
+  // Starts a frame; its payload bytes are zeroed on `stream` (the padding).
+  virtual Status Begin(const FlushHeader& header, void* stream) = 0;
+  // Entries from device memory, copied on `stream` (the tensor's): false
+  // when they do not fit, the frame unchanged. The refusals of
+  // FlushWriter's Add calls.
+  virtual Result<bool> AddDense(const TensorRange& range, const uint8_t* values, void* stream) = 0;
+  virtual Result<bool> AddIndices(const TensorRange& range, const DeviceUnitChanges& changes,
+                                  void* stream) = 0;
+  virtual Result<bool> AddDigest(std::string_view name, const DigestBlock& block,
+                                 const StateDigest& digest) = 0;
+  // Header, manifest and trailer; when it returns the frame is whole in
+  // device memory, every copy into it done.
+  virtual Status Finish() = 0;
+  // The finished frame (device memory).
+  virtual std::span<const uint8_t> frame() const = 0;
+  virtual uint32_t entry_count() const = 0;
+  virtual uint64_t buffer_bytes() const = 0;
+};
+
+// A receiver's bucket in device memory and the checks of the frames that
+// arrive in it: the trailer hashed on the device, the header and manifest
+// copied out and checked by FlushReader::ReadPlaced, the payload's padding
+// and positions checked on the device. A frame with sparse entries (zstd,
+// decoded on the host) is copied out and read whole. One thread at a time.
+class DeviceFrameReader {
+ public:
+  static Result<std::unique_ptr<DeviceFrameReader>> Create(DeviceContext& ctx);
+  virtual ~DeviceFrameReader() = default;
+  // The bucket, grown to `bytes` (its contents are not kept), to receive
+  // a frame into.
+  virtual Result<std::span<uint8_t>> Bucket(uint64_t bytes) = 0;
+  // Reads the frame of `bytes` bytes in the bucket into `reader` (as
+  // FlushReader::Read: nothing exposed unless every check passes). Its
+  // entries view the bucket, or a host copy when it held sparse entries.
+  virtual Status Read(FlushReader* reader, uint64_t bytes) = 0;
+  virtual uint64_t buffer_bytes() const = 0;
 };
 
 }  // namespace deltasync::stream

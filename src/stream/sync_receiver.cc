@@ -66,7 +66,14 @@ class Receiver final : public StreamReceiver {
  private:
   Status Join();
   void Drop() { comm_.reset(); }
-  Status TakeFrame(bool envelope_last, SyncState* sync, ReceiveStats* stats);
+  // Checks and applies the frame of `bytes` bytes just received (in
+  // bucket_, or in the device bucket with `on_device`).
+  Status TakeFrame(bool envelope_last, bool on_device, uint64_t bytes, SyncState* sync,
+                   ReceiveStats* stats);
+  // The device bucket frames are received into, when every registered
+  // tensor lives on one device and the communicator takes device memory;
+  // null otherwise.
+  Result<stream::DeviceFrameReader*> DeviceFrames();
   void Verify(SyncState* sync, ReceiveStats* stats);
 
   CommunicatorFactory connect_;
@@ -79,6 +86,7 @@ class Receiver final : public StreamReceiver {
   uint64_t last_sync_id_ = 0;  // the highest sync id taken on this connection
   FlushReader reader_;
   std::vector<uint8_t> bucket_;
+  std::unique_ptr<stream::DeviceFrameReader> device_frames_;
 };
 
 Status Receiver::Register(std::string name, DType dtype, std::vector<int64_t> shape,
@@ -177,10 +185,27 @@ Status Receiver::Join() {
   return Status::OK();
 }
 
-Status Receiver::TakeFrame(bool envelope_last, SyncState* sync, ReceiveStats* stats) {
+Result<stream::DeviceFrameReader*> Receiver::DeviceFrames() {
+  if (device_frames_) return device_frames_.get();
+  if (!options_.device_frames || !comm_->capabilities().device_buffers || devices_.size() != 1) {
+    return nullptr;
+  }
+  for (const auto& [name, d] : dests_) {
+    if (!d.device) return nullptr;
+  }
+  Result<std::unique_ptr<stream::DeviceFrameReader>> r =
+      stream::DeviceFrameReader::Create(*devices_.begin()->second);
+  if (!r.ok()) return Status(r.status().code(), "a device frame bucket: " + r.status().message());
+  device_frames_ = std::move(*r);
+  return device_frames_.get();
+}
+
+Status Receiver::TakeFrame(bool envelope_last, bool on_device, uint64_t bytes, SyncState* sync,
+                           ReceiveStats* stats) {
   const uint64_t index = sync->frames - 1;
   const std::string where = "flush frame " + std::to_string(index) + " of the sync";
-  if (Status s = reader_.Read(bucket_); !s.ok()) {
+  if (Status s = on_device ? device_frames_->Read(&reader_, bytes) : reader_.Read(bucket_);
+      !s.ok()) {
     return Status(s.code(), where + ": " + s.message());
   }
   const stream::FlushHeader& h = reader_.header();
@@ -263,6 +288,19 @@ Status Receiver::TakeFrame(bool envelope_last, SyncState* sync, ReceiveStats* st
     ++sync->entries;
     sync->named.insert(d.name);
   }
+  if (on_device) {
+    // The bucket takes the next frame only once every scatter from it ran.
+    std::set<std::string_view> waited;
+    for (const FlushEntry& e : reader_.entries()) {
+      if (!waited.insert(e.name).second) continue;
+      if (Status s = dests_.find(e.name)->second.device->Wait(); !s.ok()) {
+        sync->clean = false;
+        return Status(s.code(),
+                      frame + ": applying tensor '" + std::string(e.name) + "': " + s.message());
+      }
+    }
+    ++stats->device_frames;
+  }
   stats->apply_s += SecondsSince(t0);
   for (const stream::FlushDigest& r : reader_.digests()) {
     sync->records[std::string(r.name)] = r.digest;
@@ -336,16 +374,28 @@ Result<ReceiveStats> Receiver::ReceiveSync() {
                                 " (it leaves the group)");
     }
     const auto t0 = Clock::now();
-    bucket_.resize(env->body_bytes);
-    if (Status s = comm_->Recv(0, bucket_); !s.ok()) {
+    // Into device memory when the frames are applied there.
+    Result<stream::DeviceFrameReader*> device = DeviceFrames();
+    Status s = device.status();
+    std::span<uint8_t> into;
+    if (s.ok() && *device != nullptr) {
+      Result<std::span<uint8_t>> b = (*device)->Bucket(env->body_bytes);
+      s = b.status();
+      if (b.ok()) into = *b;
+    } else if (s.ok()) {
+      bucket_.resize(env->body_bytes);
+      into = bucket_;
+    }
+    if (s.ok()) s = comm_->Recv(0, into);
+    if (!s.ok()) {
       Drop();
       return Status(s.code(), "taking a flush frame: " + s.message());
     }
     if (sync.frames > 0) stats.receive_s += SecondsSince(t0);
     ++sync.frames;
-    stats.bytes += bucket_.size();
+    stats.bytes += env->body_bytes;
     if (sync.refused.ok()) {
-      sync.refused = TakeFrame(env->last, &sync, &stats);
+      sync.refused = TakeFrame(env->last, *device != nullptr, env->body_bytes, &sync, &stats);
     }
     if (env->last) break;
   }

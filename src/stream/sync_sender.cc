@@ -152,6 +152,10 @@ class Sender final : public StreamSender {
     std::set<std::string, std::less<>> named;  // tensors its entries named
     FlushWriter writer;
     std::vector<uint8_t> bucket;
+    // Device tensors over a communicator that sends device memory: the
+    // frames are built in this device bucket instead (the records frame
+    // that ends the sync still goes through `bucket`).
+    std::unique_ptr<stream::DeviceFrame> device;
     uint32_t frames = 0;
     bool open = false;
     // Its finished frames travel on the flight thread while the next one
@@ -165,7 +169,8 @@ class Sender final : public StreamSender {
   // uses the stream communicator until Land returns.
   struct Flight {
     std::thread thread;
-    std::vector<uint8_t> frame;  // in flight, or the idle second bucket
+    std::vector<uint8_t> frame;                   // in flight, or the idle second bucket
+    std::unique_ptr<stream::DeviceFrame> device;  // the same, in device memory
     Status status;
     double seconds = 0;
     uint64_t bytes = 0;
@@ -179,13 +184,14 @@ class Sender final : public StreamSender {
     std::vector<Group*> group_of;
     Status streamed;
     Clock::time_point start;
+    bool device_frames = false;  // every group builds its frames on the device
   };
 
   Status CheckModel(std::span<const TensorMeta> tensors, std::vector<TensorState*>* order);
   // `start`: when the sync call began (its total_s counts from there).
   Status BeginSync(Round* round, Clock::time_point start);
   // Records, reports, and the decision; on success `commit` advances the
-  // snapshot, on failure device snapshots go back.
+  // snapshot, on failure nothing advances.
   Result<SyncStats> EndSync(Round* round, const std::vector<TensorState*>& order,
                             const std::function<Status()>& commit);
   // The snapshot is not known to hold the committed state: the next sync
@@ -207,8 +213,13 @@ class Sender final : public StreamSender {
   // Waits for the frame in flight, if any: its send's status, its time and
   // bytes added to `stats` (when given).
   Status Land(SyncStats* stats);
+  // Adds one entry to the group's frame through add(g) (false: it did not
+  // fit), finishing and sending the frame and starting the next as needed.
   template <typename AddFn>
   Status Add(Group& g, uint64_t sync_id, SyncStats* stats, AddFn&& add);
+  // The device context every tensor lives on, when they all live on one
+  // device: frames can then be built there.
+  stream::DeviceContext* FrameDevice() const;
   Status StreamTensor(TensorState& t, const UnitSource& src, Round* round);
   Status SendRecords(Peer& peer, Group& g, uint64_t sync_id, bool verify_all,
                      const std::vector<TensorState*>& order, SyncStats* stats);
@@ -233,6 +244,8 @@ class Sender final : public StreamSender {
   uint64_t local_syncs_ = 0;  // sharded ranks other than 0: syncs taken part in
   std::vector<uint8_t> scratch_;
   std::vector<std::vector<uint8_t>> spare_buckets_;  // the last sync's, reused
+  std::vector<std::unique_ptr<stream::DeviceFrame>> spare_device_frames_;
+  void* frame_stream_ = nullptr;  // the stream of the device tensor being streamed
   Flight flight_;
   std::unique_ptr<Communicator> comm_;
   bool welcomed_ = false;
@@ -332,8 +345,8 @@ Status Sender::CheckModel(std::span<const TensorMeta> tensors, std::vector<Tenso
           ctx = std::move(*c);
         }
         const uint64_t chunk = t.unit * std::max<uint64_t>(1, kDeviceChunkElements / t.unit);
-        DS_ASSIGN_OR_RETURN(t.device,
-                            stream::DeviceSource::Create(*ctx, t.name, t.dtype, t.numel, chunk));
+        DS_ASSIGN_OR_RETURN(
+            t.device, stream::DeviceSource::Create(*ctx, t.name, t.dtype, t.numel, t.unit, chunk));
         // Memory that is not where the placement says refuses the model.
         DS_RETURN_IF_ERROR(t.device->Begin(x.data, x.place));
       }
@@ -451,6 +464,11 @@ Status Sender::Begin(Group& g, uint64_t sync_id, bool last, bool verify_all) {
   h.verify_all = verify_all;
   // Reserved once, so that a frame never reallocates (and a small model
   // does not take a whole bucket).
+  if (g.device) {
+    DS_RETURN_IF_ERROR(g.device->Begin(h, frame_stream_));
+    g.open = true;
+    return Status::OK();
+  }
   if (g.bucket.capacity() == 0) g.bucket.reserve(bucket_reserve_);
   DS_RETURN_IF_ERROR(g.writer.Begin(h, options_.bucket_bytes, &g.bucket));
   g.open = true;
@@ -459,24 +477,31 @@ Status Sender::Begin(Group& g, uint64_t sync_id, bool last, bool verify_all) {
 
 Status Sender::Flush(Group& g, bool last, SyncStats* stats) {
   const auto t0 = Clock::now();
-  DS_RETURN_IF_ERROR(g.writer.Finish());
+  DS_RETURN_IF_ERROR(g.device ? g.device->Finish() : g.writer.Finish());
   stats->encode_s += SecondsSince(t0);
   g.open = false;
   ++g.frames;
   ++stats->frames;
+  if (g.device) ++stats->device_frames;
   std::vector<int> ranks;
   for (size_t m : g.members) ranks.push_back(peers_[m].rank);
   if (!g.overlap) {
     const auto t1 = Clock::now();
-    Status s = SendFrame(*comm_, ranks, last, g.bucket, &stats->bytes_sent);
+    Status s = SendFrame(*comm_, ranks, last,
+                         g.device ? g.device->frame() : std::span<const uint8_t>(g.bucket),
+                         &stats->bytes_sent);
     stats->transfer_s += SecondsSince(t1);
     return s;
   }
   DS_RETURN_IF_ERROR(Land(stats));
   std::swap(g.bucket, flight_.frame);
-  flight_.thread = std::thread([this, ranks = std::move(ranks), last] {
+  std::swap(g.device, flight_.device);
+  const bool device = flight_.device != nullptr;
+  flight_.thread = std::thread([this, ranks = std::move(ranks), last, device] {
     const auto t1 = Clock::now();
-    flight_.status = SendFrame(*comm_, ranks, last, flight_.frame, &flight_.bytes);
+    flight_.status = SendFrame(
+        *comm_, ranks, last,
+        device ? flight_.device->frame() : std::span<const uint8_t>(flight_.frame), &flight_.bytes);
     flight_.seconds = SecondsSince(t1);
   });
   return Status::OK();
@@ -499,11 +524,11 @@ Status Sender::Add(Group& g, uint64_t sync_id, SyncStats* stats, AddFn&& add) {
   for (int attempt = 0; attempt < 2; ++attempt) {
     if (!g.open) DS_RETURN_IF_ERROR(Begin(g, sync_id, false, false));
     const auto t0 = Clock::now();
-    Result<bool> fit = add(g.writer);
+    Result<bool> fit = add(g);
     stats->encode_s += SecondsSince(t0);
     if (!fit.ok()) return fit.status();
     if (*fit) return Status::OK();
-    if (g.writer.entry_count() == 0) break;
+    if ((g.device ? g.device->entry_count() : g.writer.entry_count()) == 0) break;
     DS_RETURN_IF_ERROR(Flush(g, false, stats));
   }
   return Status::Internal("a unit of work does not fit an empty frame of " +
@@ -521,6 +546,10 @@ Status Sender::StreamTensor(TensorState& t, const UnitSource& src, Round* round)
     if (it != p.blocks.end()) delta.emplace(KeyOf(it->second), StateDigest{});
   }
   t.changed.assign(t.units(), 0);
+  // Frames on the device: the changes stay there, and entries are copied
+  // into the device buckets from the diff's outputs and the tensor.
+  stream::DeviceSource* dev = round->device_frames ? t.device.get() : nullptr;
+  if (dev) frame_stream_ = dev->stream();
   const TensorRange whole{t.name, t.dtype, t.shape, 0, t.numel};
   for (uint64_t u = 0; u < t.units(); ++u) {
     const uint64_t first = u * t.unit;
@@ -538,12 +567,20 @@ Status Sender::StreamTensor(TensorState& t, const UnitSource& src, Round* round)
     };
     bool resend = false;  // the whole unit, dense
     changes_.Clear();
+    stream::DeviceUnitChanges device_changes;
+    uint64_t n = 0;  // changed elements of the unit
     const auto t0 = Clock::now();
     if (have_snapshot_) {
-      DS_RETURN_IF_ERROR(src.changes(first, count, &changes_));
-      stats->changed += changes_.count();
+      if (dev) {
+        DS_ASSIGN_OR_RETURN(device_changes, dev->DeviceChanges(first, count));
+        n = device_changes.count;
+      } else {
+        DS_RETURN_IF_ERROR(src.changes(first, count, &changes_));
+        n = changes_.count();
+      }
+      stats->changed += n;
       resend = t.dirty[u] != 0;
-      if (resend || changes_.count() > 0) t.changed[u] = 1;
+      if (resend || n > 0) t.changed[u] = 1;
       // A block's digest moves by what its changed elements move it (a
       // resent unit's other elements hold what the snapshot holds).
       for (auto& [key, d] : delta) {
@@ -551,8 +588,11 @@ Status Sender::StreamTensor(TensorState& t, const UnitSource& src, Round* round)
         if (src.whole_digest && Covers(b, t.numel)) {
           DS_ASSIGN_OR_RETURN(StateDigest part, src.whole_digest(first, count, false));
           d += part;
-        } else if (changes_.count() == 0) {
+        } else if (n == 0) {
           continue;
+        } else if (dev) {
+          DS_ASSIGN_OR_RETURN(StateDigest part, dev->BlockDigestChange(device_changes, b));
+          d += part;
         } else if (Covers(b, t.numel)) {
           DS_RETURN_IF_ERROR(stream::UpdateStateDigest(
               &d, Positions::Of(changes_, first), changes_.old_values, changes_.new_values, t.w));
@@ -584,31 +624,47 @@ Status Sender::StreamTensor(TensorState& t, const UnitSource& src, Round* round)
     for (const std::unique_ptr<Group>& gp : round->groups) {
       Group& g = *gp;
       if (!g.holds.count(t.name)) continue;
-      if (g.seed || resend) {
+      if ((g.seed || resend) && dev) {
+        DS_RETURN_IF_ERROR(Add(g, sync_id, stats, [&](Group& gr) {
+          return gr.device->AddDense(range, dev->current(first), dev->stream());
+        }));
+        if (!g.seed) stats->sent_elements += count;
+      } else if (g.seed || resend) {
         DS_ASSIGN_OR_RETURN(std::span<const uint8_t> xu, dense());
         DS_RETURN_IF_ERROR(
-            Add(g, sync_id, stats, [&](FlushWriter& w) { return w.AddDense(range, xu); }));
+            Add(g, sync_id, stats, [&](Group& gr) { return gr.writer.AddDense(range, xu); }));
         if (!g.seed) stats->sent_elements += count;
-      } else if (changes_.count() > 0) {
-        const Positions pos = Positions::Of(changes_, first);
-        const uint64_t n = changes_.count();
+      } else if (n > 0) {
         const uint64_t pw = t.numel >= (uint64_t{1} << 31) ? 8 : 4;
         StreamEncoding e = options_.encoding;
         if (e == StreamEncoding::kIndices && n * (pw + t.w) >= count * t.w) {
           e = StreamEncoding::kDense;
         }
-        std::span<const uint8_t> xu;
-        if (e == StreamEncoding::kDense) {
-          DS_ASSIGN_OR_RETURN(xu, dense());
-        }
-        DS_RETURN_IF_ERROR(Add(g, sync_id, stats, [&](FlushWriter& w) -> Result<bool> {
-          switch (e) {
-            case StreamEncoding::kDense: return w.AddDense(range, xu);
-            case StreamEncoding::kIndices: return w.AddIndices(range, pos, changes_.new_values);
-            case StreamEncoding::kSparse: return w.AddSparse(range, pos, changes_.new_values);
+        if (dev) {
+          // BeginSync leaves sparse deltas, compressed on the host, to host
+          // frames.
+          DS_RETURN_IF_ERROR(Add(g, sync_id, stats, [&](Group& gr) -> Result<bool> {
+            if (e == StreamEncoding::kDense) {
+              return gr.device->AddDense(range, dev->current(first), dev->stream());
+            }
+            return gr.device->AddIndices(range, device_changes, dev->stream());
+          }));
+        } else {
+          const Positions pos = Positions::Of(changes_, first);
+          std::span<const uint8_t> xu;
+          if (e == StreamEncoding::kDense) {
+            DS_ASSIGN_OR_RETURN(xu, dense());
           }
-          return Status::Internal("unknown stream encoding");
-        }));
+          DS_RETURN_IF_ERROR(Add(g, sync_id, stats, [&](Group& gr) -> Result<bool> {
+            FlushWriter& w = gr.writer;
+            switch (e) {
+              case StreamEncoding::kDense: return w.AddDense(range, xu);
+              case StreamEncoding::kIndices: return w.AddIndices(range, pos, changes_.new_values);
+              case StreamEncoding::kSparse: return w.AddSparse(range, pos, changes_.new_values);
+            }
+            return Status::Internal("unknown stream encoding");
+          }));
+        }
         stats->sent_elements += e == StreamEncoding::kDense ? count : n;
       } else {
         continue;
@@ -715,7 +771,47 @@ Status Sender::BeginSync(Round* round, Clock::time_point start) {
       spare_buckets_.pop_back();
     }
   }
+  // Frames are built on the device when every tensor lives on one device
+  // and the communicator sends device memory, unless a delta is sparse
+  // (compressed on the host; seeds are dense). Buckets that cannot be had
+  // leave this sync to host frames.
+  bool deltas = false;
+  for (const std::unique_ptr<Group>& g : round->groups) deltas = deltas || !g->seed;
+  stream::DeviceContext* ctx = FrameDevice();
+  if (ctx != nullptr && options_.device_frames && comm_->capabilities().device_buffers &&
+      (options_.encoding != StreamEncoding::kSparse || !deltas)) {
+    const auto take = [&](std::unique_ptr<stream::DeviceFrame>* frame) -> bool {
+      if (*frame) return true;
+      if (!spare_device_frames_.empty()) {
+        *frame = std::move(spare_device_frames_.back());
+        spare_device_frames_.pop_back();
+        return true;
+      }
+      Result<std::unique_ptr<stream::DeviceFrame>> f =
+          stream::DeviceFrame::Create(*ctx, options_.bucket_bytes);
+      if (!f.ok()) return false;
+      *frame = std::move(*f);
+      return true;
+    };
+    bool ok = true;
+    for (const std::unique_ptr<Group>& g : round->groups) ok = ok && take(&g->device);
+    if (round->groups.size() == 1) ok = ok && take(&flight_.device);
+    round->device_frames = ok;
+    if (!ok) {
+      for (const std::unique_ptr<Group>& g : round->groups) {
+        if (g->device) spare_device_frames_.push_back(std::move(g->device));
+      }
+    }
+  }
   return Status::OK();
+}
+
+stream::DeviceContext* Sender::FrameDevice() const {
+  if (devices_.size() != 1) return nullptr;
+  for (const auto& [name, t] : tensors_) {
+    if (!t.device) return nullptr;
+  }
+  return devices_.begin()->second.get();
 }
 
 void Sender::ForgetSnapshot() {
@@ -742,14 +838,21 @@ Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>&
   stats.buffer_bytes = changes_.pos32.capacity() * 4 + changes_.pos64.capacity() * 8 +
                        changes_.new_values.capacity() + changes_.old_values.capacity() +
                        scratch_.capacity();
-  for (const std::unique_ptr<Group>& g : round->groups) stats.buffer_bytes += g->bucket.capacity();
+  for (const std::unique_ptr<Group>& g : round->groups) {
+    stats.buffer_bytes += g->bucket.capacity();
+    if (g->device) stats.buffer_bytes += g->device->buffer_bytes();
+  }
   stats.buffer_bytes += flight_.frame.capacity();
+  if (flight_.device) stats.buffer_bytes += flight_.device->buffer_bytes();
   // The buckets serve the next sync: their pages are not faulted in again
   // (the flight's stays with it).
   for (const std::unique_ptr<Group>& g : round->groups) {
     if (spare_buckets_.size() + (flight_.frame.capacity() > 0 ? 1 : 0) < kSpareBuckets &&
         g->bucket.capacity() > 0) {
       spare_buckets_.push_back(std::move(g->bucket));
+    }
+    if (g->device && spare_device_frames_.size() + (flight_.device ? 1 : 0) < kSpareBuckets) {
+      spare_device_frames_.push_back(std::move(g->device));
     }
   }
   for (const auto& [device, ctx] : devices_) stats.buffer_bytes += ctx->buffer_bytes();
@@ -813,12 +916,10 @@ Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>&
   // Nothing advances. What this sync changed is resent until one commits;
   // a receiver that failed while being seeded still needs its seed, and
   // one seeded now holds the sync's values, which the resend covers.
-  Status restored = Status::OK();
   for (TensorState* t : order) {
     for (uint64_t u = 0; u < t->changed.size(); ++u) t->dirty[u] |= t->changed[u];
     t->changed.clear();
-    if (!t->device) continue;
-    if (Status r = t->device->Rollback(); !r.ok() && restored.ok()) restored = r;
+    if (t->device) t->device->Rollback();
   }
   for (size_t i = 0; i < peers_.size(); ++i) {
     if (round->group_of[i]->seed && !failed[i] && have_snapshot_ && comm_) {
@@ -835,13 +936,6 @@ Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>&
         "next sync)";
   }
   for (const std::string& f : failures) msg += "; " + f;
-  if (!restored.ok()) {
-    ForgetSnapshot();
-    msg +=
-        "; the sender's device snapshot could not be restored (every receiver is reseeded "
-        "at the next sync): " +
-        restored.message();
-  }
   return Status(code == StatusCode::kOk ? StatusCode::kAborted : code, msg);
 }
 
@@ -895,9 +989,8 @@ Result<SyncStats> Sender::Sync(std::span<const SyncTensor> tensors) {
   }
   return EndSync(&round, order, [&]() -> Status {
     for (TensorState* t : order) {
-      // A device snapshot took the changes in the diff.
       if (t->device) {
-        DS_RETURN_IF_ERROR(t->device->Commit(!have_snapshot_));
+        DS_RETURN_IF_ERROR(t->device->Commit());
         continue;
       }
       const std::span<const uint8_t> x = data.at(t->name);

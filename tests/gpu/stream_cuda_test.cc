@@ -18,9 +18,13 @@
 #include <random>
 #include <thread>
 
+#include "deltasync/checksum.h"
 #include "deltasync/cuda.h"
+#include "deltasync/diff.h"
 #include "deltasync/stream.h"
 #include "stream/communicator_test_util.h"
+#include "stream/device_path.h"
+#include "stream/frame.h"
 #include "stream/sync_test_util.h"
 
 namespace deltasync {
@@ -413,6 +417,236 @@ TEST_F(StreamCudaTest, MemoryThatIsNotWhereItsPlacementSaysIsRefusedByName) {
   EXPECT_TRUE(Contains(reg, "ascend")) << reg.ToString();
   // None of those registered it.
   EXPECT_TRUE((*r)->Register("w", DType::kBF16, {32}, dest, {}, Placement::Cuda(0)).ok());
+}
+
+// ---------------------------------------------------------------------------
+// Frames in device memory (stream/device_path.h): built on the device and
+// read there, against the host's FlushWriter and FlushReader.
+
+// One frame's worth of entries: a dense range and an indices range of a
+// BF16 tensor, an indices range of an F32 [3, 7] tensor (an odd count, so
+// its values region needs padding), a digest record.
+struct FrameParts {
+  std::vector<int64_t> a_shape{1000};
+  std::vector<int64_t> b_shape{3, 7};
+  std::vector<uint8_t> a_dense;  // elements [0, 300) of a
+  ChangeSet a_changes;           // positions from 300
+  ChangeSet b_changes;           // positions from 0
+  stream::FlushHeader header;
+
+  static FrameParts Make(std::mt19937_64& rng) {
+    FrameParts p;
+    p.a_dense.resize(300 * 2);
+    for (auto& x : p.a_dense) x = static_cast<uint8_t>(rng());
+    for (uint32_t k = 0; k < 700; k += 1 + rng() % 9) p.a_changes.pos32.push_back(k);
+    p.a_changes.new_values.resize(p.a_changes.pos32.size() * 2);
+    for (auto& x : p.a_changes.new_values) x = static_cast<uint8_t>(rng());
+    p.b_changes.pos32 = {0, 3, 4, 9, 12, 16, 20};
+    p.b_changes.new_values.resize(p.b_changes.pos32.size() * 4);
+    for (auto& x : p.b_changes.new_values) x = static_cast<uint8_t>(rng());
+    p.header.sync_id = 9;
+    p.header.flush_index = 2;
+    p.header.kind = stream::FrameKind::kDelta;
+    return p;
+  }
+  stream::TensorRange A(uint64_t first, uint64_t count) const {
+    return {"a", DType::kBF16, a_shape, first, count};
+  }
+  stream::TensorRange B() const { return {"b", DType::kF32, b_shape, 0, 21}; }
+  stream::DigestBlock Block() const { return {0, 21, 1, 0}; }
+
+  std::vector<uint8_t> OnHost() const {
+    stream::FlushWriter w;
+    std::vector<uint8_t> out;
+    EXPECT_TRUE(w.Begin(header, 1 << 20, &out).ok());
+    EXPECT_TRUE(*w.AddDense(A(0, 300), a_dense));
+    EXPECT_TRUE(
+        *w.AddIndices(A(300, 700), stream::Positions::Of(a_changes, 300), a_changes.new_values));
+    EXPECT_TRUE(*w.AddIndices(B(), stream::Positions::Of(b_changes, 0), b_changes.new_values));
+    EXPECT_TRUE(*w.AddDigest("b", Block(), {1, 2}));
+    EXPECT_TRUE(w.Finish().ok());
+    return out;
+  }
+};
+
+// Host bytes copied into fresh device memory.
+struct OnDevice {
+  cuda::Buffer buffer;
+  explicit OnDevice(std::span<const uint8_t> bytes) {
+    Result<cuda::Buffer> b = cuda::Buffer::Device(std::max<size_t>(bytes.size(), 1));
+    EXPECT_TRUE(b.ok()) << b.status().ToString();
+    buffer = std::move(*b);
+    if (!bytes.empty()) {
+      EXPECT_EQ(cudaMemcpy(buffer.data(), bytes.data(), bytes.size(), cudaMemcpyHostToDevice),
+                cudaSuccess);
+    }
+  }
+  const uint8_t* data() const { return static_cast<const uint8_t*>(buffer.data()); }
+};
+
+TEST_F(StreamCudaTest, AFrameBuiltOnTheDeviceIsTheFrameTheHostWriterBuilds) {
+  std::mt19937_64 rng(41);
+  const FrameParts p = FrameParts::Make(rng);
+  Result<std::unique_ptr<stream::DeviceContext>> ctx = stream::DeviceContext::Create(0);
+  ASSERT_TRUE(ctx.ok()) << ctx.status().ToString();
+  Result<std::unique_ptr<stream::DeviceFrame>> made = stream::DeviceFrame::Create(**ctx, 1 << 20);
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  stream::DeviceFrame& frame = **made;
+  const OnDevice dense(p.a_dense),
+      a_pos(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(p.a_changes.pos32.data()),
+                                     p.a_changes.pos32.size() * 4)),
+      a_val(p.a_changes.new_values),
+      b_pos(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(p.b_changes.pos32.data()),
+                                     p.b_changes.pos32.size() * 4)),
+      b_val(p.b_changes.new_values);
+  // Twice: a reused bucket holds nothing of the frame before.
+  for (int round = 0; round < 2; ++round) {
+    ASSERT_TRUE(frame.Begin(p.header, stream_).ok());
+    ASSERT_TRUE(*frame.AddDense(p.A(0, 300), dense.data(), stream_));
+    stream::DeviceUnitChanges a{a_pos.data(), false,   300,
+                                a_val.data(), nullptr, p.a_changes.pos32.size()};
+    ASSERT_TRUE(*frame.AddIndices(p.A(300, 700), a, stream_));
+    stream::DeviceUnitChanges b{b_pos.data(), false,   0,
+                                b_val.data(), nullptr, p.b_changes.pos32.size()};
+    ASSERT_TRUE(*frame.AddIndices(p.B(), b, nullptr));  // another stream
+    ASSERT_TRUE(*frame.AddDigest("b", p.Block(), {1, 2}));
+    ASSERT_TRUE(frame.Finish().ok());
+    EXPECT_EQ(ToHost(frame.frame()), p.OnHost()) << "round " << round;
+  }
+  // What the host writer refuses, the device frame refuses, unchanged.
+  ASSERT_TRUE(frame.Begin(p.header, stream_).ok());
+  Result<bool> bad = frame.AddDense({"", DType::kBF16, p.a_shape, 0, 300}, dense.data(), stream_);
+  EXPECT_FALSE(bad.ok());
+  stream::FlushHeader seed = p.header;
+  seed.kind = stream::FrameKind::kSeed;
+  ASSERT_TRUE(frame.Begin(seed, stream_).ok());
+  stream::DeviceUnitChanges a{a_pos.data(), false, 300, a_val.data(), nullptr, 3};
+  bad = frame.AddIndices(p.A(300, 700), a, stream_);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_TRUE(Contains(bad.status(), "seed frame")) << bad.status().ToString();
+  // An entry past the budget does not fit.
+  Result<std::unique_ptr<stream::DeviceFrame>> small = stream::DeviceFrame::Create(**ctx, 256);
+  ASSERT_TRUE(small.ok());
+  ASSERT_TRUE((*small)->Begin(p.header, stream_).ok());
+  Result<bool> fit = (*small)->AddDense(p.A(0, 300), dense.data(), stream_);
+  ASSERT_TRUE(fit.ok());
+  EXPECT_FALSE(*fit);
+}
+
+// The entries a reader exposes, with their bytes brought to the host.
+struct SeenEntry {
+  std::string name;
+  uint64_t first, count, n;
+  stream::WireEncoding encoding;
+  uint32_t width;
+  std::vector<uint8_t> positions, values;
+  bool operator==(const SeenEntry&) const = default;
+};
+std::vector<SeenEntry> Seen(const stream::FlushReader& r) {
+  std::vector<SeenEntry> out;
+  for (const stream::FlushEntry& e : r.entries()) {
+    out.push_back({std::string(e.name), e.first, e.count, e.value_count, e.encoding,
+                   e.position_width, ToHost(e.positions), ToHost(e.values)});
+  }
+  return out;
+}
+
+TEST_F(StreamCudaTest, AFrameReadOnTheDeviceExposesWhatTheHostReaderDoes) {
+  std::mt19937_64 rng(42);
+  const FrameParts p = FrameParts::Make(rng);
+  const std::vector<uint8_t> frame = p.OnHost();
+  Result<std::unique_ptr<stream::DeviceContext>> ctx = stream::DeviceContext::Create(0);
+  ASSERT_TRUE(ctx.ok()) << ctx.status().ToString();
+  Result<std::unique_ptr<stream::DeviceFrameReader>> made =
+      stream::DeviceFrameReader::Create(**ctx);
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  stream::DeviceFrameReader& device = **made;
+  const auto read_on_device = [&](const std::vector<uint8_t>& bytes, stream::FlushReader* r) {
+    Result<std::span<uint8_t>> bucket = device.Bucket(bytes.size());
+    EXPECT_TRUE(bucket.ok());
+    EXPECT_EQ(cudaMemcpy(bucket->data(), bytes.data(), bytes.size(), cudaMemcpyHostToDevice),
+              cudaSuccess);
+    return device.Read(r, bytes.size());
+  };
+  stream::FlushReader host, dev;
+  ASSERT_TRUE(host.Read(frame).ok());
+  Status s = read_on_device(frame, &dev);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(Seen(dev), Seen(host));
+  for (const stream::FlushEntry& e : dev.entries()) EXPECT_FALSE(e.host_readable);
+  ASSERT_EQ(dev.digests().size(), 1u);
+  EXPECT_EQ(dev.header().sync_id, 9u);
+
+  // Applied from the bucket into a slice (columns 2..4 of b), as the host
+  // applies the host reader's entry.
+  Result<stream::DestinationMap> map =
+      stream::DestinationMap::Create(21, {{2, 3, 0, 1}, {9, 3, 3, 1}, {16, 3, 6, 1}});
+  ASSERT_TRUE(map.ok());
+  std::vector<uint8_t> want(9 * 4, 0x5A);
+  const OnDevice dest_init(want);
+  std::span<uint8_t> dest(static_cast<uint8_t*>(dest_init.buffer.data()), want.size());
+  Result<std::unique_ptr<stream::DeviceDestination>> d = stream::DeviceDestination::Create(
+      **ctx, "b", DType::kF32, *map, dest, Placement::Cuda(0, stream_));
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  for (size_t k = 0; k < dev.entries().size(); ++k) {
+    if (dev.entries()[k].name != "b") continue;
+    ASSERT_TRUE(stream::ApplyEntry(host.entries()[k], *map, want).ok());
+    Result<uint64_t> wrote = (*d)->Apply(dev.entries()[k]);
+    ASSERT_TRUE(wrote.ok()) << wrote.status().ToString();
+    // A host apply of a device entry is refused, not a fault.
+    std::vector<uint8_t> scratch(want.size());
+    EXPECT_FALSE(stream::ApplyEntry(dev.entries()[k], *map, scratch).ok());
+  }
+  ASSERT_TRUE((*d)->Wait().ok());
+  EXPECT_EQ(ToHost(dest), want);
+
+  // Damage in transit fails the trailer; damage behind a good trailer
+  // fails the check it breaks, on the device as on the host.
+  std::vector<uint8_t> bad = frame;
+  bad[100] ^= 1;
+  s = read_on_device(bad, &dev);
+  EXPECT_EQ(s.code(), StatusCode::kCorruption);
+  EXPECT_TRUE(Contains(s, "xxh3-128 mismatch")) << s.ToString();
+  EXPECT_TRUE(dev.entries().empty());
+  const auto resealed = [](std::vector<uint8_t> f) {
+    const std::vector<uint8_t> sum =
+        ChecksumBytes(ChecksumAlgo::kXxh3_128, std::span<const uint8_t>(f).first(f.size() - 16));
+    std::copy(sum.begin(), sum.end(), f.end() - 16);
+    return f;
+  };
+  const stream::FlushEntry& a1 = host.entries()[1];
+  const uint64_t pos_off = a1.positions.data() - frame.data();
+  bad = frame;
+  std::memcpy(&bad[pos_off + 4], &bad[pos_off], 4);  // positions 0 and 1 equal
+  bad = resealed(bad);
+  s = read_on_device(bad, &dev);
+  EXPECT_EQ(s.code(), StatusCode::kCorruption);
+  EXPECT_TRUE(Contains(s, "entry 1 ('a'): positions not strictly increasing")) << s.ToString();
+  EXPECT_FALSE(host.Read(bad).ok());
+  ASSERT_TRUE(host.Read(frame).ok());
+  const uint64_t b_end =
+      (host.entries()[2].positions.data() - frame.data()) + host.entries()[2].positions.size();
+  bad = frame;
+  bad[b_end] = 7;  // padding after b's 7 positions
+  bad = resealed(bad);
+  s = read_on_device(bad, &dev);
+  EXPECT_EQ(s.code(), StatusCode::kCorruption);
+  EXPECT_TRUE(Contains(s, "padding before its values is not 0")) << s.ToString();
+  EXPECT_FALSE(host.Read(bad).ok());
+
+  // A frame with sparse entries is read from a host copy.
+  std::vector<uint8_t> sparse;
+  stream::FlushWriter w;
+  ASSERT_TRUE(w.Begin(p.header, 1 << 20, &sparse).ok());
+  ASSERT_TRUE(
+      *w.AddSparse(p.A(300, 700), stream::Positions::Of(p.a_changes, 300), p.a_changes.new_values));
+  ASSERT_TRUE(w.Finish().ok());
+  ASSERT_TRUE(host.Read(sparse).ok());
+  s = read_on_device(sparse, &dev);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  ASSERT_EQ(dev.entries().size(), 1u);
+  EXPECT_TRUE(dev.entries()[0].host_readable);
+  EXPECT_EQ(stream::EntryPositions(dev.entries()[0]), stream::EntryPositions(host.entries()[0]));
 }
 
 TEST(StreamCudaWithoutGpu, DevicePlacementsAreAFailedPreconditionNamingTheTensor) {

@@ -4,12 +4,13 @@
 //       the counterpart of the test's calls: host and device buffers
 //       against the other memory on rank 0, calls of more than one NCCL
 //       chunk; checks what it receives; exits 0 when all held.
-//   stream_nccl_peer receiver DIR OUT_FILE DIE_AT_SYNC TIMEOUT_MS
+//   stream_nccl_peer receiver DIR OUT_FILE DIE_AT_SYNC TIMEOUT_MS [all]
 //       a stream receiver of sync_test::Model's tensors (in device memory
-//       but "b.bias"); after each sync it applied it writes every tensor's
-//       bytes back to back to OUT_FILE (through a rename). With DIE_AT_SYNC
-//       > 0 it SIGKILLs itself while applying the second entry of that
-//       sync. Runs until killed.
+//       but "b.bias"; with "all", every one, and then every frame must
+//       arrive in device memory); after each sync it applied it writes
+//       every tensor's bytes back to back to OUT_FILE (through a rename).
+//       With DIE_AT_SYNC > 0 it SIGKILLs itself while applying the second
+//       entry of that sync. Runs until killed.
 // Exits 1 with the error on stderr when a check fails, 2 for bad usage.
 #include <signal.h>
 #include <unistd.h>
@@ -88,7 +89,7 @@ struct Held {
 };
 
 int Receiver(const std::string& dir, const std::string& out, uint64_t die_at,
-             std::chrono::milliseconds timeout) {
+             std::chrono::milliseconds timeout, bool all_device) {
   const CommunicatorOptions o = nccl_pair::PairOptions(dir, 1, timeout, "stream");
   ReceiverOptions options;
   options.apply_hook = [die_at](uint64_t sync_id, std::string_view, uint64_t entry) {
@@ -104,7 +105,7 @@ int Receiver(const std::string& dir, const std::string& out, uint64_t die_at,
     std::span<uint8_t> dest = held.model.bytes[i];
     Placement place;
     held.device.emplace_back();
-    if (nccl_pair::OnDevice(t.name)) {
+    if (all_device || nccl_pair::OnDevice(t.name)) {
       held.device.back() = std::make_unique<DeviceBytes>(dest.size());
       if (!held.device.back()->ok()) return Fail("cudaMalloc", Status::Internal(t.name));
       dest = held.device.back()->span();
@@ -119,6 +120,11 @@ int Receiver(const std::string& dir, const std::string& out, uint64_t die_at,
       // it syncs again, and the test ends this process otherwise.
       std::fprintf(stderr, "stream_nccl_peer: %s\n", got.status().ToString().c_str());
       continue;
+    }
+    if (all_device && got->device_frames != got->frames) {
+      return Fail("receiving", Status::Internal(std::to_string(got->frames - got->device_frames) +
+                                                " of the sync's frames were taken into host "
+                                                "memory"));
     }
     const std::vector<uint8_t> bytes = held.Bytes();
     const std::string tmp = out + ".tmp";
@@ -138,12 +144,12 @@ int main(int argc, char** argv) {
   if (scenario == "collectives" && argc == 4) {
     return Collectives(argv[2], std::chrono::milliseconds(std::atoi(argv[3])));
   }
-  if (scenario == "receiver" && argc == 6) {
+  if (scenario == "receiver" && (argc == 6 || (argc == 7 && std::string(argv[6]) == "all"))) {
     return Receiver(argv[2], argv[3], std::strtoull(argv[4], nullptr, 10),
-                    std::chrono::milliseconds(std::atoi(argv[5])));
+                    std::chrono::milliseconds(std::atoi(argv[5])), argc == 7);
   }
   std::fprintf(stderr,
                "usage: stream_nccl_peer collectives DIR TIMEOUT_MS\n"
-               "       stream_nccl_peer receiver DIR OUT_FILE DIE_AT_SYNC TIMEOUT_MS\n");
+               "       stream_nccl_peer receiver DIR OUT_FILE DIE_AT_SYNC TIMEOUT_MS [all]\n");
   return 2;
 }

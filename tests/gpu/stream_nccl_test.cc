@@ -94,13 +94,14 @@ TEST_F(StreamNcclTest, HostAndDeviceBuffersMeetAcrossRanksInChunks) {
 }
 
 // The sender's tensors: sync_test::Model's in device memory, but "b.bias"
-// straight from the model's host bytes.
+// straight from the model's host bytes (unless `all`).
 class DeviceTensors {
  public:
-  explicit DeviceTensors(const Model& m) {
+  explicit DeviceTensors(const Model& m, bool all = false) {
     for (const SyncTensor& t : m.tensors) {
-      buffers_.push_back(nccl_pair::OnDevice(t.name) ? std::make_unique<DeviceBytes>(t.data.size())
-                                                     : nullptr);
+      buffers_.push_back(all || nccl_pair::OnDevice(t.name)
+                             ? std::make_unique<DeviceBytes>(t.data.size())
+                             : nullptr);
     }
   }
   const std::vector<SyncTensor>& Upload(const Model& m) {
@@ -169,6 +170,52 @@ TEST_F(StreamNcclTest, ASyncOverNcclIsBitExactAndAKilledReceiverIsReseeded) {
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     EXPECT_EQ(s->seeded, step == 0 ? 1u : 0u);
     EXPECT_TRUE(sync_test::PeerHolds(file, m, 5000ms)) << "after the restart, step " << step;
+  }
+}
+
+// Every tensor on the device on both sides: the frames stay there end to
+// end (built, sent, received, checked and applied in device memory), with
+// the dense and indices encodings; sparse, compressed on the host, comes
+// in host frames that the receiver takes into its device bucket and reads
+// from a host copy. Bit-exact after every sync either way.
+TEST_F(StreamNcclTest, FramesStayOnTheDeviceWhenEveryTensorDoes) {
+  for (StreamEncoding encoding :
+       {StreamEncoding::kIndices, StreamEncoding::kDense, StreamEncoding::kSparse}) {
+    SCOPED_TRACE(std::string(StreamEncodingName(encoding)));
+    const std::string group = "frames-" + std::string(StreamEncodingName(encoding));
+    const std::string file = dir_.path() + "/" + group + ".bin";
+    ct::Children peer;
+    ASSERT_EQ(peer.Spawn(PeerArgs({"receiver", dir_.path() + "/" + group, file, "0",
+                                   std::to_string(kTimeout.count()), "all"})),
+              0);
+    const CommunicatorOptions o =
+        nccl_pair::PairOptions(dir_.path() + "/" + group, 0, kTimeout, "stream");
+    SenderOptions options;
+    options.encoding = encoding;
+    options.bucket_bytes = 64 << 10;  // several frames a sync, two buckets in turn
+    options.verify_every = 3;
+    Result<std::unique_ptr<StreamSender>> made =
+        StreamSender::Create([o] { return CreateCommunicator("nccl", o); }, options);
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
+    StreamSender& sender = **made;
+    Model m = Model::Make(0);
+    m.Step(1, 1.0);
+    DeviceTensors device(m, /*all=*/true);
+    for (int step = 0; step < 4; ++step) {
+      if (step > 0) m.Step(40 + step, step == 2 ? 0.5 : 0.05);
+      Result<SyncStats> s = sender.Sync(device.Upload(m));
+      ASSERT_TRUE(s.ok()) << s.status().ToString();
+      EXPECT_EQ(s->seeded, step == 0 ? 1u : 0u);
+      EXPECT_GT(s->frames, 1u);
+      // All but the records frame that ends the sync, unless sparse.
+      if (encoding == StreamEncoding::kSparse && step > 0) {
+        EXPECT_EQ(s->device_frames, 0u);
+      } else {
+        EXPECT_EQ(s->device_frames, s->frames - 1) << "step " << step;
+      }
+      EXPECT_TRUE(sync_test::PeerHolds(file, m, 5000ms)) << "step " << step;
+    }
+    made->reset();  // the peer is killed at the end of the iteration
   }
 }
 
