@@ -7,12 +7,14 @@
 #include <filesystem>
 #include <functional>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "child_process.h"
 #include "cli_util.h"
 #include "deltasync/communicator.h"
 #include "deltasync/stream.h"
@@ -30,6 +32,10 @@ namespace deltasync::cli {
 
 int RunGpuBench(const GpuBenchConfig&, bool) {
   return Fail("bench --gpu: this deltasync was built without CUDA (DELTASYNC_WITH_CUDA)");
+}
+
+int RunGpuNcclPeer(const std::vector<std::string>&) {
+  return Fail("bench-gpu-nccl-peer: this deltasync was built without CUDA");
 }
 
 #else
@@ -100,7 +106,84 @@ struct SizeFigures {
   double sync_device_s = 0, sync_host_s = 0, to_host_s = 0, to_device_s = 0;
   uint64_t sync_bytes_sent = 0;
   std::string stream_error;
+  // The same sync of device tensors over nccl to a receiver process on the
+  // same GPU, with the frames built and taken in device memory, and with
+  // them forced through host memory; both over the same link.
+  bool have_nccl = false;
+  double nccl_device_frames_s = 0, nccl_host_frames_s = 0;
+  uint64_t nccl_frames = 0, nccl_device_frames = 0;
+  std::string nccl_error;
 };
+
+// This process as rank `rank` of a one-GPU nccl pair: a host of its own to
+// NCCL (which refuses two ranks of one group on one GPU), the two joined
+// over NCCL's socket transport on loopback, NVLink multicast off. Before
+// any NCCL call.
+void BecomeNcclRank(int rank) {
+  setenv("NCCL_HOSTID", ("deltasync-bench-rank" + std::to_string(rank)).c_str(), 1);
+  setenv("NCCL_SOCKET_IFNAME", "lo", 1);
+  setenv("NCCL_NVLS_ENABLE", "0", 1);
+}
+
+CommunicatorOptions NcclPairOptions(const std::string& dir, int rank, const std::string& group) {
+  CommunicatorOptions o;
+  o.rank = rank;
+  o.size = 2;
+  o.rendezvous.kind = Rendezvous::Kind::kFile;
+  o.rendezvous.path = dir;
+  o.group = group;
+  o.timeout = std::chrono::seconds(300);
+  o.connect_timeout = std::chrono::seconds(120);
+  o.hostname = "127.0.0.1";
+  return o;
+}
+
+// Median seconds of `repeat` syncs over nccl after a seeding one,
+// alternating the device tensor between `a` and `b`, to a receiver process
+// (bench-gpu-nccl-peer) holding it in device memory on the same GPU; with
+// `device_frames` false both ends keep their frames in host memory.
+Result<double> TimeNcclSyncs(const GpuBenchConfig& config, uint64_t n, const uint8_t* a,
+                             const uint8_t* b, bool device_frames, SizeFigures* f) {
+  const std::string self = SelfPath();
+  if (self.empty()) return Status::Unavailable("cannot find this executable to start the peer");
+  const std::string mode = device_frames ? "device" : "host";
+  ScratchDir dir{(std::filesystem::temp_directory_path() /
+                  ("deltasync-bench-nccl-" + std::to_string(::getpid()) + "-" + mode))
+                     .string()};
+  std::filesystem::remove_all(dir.path);
+  std::filesystem::create_directories(dir.path);
+  const int syncs = config.repeat + 1;
+  BecomeNcclRank(0);
+  Child peer;
+  DS_RETURN_IF_ERROR(
+      peer.Start({self, "bench-gpu-nccl-peer", "--dir", dir.path, "--elements", std::to_string(n),
+                  "--syncs", std::to_string(syncs), "--device-frames", device_frames ? "1" : "0"},
+                 dir.path + "/peer"));
+  const CommunicatorOptions o = NcclPairOptions(dir.path, 0, "bench-" + mode);
+  SenderOptions so;
+  so.device_frames = device_frames;
+  DS_ASSIGN_OR_RETURN(std::unique_ptr<StreamSender> sender,
+                      StreamSender::Create([o] { return CreateCommunicator("nccl", o); }, so));
+  const std::vector<int64_t> shape = {static_cast<int64_t>(n)};
+  std::vector<double> times;
+  for (int i = 0; i < syncs; ++i) {
+    const SyncTensor t{"w", DType::kBF16, shape, {i % 2 == 0 ? a : b, n * 2}, Placement::Cuda(0)};
+    const auto t0 = Clock::now();
+    DS_ASSIGN_OR_RETURN(SyncStats r, sender->Sync({&t, 1}));
+    if (i > 0) {
+      times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+      f->nccl_frames = r.frames;
+      if (device_frames) f->nccl_device_frames = r.device_frames;
+    }
+  }
+  sender.reset();
+  DS_ASSIGN_OR_RETURN(nlohmann::json report, peer.Wait());
+  if (device_frames && report.value("device_frames", uint64_t{0}) == 0) {
+    return Status::Internal("the receiver took no frame into device memory");
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
 
 // Median seconds of `repeat` syncs after a seeding one, alternating the
 // tensor between `a` and `b` (each sync finds a step's changes), with the
@@ -190,6 +273,24 @@ Status MeasureStream(const GpuBenchConfig& config, const std::vector<uint16_t>& 
       &ok);
   if (!ok) return Status::Internal("a CUDA copy failed during the stream benchmark");
   f->have_stream = true;
+  if (!config.nccl) return Status::OK();
+  const std::vector<std::string_view> built = BuiltCommunicators();
+  if (std::find(built.begin(), built.end(), "nccl") == built.end()) {
+    f->nccl_error = "this build has no nccl communicator";
+    return Status::OK();
+  }
+  const auto* da = static_cast<const uint8_t*>(dev_a.data());
+  const auto* db = static_cast<const uint8_t*>(dev_b.data());
+  Result<double> on_device = TimeNcclSyncs(config, n, da, db, true, f);
+  Result<double> on_host =
+      on_device.ok() ? TimeNcclSyncs(config, n, da, db, false, f) : on_device.status();
+  if (!on_host.ok()) {
+    f->nccl_error = on_host.status().ToString();
+    return Status::OK();
+  }
+  f->nccl_device_frames_s = *on_device;
+  f->nccl_host_frames_s = *on_host;
+  f->have_nccl = true;
   return Status::OK();
 }
 
@@ -409,6 +510,14 @@ int RunGpuBench(const GpuBenchConfig& config, bool json) {
       } else if (!f.stream_error.empty()) {
         s["stream_error"] = f.stream_error;
       }
+      if (f.have_nccl) {
+        s["nccl_device_frames_s"] = f.nccl_device_frames_s;
+        s["nccl_host_frames_s"] = f.nccl_host_frames_s;
+        s["nccl_frames"] = f.nccl_frames;
+        s["nccl_device_frames"] = f.nccl_device_frames;
+      } else if (!f.nccl_error.empty()) {
+        s["nccl_error"] = f.nccl_error;
+      }
       if (f.have_torch) {
         s["torch_diff_device_s"] = f.torch_device_s;
         s["torch_diff_pinned_s"] = f.torch_pinned_s;
@@ -468,7 +577,55 @@ int RunGpuBench(const GpuBenchConfig& config, bool json) {
     } else if (!f.stream_error.empty()) {
       std::cout << "  stream rows skipped: " << f.stream_error << "\n";
     }
+    if (f.have_nccl) {
+      row("stream sync over nccl, frames on the device", f.nccl_device_frames_s,
+          std::to_string(f.nccl_device_frames) + " of " + std::to_string(f.nccl_frames) +
+              " frames");
+      row("  frames through host memory", f.nccl_host_frames_s,
+          "device: " + Ratio(f.nccl_device_frames_s / f.nccl_host_frames_s) + " of it");
+    } else if (!f.nccl_error.empty()) {
+      std::cout << "  nccl rows skipped: " << f.nccl_error << "\n";
+    }
   }
+  if (config.nccl) {
+    std::cout << "\nnccl rows: a receiver process on the same GPU, the two ranks joined over "
+                 "NCCL's socket transport on loopback (NCCL takes one GPU per rank only across "
+                 "hosts): the link is a TCP loopback, not NVLink.\n";
+  }
+  return 0;
+}
+
+int RunGpuNcclPeer(const std::vector<std::string>& args) {
+  std::map<std::string, std::string> a;
+  for (size_t i = 0; i + 1 < args.size(); i += 2) a[args[i]] = args[i + 1];
+  for (const char* k : {"--dir", "--elements", "--syncs", "--device-frames"}) {
+    if (!a.count(k)) return Fail(std::string("bench-gpu-nccl-peer: missing ") + k);
+  }
+  BecomeNcclRank(1);
+  const bool device_frames = a["--device-frames"] == "1";
+  const uint64_t n = std::strtoull(a["--elements"].c_str(), nullptr, 10);
+  const int syncs = std::atoi(a["--syncs"].c_str());
+  const CommunicatorOptions o =
+      NcclPairOptions(a["--dir"], 1, std::string("bench-") + (device_frames ? "device" : "host"));
+  ReceiverOptions ro;
+  ro.device_frames = device_frames;
+  Result<std::unique_ptr<StreamReceiver> > r =
+      StreamReceiver::Create([o] { return CreateCommunicator("nccl", o); }, ro);
+  if (!r.ok()) return Fail(r.status());
+  Result<cuda::Buffer> dest = cuda::Buffer::Device(n * 2);
+  if (!dest.ok()) return Fail(dest.status());
+  Status s = (*r)->Register("w", DType::kBF16, {static_cast<int64_t>(n)},
+                            {static_cast<uint8_t*>(dest->data()), n * 2}, {}, Placement::Cuda(0));
+  if (!s.ok()) return Fail(s);
+  uint64_t frames = 0, on_device = 0;
+  for (int k = 0; k < syncs; ++k) {
+    Result<ReceiveStats> got = (*r)->ReceiveSync();
+    if (!got.ok()) return Fail(got.status());
+    frames += got->frames;
+    on_device += got->device_frames;
+  }
+  nlohmann::json out = {{"frames", frames}, {"device_frames", on_device}};
+  std::cout << out.dump() << "\n";
   return 0;
 }
 

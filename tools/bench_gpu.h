@@ -3,7 +3,9 @@
 // run with a device-to-device copy of the same bytes, one PCIe read of the
 // snapshot, and the torch-op pipeline trainers use today (timed by
 // bench/gpu_torch_baseline.py in a child process on the same GPU); then
-// stream syncs of the same step, device tensors against host ones.
+// stream syncs of the same step, device tensors against host ones, and
+// over nccl with the frames in device memory against frames through host
+// memory.
 #pragma once
 
 #include <cstdint>
@@ -22,10 +24,16 @@ struct GpuBenchConfig {
   // Also time stream syncs (gloo on loopback) of each size with the tensor
   // on the device and in host memory.
   bool stream = true;
+  // Also time them over nccl, to a receiver process on the same GPU, with
+  // the frames in device memory and through host memory.
+  bool nccl = true;
 };
 
 // Runs the benchmark and prints its table (or one JSON object); the exit
 // code. Without CUDA in the build, or without a GPU, an error and 1.
 int RunGpuBench(const GpuBenchConfig& config, bool json);
+// The receiver process of the nccl rows (hidden subcommand
+// bench-gpu-nccl-peer).
+int RunGpuNcclPeer(const std::vector<std::string>& args);
 
 }  // namespace deltasync::cli

@@ -198,6 +198,7 @@ void PrintReport(const BenchConfig& config, const BenchResult& r) {
 
 void RegisterBench(CLI::App& app, CommandFn* run) {
   RegisterHiddenCommand(app, "bench-stream-peer", RunStreamBenchPeer, run);
+  RegisterHiddenCommand(app, "bench-gpu-nccl-peer", RunGpuNcclPeer, run);
   struct Opts {
     std::string preset = "qwen2.5-0.5b";
     std::string bytes = "512MiB";
