@@ -146,11 +146,14 @@ def _nccl_pair_worker(rank, how, init, rendezvous_dir, syncs):
     else:
         group = ds.Group("file:" + rendezvous_dir, rank, 2, backend="nccl", timeout_s=60)
     try:
+        # Seeded generators: both ranks draw the same values.
         g = torch.Generator(device="cuda").manual_seed(3)
         # "device": every tensor on the GPU, so the frames stay there too.
+        host_place = "cuda" if how == "device" else "cpu"
+        h = g if how == "device" else torch.Generator().manual_seed(4)
         w = {"emb": torch.randn(300, 70, device="cuda", generator=g).to(torch.bfloat16),
              "norm": torch.randn(70, device="cuda", generator=g),
-             "host": torch.randn(33, device="cuda" if how == "device" else "cpu")}
+             "host": torch.randn(33, device=host_place, generator=h)}
 
         def step(k):
             w["emb"].view(-1)[k::31] += 1

@@ -574,6 +574,7 @@ class FrameReaderImpl final : public DeviceFrameReader {
   }
 
   Status Read(FlushReader* reader, uint64_t bytes) override {
+    reader->Clear();
     if (bytes < kFlushHeaderBytes + kFlushTrailerBytes || bytes > bucket_.size()) {
       return Status::Corruption("flush frame of " + std::to_string(bytes) +
                                 " bytes: shorter than a 64-byte header and a 16-byte trailer");

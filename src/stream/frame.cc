@@ -673,10 +673,14 @@ std::string CheckIndexPositions(const FlushEntry& entry) {
 
 }  // namespace
 
-Status FlushReader::Read(std::span<const uint8_t> frame) {
+void FlushReader::Clear() {
   header_ = FlushHeader{};
   entries_.clear();
   digests_.clear();
+}
+
+Status FlushReader::Read(std::span<const uint8_t> frame) {
+  Clear();
   const uint64_t size = frame.size();
   const uint8_t* f = frame.data();
   if (size < kFlushHeaderBytes + kFlushTrailerBytes) {
@@ -704,9 +708,7 @@ Status FlushReader::ReadPlaced(
     std::span<const uint8_t> head, uint64_t frame_bytes,
     const std::function<Result<std::span<const uint8_t>>(uint64_t, uint64_t)>& manifest,
     const uint8_t* base, const PayloadChecker& check, bool* needs_host) {
-  header_ = FlushHeader{};
-  entries_.clear();
-  digests_.clear();
+  Clear();
   *needs_host = false;
   if (frame_bytes < kFlushHeaderBytes + kFlushTrailerBytes || head.size() < kFlushHeaderBytes) {
     return Status::Corruption("flush frame of " + U64(frame_bytes) +

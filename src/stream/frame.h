@@ -286,6 +286,10 @@ class FlushReader {
       const std::function<Result<std::span<const uint8_t>>(uint64_t, uint64_t)>& manifest,
       const uint8_t* base, const PayloadChecker& check, bool* needs_host);
 
+  // Exposes nothing, as after a refusal (a caller that refuses a frame
+  // before reading it).
+  void Clear();
+
   // The last frame Read accepted (empty after a refusal).
   const FlushHeader& header() const { return header_; }
   std::span<const FlushEntry> entries() const { return entries_; }
