@@ -90,6 +90,7 @@ namespace deltasync {
 struct CommunicatorCapabilities {
   bool host_buffers = false;    // buffers may be host memory
   bool device_buffers = false;  // buffers may be CUDA device memory
+  int cuda_device = -1;         // of this CUDA device (with device_buffers)
   bool point_to_point = false;  // Send and Recv are available
   // A peer that dies makes the call fail with Unavailable naming it as soon
   // as its connection drops; without this only the timeout notices.

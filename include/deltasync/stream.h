@@ -142,8 +142,8 @@ struct SyncStats {
   uint64_t sent_elements = 0;  // elements the delta frames carry (changed + resent)
   uint64_t frames = 0;         // frames built (each sent to every receiver of its kind)
   // Of those, frames built in device memory: device tensors on one device
-  // over a communicator that sends device memory (nccl), with the dense or
-  // indices encoding. Their bytes never cross to the host.
+  // over a communicator that sends that device's memory (nccl), seeds and
+  // dense or indices deltas. Their bytes never cross to the host.
   uint64_t device_frames = 0;
   uint64_t bytes_sent = 0;  // over all receivers, envelopes included
   bool verify_all = false;
@@ -236,9 +236,10 @@ struct ReceiveStats {
   bool seed = false;
   bool verify_all = false;
   uint64_t frames = 0;
-  // Of those, frames taken into device memory and checked and applied from
-  // there: every registered tensor on one device, over a communicator that
-  // takes device memory.
+  // Of those, frames taken into device memory, checked and applied from
+  // there (but for frames with sparse entries, decoded from a host copy):
+  // every registered tensor on one device, over a communicator that takes
+  // that device's memory.
   uint64_t device_frames = 0;
   uint64_t bytes = 0;             // frame bytes taken
   uint64_t elements_written = 0;  // into destinations

@@ -3,8 +3,9 @@
 ``TorchGroup(group)`` lets a :class:`~deltasync.StreamSender` and its
 receivers talk through an existing Gloo or NCCL process group instead of
 forming their own. The group's rank 0 is the sender; every other rank is a
-receiver. Frames are host buffers: over Gloo they are sent in place, over
-NCCL each is staged through a device buffer on the group's device.
+receiver. Over Gloo frames are host buffers, sent in place. Over NCCL a
+frame in device memory (every tensor of a side on the group's device) is
+sent in place too, and a host frame is staged through a device buffer.
 """
 
 from __future__ import annotations
@@ -27,6 +28,21 @@ def _global_rank(group: Any, rank: int) -> int:
     if hasattr(dist, "get_global_rank"):
         return dist.get_global_rank(group, rank)
     return dist.distributed_c10d._get_global_rank(group, rank)  # torch < 2.0
+
+
+class DeviceBytes:
+    """Bytes in CUDA device memory that deltasync hands a communicator:
+    ``torch.as_tensor(DeviceBytes(...), device="cuda")`` views them in place
+    (``__cuda_array_interface__``)."""
+
+    def __init__(self, pointer: int, nbytes: int) -> None:
+        self.pointer = int(pointer)
+        self.nbytes = int(nbytes)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.pointer, False),
+                "version": 3, "strides": None}
 
 
 class TorchGroup:
@@ -63,6 +79,10 @@ class TorchGroup:
         if self.torch_backend == "nccl":
             self._device = torch.device("cuda", torch.cuda.current_device()) if device is None \
                 else torch.device(device)
+        # deltasync hands an NCCL group its device frames (on this device)
+        # as DeviceBytes.
+        self.device_buffers = self._device is not None
+        self.cuda_device = self._device.index if self._device is not None else -1
 
     @property
     def impl(self) -> "TorchGroup":
@@ -72,29 +92,42 @@ class TorchGroup:
     def _global(self, rank: int) -> int:
         return _global_rank(self.group, rank)
 
-    def _wrap(self, view: memoryview) -> "torch.Tensor":
+    def _wrap(self, view: Any) -> "torch.Tensor":
+        if isinstance(view, DeviceBytes):
+            return torch.as_tensor(view, device=self._device)
         return torch.frombuffer(view, dtype=torch.uint8)
 
     def _staged(self, host: "torch.Tensor") -> "torch.Tensor":
-        return host if self._device is None else host.to(self._device)
+        return host if self._device is None or host.is_cuda else host.to(self._device)
 
     def _back(self, staged: "torch.Tensor", host: "torch.Tensor") -> None:
         if staged is not host:
             host.copy_(staged)
+        elif host.is_cuda:
+            self._done()
 
-    def send(self, peer: int, view: memoryview) -> None:
-        """Sends the bytes of ``view`` to group rank ``peer``."""
-        t = self._staged(self._wrap(view))
+    def _done(self) -> None:
+        # deltasync reads and reuses its device buffers on streams of its
+        # own as soon as a call returns: the collective must be done.
+        torch.cuda.current_stream(self._device).synchronize()
+
+    def send(self, peer: int, view: Any) -> None:
+        """Sends the bytes of ``view`` (a memoryview, or DeviceBytes over
+        NCCL) to group rank ``peer``."""
+        mine = self._wrap(view)
+        t = self._staged(mine)
         dist.send(t, dst=self._global(peer), group=self.group)
+        if t is mine and t.is_cuda:
+            self._done()
 
-    def recv(self, peer: int, view: memoryview) -> None:
+    def recv(self, peer: int, view: Any) -> None:
         """Receives ``len(view)`` bytes from group rank ``peer`` into ``view``."""
         host = self._wrap(view)
         t = self._staged(host)
         dist.recv(t, src=self._global(peer), group=self.group)
         self._back(t, host)
 
-    def broadcast(self, root: int, view: memoryview) -> None:
+    def broadcast(self, root: int, view: Any) -> None:
         """Broadcasts ``view`` from group rank ``root`` into every member's ``view``."""
         host = self._wrap(view)
         t = self._staged(host)

@@ -9,6 +9,9 @@
 #include "common.h"
 #include "deltasync/communicator.h"
 #include "deltasync/shard.h"
+#if DS_PY_HAVE_CUDA
+#include "deltasync/cuda.h"
+#endif
 
 namespace deltasync::python {
 namespace {
@@ -31,6 +34,10 @@ class PyCommunicator final : public Communicator {
       c->name_ = impl.attr("name").cast<std::string>();
       c->timeout_ = std::chrono::milliseconds(
           static_cast<int64_t>(impl.attr("timeout_s").cast<double>() * 1000));
+      // An object that takes device memory says so (TorchGroup over NCCL).
+      c->device_buffers_ =
+          DS_PY_HAVE_CUDA && py::bool_(py::getattr(impl, "device_buffers", py::bool_(false)));
+      if (c->device_buffers_) c->cuda_device_ = impl.attr("cuda_device").cast<int>();
     } catch (const std::exception& e) {
       return Status::InvalidArgument(std::string("a Python communicator: ") + e.what());
     }
@@ -48,6 +55,8 @@ class PyCommunicator final : public Communicator {
   CommunicatorCapabilities capabilities() const override {
     CommunicatorCapabilities c;
     c.host_buffers = true;
+    c.device_buffers = device_buffers_;
+    c.cuda_device = cuda_device_;
     c.point_to_point = true;
     return c;
   }
@@ -96,10 +105,21 @@ class PyCommunicator final : public Communicator {
   }
 
  private:
-  // A writable view (torch.frombuffer warns on read-only ones); the
-  // communicator's callers never write through a record they send. Needs
+  // Host memory as a writable memoryview (torch.frombuffer warns on
+  // read-only ones; the communicator's callers never write through a
+  // record they send); device memory, for an object that takes it, as a
+  // deltasync.torch_group.DeviceBytes (__cuda_array_interface__). Needs
   // the GIL.
-  static py::memoryview View(std::span<const uint8_t> data) {
+  py::object View(std::span<const uint8_t> data) const {
+#if DS_PY_HAVE_CUDA
+    if (device_buffers_) {
+      Result<cuda::MemoryKind> kind = cuda::QueryMemory(data.data());
+      if (kind.ok() && *kind == cuda::MemoryKind::kDevice) {
+        return py::module_::import("deltasync.torch_group")
+            .attr("DeviceBytes")(reinterpret_cast<uintptr_t>(data.data()), data.size());
+      }
+    }
+#endif
     return py::memoryview::from_memory(const_cast<uint8_t*>(data.data()),
                                        static_cast<py::ssize_t>(data.size()), false);
   }
@@ -128,6 +148,8 @@ class PyCommunicator final : public Communicator {
   int size_ = 1;
   std::string name_;
   std::chrono::milliseconds timeout_{0};
+  bool device_buffers_ = false;
+  int cuda_device_ = -1;
   Status broken_;
 };
 

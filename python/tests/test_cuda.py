@@ -140,7 +140,7 @@ def _nccl_pair_worker(rank, how, init, rendezvous_dir, syncs):
     import torch.distributed as dist
 
     torch.cuda.set_device(0)
-    if how == "torch":
+    if how.startswith("torch"):
         dist.init_process_group("nccl", init_method=init, rank=rank, world_size=2)
         group = ds.TorchGroup(timeout_s=60)
     else:
@@ -149,8 +149,9 @@ def _nccl_pair_worker(rank, how, init, rendezvous_dir, syncs):
         # Seeded generators: both ranks draw the same values.
         g = torch.Generator(device="cuda").manual_seed(3)
         # "device": every tensor on the GPU, so the frames stay there too.
-        host_place = "cuda" if how == "device" else "cpu"
-        h = g if how == "device" else torch.Generator().manual_seed(4)
+        all_device = how in ("device", "torch-device")
+        host_place = "cuda" if all_device else "cpu"
+        h = g if all_device else torch.Generator().manual_seed(4)
         w = {"emb": torch.randn(300, 70, device="cuda", generator=g).to(torch.bfloat16),
              "norm": torch.randn(70, device="cuda", generator=g),
              "host": torch.randn(33, device=host_place, generator=h)}
@@ -160,17 +161,18 @@ def _nccl_pair_worker(rank, how, init, rendezvous_dir, syncs):
             w["norm"][k] = float("nan")
             w["host"][k] = -0.0
 
-        run_rounds(group, rank, w, step, syncs, label=how + " ", device_frames=how == "device")
+        run_rounds(group, rank, w, step, syncs, label=how + " ", device_frames=all_device)
     finally:
-        if how == "torch":
+        if how.startswith("torch"):
             dist.destroy_process_group()
 
 
 @cuda
-@pytest.mark.parametrize("how", ["torch", "group", "device"],
-                         ids=["torch-nccl-group", "deltasync-nccl", "deltasync-nccl-device-frames"])
+@pytest.mark.parametrize("how", ["torch", "torch-device", "group", "device"],
+                         ids=["torch-nccl-group", "torch-nccl-group-device-frames",
+                              "deltasync-nccl", "deltasync-nccl-device-frames"])
 def test_device_tensors_over_nccl_between_two_processes(tmp_path, how):
-    if how != "torch" and "nccl" not in ds.built_communicators():
+    if not how.startswith("torch") and "nccl" not in ds.built_communicators():
         pytest.skip("this build has no nccl communicator")
     init = "file://" + str(tmp_path / "pg_init")
     mp.spawn(_nccl_pair_worker, args=(how, init, str(tmp_path / "rv"), 3), nprocs=2, join=True)

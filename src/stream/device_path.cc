@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <optional>
 #include <utility>
 
 #if DS_HAVE_CUDA
@@ -85,6 +86,9 @@ class ContextImpl final : public DeviceContext {
 
   // Device scratch: the diff's outputs, the apply's positions and values.
   cuda::Buffer positions, values, old_values;
+  // The stream whose work last read the diff's outputs (copies into
+  // device frames), when one did: a diff on another stream waits for it.
+  std::optional<void*> scratch_stream;
   // Pinned host: a chunk's changes coming back; a unit's dense values; an
   // entry's positions and values going up.
   cuda::Buffer changes, dense, staging;
@@ -263,6 +267,12 @@ class SourceImpl final : public DeviceSource {
     DS_RETURN_IF_ERROR(Reserve(&ctx_.old_values, count * w_, ctx_.device()));
     cuda::DeviceTensor cur = View(current_, first, count);
     cuda::DeviceTensor snap = View(Bytes(snapshot_), first, count);
+    // The last chunk's changes may still be copied into a frame on another
+    // tensor's stream.
+    if (ctx_.scratch_stream && *ctx_.scratch_stream != stream_) {
+      DS_RETURN_IF_ERROR(cuda::Synchronize(*ctx_.scratch_stream));
+    }
+    ctx_.scratch_stream = stream_;
     cuda::DiffOutput out;
     out.positions = ctx_.positions.data();
     out.values = ctx_.values.data();
@@ -341,6 +351,7 @@ class DestinationImpl final : public DeviceDestination {
 
   Result<uint64_t> Apply(const FlushEntry& e) override {
     const auto runs = map_.runs();
+    if (e.value_count == 0) return uint64_t{0};
     if (!e.host_readable && e.encoding == WireEncoding::kIndices) {
       // Straight from the device bucket, through the runs: the frame's
       // check proved the positions inside the entry's range.
@@ -459,16 +470,6 @@ std::array<uint8_t, kFlushTrailerBytes> Trailer(const cuda::Hash128& h) {
     t[8 + k] = static_cast<uint8_t>(h.low64 >> (56 - 8 * k));
   }
   return t;
-}
-
-std::string Hex(std::span<const uint8_t> bytes) {
-  static constexpr char kDigits[] = "0123456789abcdef";
-  std::string s;
-  for (uint8_t b : bytes) {
-    s += kDigits[b >> 4];
-    s += kDigits[b & 15];
-  }
-  return s;
 }
 
 constexpr std::string_view kFrameName = "a device frame";
@@ -593,10 +594,8 @@ class FrameReaderImpl final : public DeviceFrameReader {
     const std::array<uint8_t, kFlushTrailerBytes> sum = Trailer(h);
     const std::span<const uint8_t> trailer(ends.data() + kFlushHeaderBytes, kFlushTrailerBytes);
     if (!std::equal(sum.begin(), sum.end(), trailer.begin())) {
-      return Status::Corruption(
-          "flush frame of " + std::to_string(bytes) + " bytes (unverified sync " +
-          std::to_string(LoadLe<uint64_t>(ends.data() + 8)) + "): xxh3-128 mismatch: trailer " +
-          Hex(trailer) + ", frame hashes to " + Hex(sum));
+      return TrailerMismatch(bytes, std::span<const uint8_t>(ends.data(), kFlushHeaderBytes),
+                             trailer, sum);
     }
     const auto manifest = [&](uint64_t offset, uint64_t size) -> Result<std::span<const uint8_t>> {
       manifest_.resize(size);

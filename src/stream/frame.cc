@@ -691,10 +691,8 @@ Status FlushReader::Read(std::span<const uint8_t> frame) {
   const std::vector<uint8_t> sum =
       ChecksumBytes(ChecksumAlgo::kXxh3_128, frame.first(size - kFlushTrailerBytes));
   if (std::memcmp(sum.data(), f + size - kFlushTrailerBytes, kFlushTrailerBytes) != 0) {
-    return Status::Corruption("flush frame of " + U64(size) + " bytes (unverified sync " +
-                              U64(LoadLe<uint64_t>(f + 8)) + "): xxh3-128 mismatch: trailer " +
-                              ToHex(frame.subspan(size - kFlushTrailerBytes)) +
-                              ", frame hashes to " + ToHex(sum));
+    return TrailerMismatch(size, frame.first(kFlushHeaderBytes),
+                           frame.subspan(size - kFlushTrailerBytes), sum);
   }
   return ReadParts(
       size, f,
@@ -1068,6 +1066,14 @@ Status FlushReader::ReadParts(
   entries_ = std::move(entries);
   digests_ = std::move(digests);
   return Status::OK();
+}
+
+Status TrailerMismatch(uint64_t frame_bytes, std::span<const uint8_t> header,
+                       std::span<const uint8_t> trailer, std::span<const uint8_t> computed) {
+  return Status::Corruption("flush frame of " + U64(frame_bytes) + " bytes (unverified sync " +
+                            U64(LoadLe<uint64_t>(header.data() + 8)) +
+                            "): xxh3-128 mismatch: trailer " + ToHex(trailer) +
+                            ", frame hashes to " + ToHex(computed));
 }
 
 Result<uint64_t> PeekFlushFrameBytes(std::span<const uint8_t> header) {

@@ -313,6 +313,11 @@ class FlushReader {
   std::unique_ptr<ZstdContexts> zstd_;
 };
 
+// Read's refusal of a frame of `frame_bytes` bytes whose `trailer` is not
+// the `computed` xxh3-128 of the rest (`header`: its first 64 bytes).
+Status TrailerMismatch(uint64_t frame_bytes, std::span<const uint8_t> header,
+                       std::span<const uint8_t> trailer, std::span<const uint8_t> computed);
+
 // The size of the frame whose first 64 bytes are `header`, for a receiver
 // reading frames from a byte stream: checks the magic, the version and that
 // the size is in [80, kMaxFlushFrameBytes]. Nothing else is believed before

@@ -90,6 +90,7 @@ class NcclCommunicator final : public Communicator {
     CommunicatorCapabilities c;
     c.host_buffers = true;  // staged through the device (see the file comment)
     c.device_buffers = true;
+    c.cuda_device = options_.cuda_device;
     c.point_to_point = true;
     return c;
   }

@@ -187,7 +187,9 @@ Status Receiver::Join() {
 
 Result<stream::DeviceFrameReader*> Receiver::DeviceFrames() {
   if (device_frames_) return device_frames_.get();
-  if (!options_.device_frames || !comm_->capabilities().device_buffers || devices_.size() != 1) {
+  const CommunicatorCapabilities caps = comm_->capabilities();
+  if (!options_.device_frames || !caps.device_buffers || devices_.size() != 1 ||
+      caps.cuda_device != devices_.begin()->first) {
     return nullptr;
   }
   for (const auto& [name, d] : dests_) {
@@ -268,38 +270,44 @@ Status Receiver::TakeFrame(bool envelope_last, bool on_device, uint64_t bytes, S
   }
   const bool seed = sync->kind == FrameKind::kSeed;
   const auto t0 = Clock::now();
+  Status applied;
   for (const FlushEntry& e : reader_.entries()) {
     Destination& d = dests_.find(e.name)->second;
     if (options_.apply_hook) {
       if (Status s = options_.apply_hook(sync->sync_id, e.name, sync->entries); !s.ok()) {
-        sync->clean = false;
-        return Status(s.code(), frame + ": applying tensor '" + d.name + "': " + s.message());
+        applied = Status(s.code(), frame + ": applying tensor '" + d.name + "': " + s.message());
+        break;
       }
     }
     Result<uint64_t> written =
         d.device ? d.device->Apply(e)
                  : stream::ApplyEntry(e, d.map, d.bytes, seed ? nullptr : &d.running);
     if (!written.ok()) {
-      sync->clean = false;
-      return Status(written.status().code(),
-                    frame + ": applying tensor '" + d.name + "': " + written.status().message());
+      applied = Status(written.status().code(),
+                       frame + ": applying tensor '" + d.name + "': " + written.status().message());
+      break;
     }
     stats->elements_written += *written;
     ++sync->entries;
     sync->named.insert(d.name);
   }
   if (on_device) {
-    // The bucket takes the next frame only once every scatter from it ran.
+    // The bucket takes the next frame only once every scatter from it ran,
+    // whether or not the whole frame was applied.
     std::set<std::string_view> waited;
     for (const FlushEntry& e : reader_.entries()) {
       if (!waited.insert(e.name).second) continue;
-      if (Status s = dests_.find(e.name)->second.device->Wait(); !s.ok()) {
-        sync->clean = false;
-        return Status(s.code(),
-                      frame + ": applying tensor '" + std::string(e.name) + "': " + s.message());
+      Status s = dests_.find(e.name)->second.device->Wait();
+      if (!s.ok() && applied.ok()) {
+        applied = Status(s.code(),
+                         frame + ": applying tensor '" + std::string(e.name) + "': " + s.message());
       }
     }
     ++stats->device_frames;
+  }
+  if (!applied.ok()) {
+    sync->clean = false;
+    return applied;
   }
   stats->apply_s += SecondsSince(t0);
   for (const stream::FlushDigest& r : reader_.digests()) {

@@ -494,9 +494,12 @@ Status Sender::Flush(Group& g, bool last, SyncStats* stats) {
     return s;
   }
   DS_RETURN_IF_ERROR(Land(stats));
-  std::swap(g.bucket, flight_.frame);
-  std::swap(g.device, flight_.device);
-  const bool device = flight_.device != nullptr;
+  const bool device = g.device != nullptr;
+  if (device) {
+    std::swap(g.device, flight_.device);
+  } else {
+    std::swap(g.bucket, flight_.frame);
+  }
   flight_.thread = std::thread([this, ranks = std::move(ranks), last, device] {
     const auto t1 = Clock::now();
     flight_.status = SendFrame(
@@ -624,51 +627,45 @@ Status Sender::StreamTensor(TensorState& t, const UnitSource& src, Round* round)
     for (const std::unique_ptr<Group>& gp : round->groups) {
       Group& g = *gp;
       if (!g.holds.count(t.name)) continue;
-      if ((g.seed || resend) && dev) {
-        DS_RETURN_IF_ERROR(Add(g, sync_id, stats, [&](Group& gr) {
-          return gr.device->AddDense(range, dev->current(first), dev->stream());
-        }));
-        if (!g.seed) stats->sent_elements += count;
-      } else if (g.seed || resend) {
-        DS_ASSIGN_OR_RETURN(std::span<const uint8_t> xu, dense());
-        DS_RETURN_IF_ERROR(
-            Add(g, sync_id, stats, [&](Group& gr) { return gr.writer.AddDense(range, xu); }));
-        if (!g.seed) stats->sent_elements += count;
-      } else if (n > 0) {
+      // A seed or a resent unit goes whole (dense); a delta in the
+      // encoding asked for, or dense when positions would cost more than
+      // the values.
+      const bool whole = g.seed || resend;
+      if (!whole && n == 0) continue;
+      StreamEncoding e = StreamEncoding::kDense;
+      if (!whole) {
         const uint64_t pw = t.numel >= (uint64_t{1} << 31) ? 8 : 4;
-        StreamEncoding e = options_.encoding;
+        e = options_.encoding;
         if (e == StreamEncoding::kIndices && n * (pw + t.w) >= count * t.w) {
           e = StreamEncoding::kDense;
         }
-        if (dev) {
-          // BeginSync leaves sparse deltas, compressed on the host, to host
-          // frames.
-          DS_RETURN_IF_ERROR(Add(g, sync_id, stats, [&](Group& gr) -> Result<bool> {
-            if (e == StreamEncoding::kDense) {
-              return gr.device->AddDense(range, dev->current(first), dev->stream());
-            }
-            return gr.device->AddIndices(range, device_changes, dev->stream());
-          }));
-        } else {
-          const Positions pos = Positions::Of(changes_, first);
-          std::span<const uint8_t> xu;
-          if (e == StreamEncoding::kDense) {
-            DS_ASSIGN_OR_RETURN(xu, dense());
-          }
-          DS_RETURN_IF_ERROR(Add(g, sync_id, stats, [&](Group& gr) -> Result<bool> {
-            FlushWriter& w = gr.writer;
-            switch (e) {
-              case StreamEncoding::kDense: return w.AddDense(range, xu);
-              case StreamEncoding::kIndices: return w.AddIndices(range, pos, changes_.new_values);
-              case StreamEncoding::kSparse: return w.AddSparse(range, pos, changes_.new_values);
-            }
-            return Status::Internal("unknown stream encoding");
-          }));
-        }
-        stats->sent_elements += e == StreamEncoding::kDense ? count : n;
-      } else {
-        continue;
       }
+      if (dev) {
+        // BeginSync leaves sparse deltas, compressed on the host, to host
+        // frames.
+        DS_RETURN_IF_ERROR(Add(g, sync_id, stats, [&](Group& gr) -> Result<bool> {
+          if (e == StreamEncoding::kDense) {
+            return gr.device->AddDense(range, dev->current(first), dev->stream());
+          }
+          return gr.device->AddIndices(range, device_changes, dev->stream());
+        }));
+      } else {
+        std::span<const uint8_t> xu;
+        if (e == StreamEncoding::kDense) {
+          DS_ASSIGN_OR_RETURN(xu, dense());
+        }
+        const Positions pos = Positions::Of(changes_, first);
+        DS_RETURN_IF_ERROR(Add(g, sync_id, stats, [&](Group& gr) -> Result<bool> {
+          FlushWriter& w = gr.writer;
+          switch (e) {
+            case StreamEncoding::kDense: return w.AddDense(range, xu);
+            case StreamEncoding::kIndices: return w.AddIndices(range, pos, changes_.new_values);
+            case StreamEncoding::kSparse: return w.AddSparse(range, pos, changes_.new_values);
+          }
+          return Status::Internal("unknown stream encoding");
+        }));
+      }
+      if (!g.seed) stats->sent_elements += e == StreamEncoding::kDense ? count : n;
       g.named.insert(t.name);
     }
   }
@@ -743,6 +740,8 @@ Status Sender::BeginSync(Round* round, Clock::time_point start) {
     spare_buckets_.push_back(std::move(flight_.frame));
     flight_.frame = {};
   }
+  // A device round takes its flight bucket again below.
+  if (flight_.device) spare_device_frames_.push_back(std::move(flight_.device));
   round->group_of.assign(peers_.size(), nullptr);
   for (size_t i = 0; i < peers_.size(); ++i) {
     Peer& p = peers_[i];
@@ -772,13 +771,15 @@ Status Sender::BeginSync(Round* round, Clock::time_point start) {
     }
   }
   // Frames are built on the device when every tensor lives on one device
-  // and the communicator sends device memory, unless a delta is sparse
+  // and the communicator sends that device's memory, unless a delta is sparse
   // (compressed on the host; seeds are dense). Buckets that cannot be had
   // leave this sync to host frames.
   bool deltas = false;
   for (const std::unique_ptr<Group>& g : round->groups) deltas = deltas || !g->seed;
   stream::DeviceContext* ctx = FrameDevice();
-  if (ctx != nullptr && options_.device_frames && comm_->capabilities().device_buffers &&
+  const CommunicatorCapabilities caps = comm_->capabilities();
+  if (ctx != nullptr && options_.device_frames && caps.device_buffers &&
+      caps.cuda_device == ctx->device() &&
       (options_.encoding != StreamEncoding::kSparse || !deltas)) {
     const auto take = [&](std::unique_ptr<stream::DeviceFrame>* frame) -> bool {
       if (*frame) return true;

@@ -83,6 +83,17 @@ class DeviceBytes {
   size_t n_;
 };
 
+// The model of the tests whose every tensor lives on the device: larger
+// than their 64 KiB bucket, so that a sync takes many frames (sent while
+// the next fills), with every element width the frames carry.
+inline std::vector<sync_test::Model::Spec> DeviceFrameSpecs() {
+  return {{"embed.weight", DType::kBF16, {517, 601}},
+          {"norm.weight", DType::kF32, {1001}},
+          {"mask", DType::kU8, {4099}},
+          {"scale", DType::kF64, {333}},
+          {"proj.weight", DType::kF16, {7, 513}}};
+}
+
 // The stream tests' model; every tensor but "b.bias" lives in device
 // memory on both sides.
 inline bool OnDevice(const std::string& name) { return name != "b.bias"; }

@@ -6,8 +6,8 @@
 //       chunk; checks what it receives; exits 0 when all held.
 //   stream_nccl_peer receiver DIR OUT_FILE DIE_AT_SYNC TIMEOUT_MS [all]
 //       a stream receiver of sync_test::Model's tensors (in device memory
-//       but "b.bias"; with "all", every one, and then every frame must
-//       arrive in device memory); after each sync it applied it writes
+//       but "b.bias"; with "all", every one of nccl_pair::DeviceFrameSpecs,
+//       and then every frame must arrive in device memory); after each sync it applied it writes
 //       every tensor's bytes back to back to OUT_FILE (through a rename).
 //       With DIE_AT_SYNC > 0 it SIGKILLs itself while applying the second
 //       entry of that sync. Runs until killed.
@@ -74,7 +74,7 @@ int Collectives(const std::string& dir, std::chrono::milliseconds timeout) {
 
 // sync_test::Model's tensors, where the receiver holds them.
 struct Held {
-  sync_test::Model model = sync_test::Model::Make(0);
+  sync_test::Model model;
   std::vector<std::unique_ptr<DeviceBytes>> device;
 
   // Every tensor's bytes back to back, from wherever it lives.
@@ -99,7 +99,9 @@ int Receiver(const std::string& dir, const std::string& out, uint64_t die_at,
   Result<std::unique_ptr<StreamReceiver>> r =
       StreamReceiver::Create([o] { return CreateCommunicator("nccl", o); }, options);
   if (!r.ok()) return Fail("receiver", r.status());
-  Held held;
+  Held held{all_device ? sync_test::Model::Make(0, nccl_pair::DeviceFrameSpecs())
+                       : sync_test::Model::Make(0),
+            {}};
   for (size_t i = 0; i < held.model.tensors.size(); ++i) {
     const SyncTensor& t = held.model.tensors[i];
     std::span<uint8_t> dest = held.model.bytes[i];
