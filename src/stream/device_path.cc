@@ -604,15 +604,7 @@ class FrameReaderImpl final : public DeviceFrameReader {
       return std::span<const uint8_t>(manifest_);
     };
     const PayloadChecker check = [&](const PayloadChecks& c) -> Result<std::optional<uint64_t>> {
-      std::vector<cuda::ZeroCheck> zeros;
-      zeros.reserve(c.zeros.size());
-      for (const PayloadChecks::Zero& z : c.zeros) zeros.push_back({z.offset, z.bytes});
-      std::vector<cuda::PositionCheck> positions;
-      positions.reserve(c.positions.size());
-      for (const PayloadChecks::Positions& p : c.positions) {
-        positions.push_back({p.offset, p.count, p.width, p.first, p.end});
-      }
-      return cuda::CheckFrameOnDevice(ctx_.ws(), kReceivedName, f, zeros, positions, s);
+      return cuda::CheckFrameOnDevice(ctx_.ws(), kReceivedName, f, c.zeros, c.positions, s);
     };
     bool needs_host = false;
     DS_RETURN_IF_ERROR(reader->ReadPlaced(std::span<const uint8_t>(ends.data(), kFlushHeaderBytes),

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "core/endian.h"
+#include "deltasync/cuda.h"
 #include "deltasync/dtype.h"
 #include "deltasync/status.h"
 #include "deltasync/stream.h"
@@ -233,21 +234,11 @@ struct FlushDigest {
 // The checks of a frame's payload that a reader of a placed frame
 // (FlushReader::ReadPlaced) leaves to the memory that holds it: bytes that
 // must be 0 (padding), and indices positions that must be strictly
-// increasing inside [first, end). Offsets are from the frame's start.
+// increasing inside [first, end). Offsets are from the frame's start. The
+// checks are the device's (cuda::CheckFrameOnDevice runs them as they are).
 struct PayloadChecks {
-  struct Zero {
-    uint64_t offset = 0;
-    uint64_t bytes = 0;
-  };
-  struct Positions {
-    uint64_t offset = 0;
-    uint64_t count = 0;
-    uint32_t width = 4;
-    uint64_t first = 0;
-    uint64_t end = 0;
-  };
-  std::vector<Zero> zeros;
-  std::vector<Positions> positions;
+  std::vector<cuda::ZeroCheck> zeros;
+  std::vector<cuda::PositionCheck> positions;
 };
 // Runs every check where the payload lies: the index of the first that
 // fails (the zeros first, then position check k as zeros.size() + k), or

@@ -1324,7 +1324,7 @@ PayloadChecker HostChecker(const Bytes& frame, PayloadChecks* seen = nullptr) {
       }
     }
     for (size_t k = 0; k < c.positions.size(); ++k) {
-      const PayloadChecks::Positions& p = c.positions[k];
+      const cuda::PositionCheck& p = c.positions[k];
       for (uint64_t i = 0; i < p.count; ++i) {
         const uint64_t v = Get(frame, p.offset + i * p.width, static_cast<int>(p.width));
         const bool bad =
