@@ -112,6 +112,13 @@ struct SizeFigures {
   bool have_nccl = false;
   double nccl_device_frames_s = 0, nccl_host_frames_s = 0;
   uint64_t nccl_frames = 0, nccl_device_frames = 0;
+  // Where a delta sync's time goes over nccl, means over the timed syncs:
+  // the sender's phases (SyncStats) and the receiver's (ReceiveStats,
+  // waiting for and taking frames; checking and applying them). [0]: frames
+  // on the device, [1]: through host memory.
+  struct Phases {
+    double diff_s = 0, encode_s = 0, transfer_s = 0, report_s = 0, receive_s = 0, apply_s = 0;
+  } nccl_phases[2];
   std::string nccl_error;
 };
 
@@ -166,6 +173,8 @@ Result<double> TimeNcclSyncs(const GpuBenchConfig& config, uint64_t n, const uin
                       StreamSender::Create([o] { return CreateCommunicator("nccl", o); }, so));
   const std::vector<int64_t> shape = {static_cast<int64_t>(n)};
   std::vector<double> times;
+  SizeFigures::Phases& phases = f->nccl_phases[device_frames ? 0 : 1];
+  phases = {};
   for (int i = 0; i < syncs; ++i) {
     const SyncTensor t{"w", DType::kBF16, shape, {i % 2 == 0 ? a : b, n * 2}, Placement::Cuda(0)};
     const auto t0 = Clock::now();
@@ -174,6 +183,10 @@ Result<double> TimeNcclSyncs(const GpuBenchConfig& config, uint64_t n, const uin
       times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
       f->nccl_frames = r.frames;
       if (device_frames) f->nccl_device_frames = r.device_frames;
+      phases.diff_s += r.diff_s / config.repeat;
+      phases.encode_s += r.encode_s / config.repeat;
+      phases.transfer_s += r.transfer_s / config.repeat;
+      phases.report_s += r.report_s / config.repeat;
     }
   }
   sender.reset();
@@ -181,6 +194,8 @@ Result<double> TimeNcclSyncs(const GpuBenchConfig& config, uint64_t n, const uin
   if (device_frames && report.value("device_frames", uint64_t{0}) == 0) {
     return Status::Internal("the receiver took no frame into device memory");
   }
+  phases.receive_s = report.value("receive_s", 0.0);
+  phases.apply_s = report.value("apply_s", 0.0);
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
 }
@@ -515,6 +530,12 @@ int RunGpuBench(const GpuBenchConfig& config, bool json) {
         s["nccl_host_frames_s"] = f.nccl_host_frames_s;
         s["nccl_frames"] = f.nccl_frames;
         s["nccl_device_frames"] = f.nccl_device_frames;
+        for (int k = 0; k < 2; ++k) {
+          const SizeFigures::Phases& p = f.nccl_phases[k];
+          s[k == 0 ? "nccl_device_frames_phases" : "nccl_host_frames_phases"] = {
+              {"diff_s", p.diff_s},     {"encode_s", p.encode_s},   {"transfer_s", p.transfer_s},
+              {"report_s", p.report_s}, {"receive_s", p.receive_s}, {"apply_s", p.apply_s}};
+        }
       } else if (!f.nccl_error.empty()) {
         s["nccl_error"] = f.nccl_error;
       }
@@ -583,6 +604,15 @@ int RunGpuBench(const GpuBenchConfig& config, bool json) {
               " frames");
       row("  frames through host memory", f.nccl_host_frames_s,
           "device: " + Ratio(f.nccl_device_frames_s / f.nccl_host_frames_s) + " of it");
+      for (int k = 0; k < 2; ++k) {
+        const SizeFigures::Phases& p = f.nccl_phases[k];
+        std::printf(
+            "    %s: sender diff %s / encode %s / transfer %s / report %s ms, receiver "
+            "receive %s / apply %s ms\n",
+            k == 0 ? "device frames" : "host frames", Ms(p.diff_s).c_str(), Ms(p.encode_s).c_str(),
+            Ms(p.transfer_s).c_str(), Ms(p.report_s).c_str(), Ms(p.receive_s).c_str(),
+            Ms(p.apply_s).c_str());
+      }
     } else if (!f.nccl_error.empty()) {
       std::cout << "  nccl rows skipped: " << f.nccl_error << "\n";
     }
@@ -618,13 +648,21 @@ int RunGpuNcclPeer(const std::vector<std::string>& args) {
                             {static_cast<uint8_t*>(dest->data()), n * 2}, {}, Placement::Cuda(0));
   if (!s.ok()) return Fail(s);
   uint64_t frames = 0, on_device = 0;
+  double receive_s = 0, apply_s = 0;  // means over the syncs after the seed
   for (int k = 0; k < syncs; ++k) {
     Result<ReceiveStats> got = (*r)->ReceiveSync();
     if (!got.ok()) return Fail(got.status());
     frames += got->frames;
     on_device += got->device_frames;
+    if (k > 0 && syncs > 1) {
+      receive_s += (got->wait_s + got->receive_s) / (syncs - 1);
+      apply_s += got->apply_s / (syncs - 1);
+    }
   }
-  nlohmann::json out = {{"frames", frames}, {"device_frames", on_device}};
+  nlohmann::json out = {{"frames", frames},
+                        {"device_frames", on_device},
+                        {"receive_s", receive_s},
+                        {"apply_s", apply_s}};
   std::cout << out.dump() << "\n";
   return 0;
 }

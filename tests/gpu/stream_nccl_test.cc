@@ -207,7 +207,13 @@ TEST_F(StreamNcclTest, FramesStayOnTheDeviceWhenEveryTensorDoes) {
       Result<SyncStats> s = sender.Sync(device.Upload(m));
       ASSERT_TRUE(s.ok()) << s.status().ToString();
       EXPECT_EQ(s->seeded, step == 0 ? 1u : 0u);
-      EXPECT_GT(s->frames, 3u);
+      // The seed and the half-changed step span many frames; a 5% step
+      // fits in two or three (sparse: compressed, fewer still).
+      if (step == 0 || (step == 2 && encoding != StreamEncoding::kSparse)) {
+        EXPECT_GT(s->frames, 3u) << "step " << step;
+      } else {
+        EXPECT_GE(s->frames, 2u) << "step " << step;
+      }
       // All but the records frame that ends the sync, unless sparse.
       if (encoding == StreamEncoding::kSparse && step > 0) {
         EXPECT_EQ(s->device_frames, 0u);
