@@ -201,7 +201,10 @@ class WorkspaceImpl final : public Workspace {
         scratch_ = nullptr;
         scratch_bytes_ = 0;
       }
-      const uint64_t grown = std::max<uint64_t>(bytes, uint64_t{1} << 20);
+      // To the next power of two: sizes that creep up do not reallocate
+      // (and synchronize the device) time after time.
+      uint64_t grown = uint64_t{1} << 20;
+      while (grown < bytes) grown *= 2;
       DS_CUDA_RETURN(cudaMalloc(&scratch_, grown), "cudaMalloc (workspace scratch)");
       scratch_bytes_ = grown;
     }

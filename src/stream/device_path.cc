@@ -59,11 +59,16 @@ std::string Quoted(std::string_view name) { return "tensor '" + std::string(name
 StateDigest FromDevice(const cuda::Digest& d) { return StateDigest{d.a, d.b}; }
 
 // Grows `buffer` to at least `bytes` (device memory of `device`, or pinned
-// host memory for device -1); its contents are not kept.
+// host memory for device -1); its contents are not kept. It grows to the
+// next power of two, so that entries and chunks of slightly different sizes
+// do not reallocate it time after time: freeing device or pinned memory
+// waits for the whole device, and allocating pinned memory maps it for
+// the device, each far slower than the copy the buffer serves.
 Status Reserve(cuda::Buffer* buffer, uint64_t bytes, int device) {
   if (buffer->size() >= bytes) return Status::OK();
   *buffer = cuda::Buffer();
-  const uint64_t size = std::max<uint64_t>(bytes, uint64_t{1} << 16);
+  uint64_t size = uint64_t{1} << 16;
+  while (size < bytes) size *= 2;
   Result<cuda::Buffer> b =
       device < 0 ? cuda::Buffer::PinnedHost(size) : cuda::Buffer::Device(size, device);
   if (!b.ok()) return b.status();

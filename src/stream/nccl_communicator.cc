@@ -205,12 +205,18 @@ class NcclCommunicator final : public Communicator {
   // copied to the device before the call) or into it (copied back after).
   enum class Way : uint8_t { kOut, kIn };
 
-  // Makes the staging buffer hold at least `bytes`.
+  // Makes the staging buffer hold at least `bytes`. It grows to the next
+  // power of two: frames of slightly different sizes must not reallocate it
+  // time after time (cudaFree waits for the whole device, and a freed and
+  // remapped buffer costs far more than the copy it stages).
   Status Reserve(std::string_view call, size_t bytes) {
     if (bytes <= staging_bytes_) return Status::OK();
     if (staging_ != nullptr) cudaFree(staging_);
     staging_ = nullptr;
     staging_bytes_ = 0;
+    size_t grown = size_t{1} << 16;
+    while (grown < bytes) grown *= 2;
+    bytes = grown;
     cudaError_t e = cudaSetDevice(options_.cuda_device);
     if (e == cudaSuccess) e = cudaMalloc(&staging_, bytes);
     if (e != cudaSuccess) {
