@@ -204,7 +204,7 @@ class Prepared:
     a publisher's :meth:`~deltasync.Publisher.publish` and a coordinator's
     :meth:`~deltasync.SyncCoordinator.sync` take the result wherever they
     take tensors, and then skip that reading, which on a model of hundreds
-    of tensors is most of the binding's cost per call.
+    of tensors is about half of the binding's cost per call.
 
     The promise: the tensors stay the same objects over the same memory
     (an optimizer's in-place step, ``copy_`` and ``param.data.add_`` keep

@@ -161,11 +161,19 @@ TorchTypes& Torch() {
   return *t;
 }
 
+// An attribute name made once and interned, for lookups run per tensor.
+py::handle Name(const char* name) { return PyUnicode_InternFromString(name); }
+
 // TensorArgs for (name, tensor) pairs: a host torch tensor that is dense
 // and contiguous is read here; anything else (numpy, Raw, CUDA tensors, and
 // every tensor the core would refuse, so that the error is the Python
-// layer's) goes through `slow(name, obj)`, deltasync._tensors.arg.
+// layer's) goes through `slow(name, obj)`, deltasync._tensors.arg. This runs
+// for every tensor of every call given plain tensors, so it asks torch for
+// as little as it can: its size comes from the shape and the dtype.
 TensorArgs ArgsFromPairs(const py::list& pairs, const py::object& slow) {
+  static const py::handle kLayout = Name("layout"), kIsCpu = Name("is_cpu"),
+                          kIsContiguous = Name("is_contiguous"), kDType = Name("dtype"),
+                          kShape = Name("shape"), kDataPtr = Name("data_ptr");
   TensorArgs out;
   out.reserve(pairs.size());
   const TorchTypes& torch = Torch();
@@ -173,18 +181,20 @@ TensorArgs ArgsFromPairs(const py::list& pairs, const py::object& slow) {
     const py::tuple pair = py::reinterpret_borrow<py::tuple>(item);
     const py::handle obj = pair[1];
     if (torch.tensor_type && py::isinstance(obj, torch.tensor_type) &&
-        py::object(obj.attr("layout")).is(torch.strided) &&
-        obj.attr("is_contiguous")().cast<bool>() &&
-        py::str(obj.attr("device").attr("type")).cast<std::string>() == "cpu") {
-      const py::object code = torch.dtypes.attr("get")(obj.attr("dtype"));
-      if (!code.is_none()) {
+        obj.attr(kLayout).ptr() == torch.strided.ptr() && obj.attr(kIsCpu).ptr() == Py_True &&
+        obj.attr(kIsContiguous)().ptr() == Py_True) {
+      const py::object dtype = obj.attr(kDType);
+      PyObject* code = PyDict_GetItemWithError(torch.dtypes.ptr(), dtype.ptr());  // borrowed
+      if (code == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      if (code != nullptr) {
         TensorArg a;
         a.name = pair[0].cast<std::string>();
-        a.dtype = code.cast<std::string>();
-        a.shape = obj.attr("shape").cast<std::vector<int64_t>>();
-        a.ptr = obj.attr("data_ptr")().cast<uintptr_t>();
-        a.nbytes =
-            obj.attr("numel")().cast<uint64_t>() * obj.attr("element_size")().cast<uint64_t>();
+        a.dtype = py::handle(code).cast<std::string>();
+        a.shape = obj.attr(kShape).cast<std::vector<int64_t>>();
+        a.ptr = obj.attr(kDataPtr)().cast<uintptr_t>();
+        uint64_t numel = 1;
+        for (const int64_t d : a.shape) numel *= static_cast<uint64_t>(d);
+        a.nbytes = numel * DTypeSize(a.ParsedDType());
         out.push_back(std::move(a));
         continue;
       }
@@ -204,14 +214,15 @@ void CheckPrepared(TensorArgs& args, const py::list& pairs, const py::dict& stre
     Raise(Status::Internal("prepared tensors: " + std::to_string(args.size()) + " arguments for " +
                            std::to_string(pairs.size()) + " tensors"));
   }
+  static const py::handle kDataPtr = Name("data_ptr"), kNumel = Name("numel");
   const TorchTypes& torch = Torch();
   for (size_t i = 0; i < args.size(); ++i) {
     TensorArg& a = args[i];
     const py::handle obj = py::reinterpret_borrow<py::tuple>(pairs[i])[1];
     if (torch.tensor_type && py::isinstance(obj, torch.tensor_type)) {
-      const auto ptr = obj.attr("data_ptr")().cast<uintptr_t>();
+      const auto ptr = obj.attr(kDataPtr)().cast<uintptr_t>();
       // Its dtype cannot change without its memory moving.
-      const uint64_t nbytes = obj.attr("numel")().cast<uint64_t>() * DTypeSize(a.ParsedDType());
+      const uint64_t nbytes = obj.attr(kNumel)().cast<uint64_t>() * DTypeSize(a.ParsedDType());
       if (ptr != a.ptr || nbytes != a.nbytes) {
         Raise(Status::FailedPrecondition(
             "tensor '" + a.name + "': its memory " + (ptr != a.ptr ? "moved" : "changed size") +

@@ -82,8 +82,40 @@ def test_bad_input_names_the_tensor_and_the_problem():
         ds.diff([1, 2, 3], a)
     with pytest.raises(ds.InvalidArgumentError, match="Raw"):
         ds.Raw(np.zeros(2, np.float32), "BF16")
-    if not ds.built_with_cuda() and torch.cuda.is_available():  # pragma: no cover
-        pass
+
+
+def test_tensors_read_in_one_call_are_what_the_python_reader_reads():
+    """The extension reads a call's dense host tensors itself (the size from
+    the shape and dtype); every field must be what deltasync._tensors.arg
+    reads, and what the extension does not take must still reach arg's
+    errors."""
+    from deltasync import _deltasync, _tensors
+
+    base = torch.arange(40, dtype=torch.float32)
+    tensors = {
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 7, dtype=torch.bfloat16),
+        "offset_view": base[5:25].view(4, 5),
+        "param": torch.nn.Parameter(torch.ones(3, 2, dtype=torch.float16)),
+        "bytes": torch.zeros(9, dtype=torch.uint8),
+        "flags": torch.zeros(2, 3, dtype=torch.bool),
+        "numpy": np.zeros((2, 2), np.int64),
+        "raw": ds.Raw(np.zeros(6, np.uint16), "BF16"),
+    }
+    pairs = _tensors.named(tensors)
+    fast = _deltasync.args_from_pairs(pairs, _tensors.arg)
+    for (name, obj), got in zip(pairs, fast):
+        want = _tensors.arg(name, obj)
+        assert (got.name, got.dtype, list(got.shape), got.ptr, got.nbytes, got.device) == (
+            want.name, want.dtype, list(want.shape), want.ptr, want.nbytes, want.device), name
+    assert fast[2].ptr == base.data_ptr() + 5 * 4 and fast[2].nbytes == 80
+    assert fast[0].nbytes == 8 and fast[1].nbytes == 0
+    with pytest.raises(ds.InvalidArgumentError, match="'t': not contiguous"):
+        _deltasync.args_from_pairs([("t", torch.zeros(4, 4).t())], _tensors.arg)
+    with pytest.raises(ds.UnsupportedError, match="'c': dtype torch.complex64"):
+        _deltasync.args_from_pairs([("c", torch.zeros(2, dtype=torch.complex64))], _tensors.arg)
+    with pytest.raises(ds.InvalidArgumentError, match="'s': a torch.sparse_coo tensor"):
+        _deltasync.args_from_pairs([("s", torch.zeros(3).to_sparse())], _tensors.arg)
 
 
 def test_corrupt_encoding_is_refused_and_target_unchanged():
