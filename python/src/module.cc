@@ -9,6 +9,7 @@
 #include "common.h"
 #include "deltasync/codec.h"
 #include "deltasync/diff.h"
+#include "deltasync/tensor.h"
 
 namespace deltasync::python {
 namespace {
@@ -192,11 +193,12 @@ TensorArgs ArgsFromPairs(const py::list& pairs, const py::object& slow) {
         a.dtype = py::handle(code).cast<std::string>();
         a.shape = obj.attr(kShape).cast<std::vector<int64_t>>();
         a.ptr = obj.attr(kDataPtr)().cast<uintptr_t>();
-        uint64_t numel = 1;
-        for (const int64_t d : a.shape) numel *= static_cast<uint64_t>(d);
-        a.nbytes = numel * DTypeSize(a.ParsedDType());
-        out.push_back(std::move(a));
-        continue;
+        const Result<int64_t> numel = ShapeNumel(a.shape);
+        if (numel.ok()) {
+          a.nbytes = static_cast<uint64_t>(*numel) * DTypeSize(a.ParsedDType());
+          out.push_back(std::move(a));
+          continue;
+        }
       }
     }
     out.push_back(slow(pair[0], obj).cast<TensorArg>());
