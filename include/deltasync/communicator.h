@@ -65,13 +65,24 @@
 // member that finds a previous run's keys may join its stale generation (and
 // fail, and retry).
 //
-// A Communicator is used by one thread at a time. Send blocks until the peer
+// A Communicator is used by one thread at a time, but for Cancel, which any
+// thread may call while another is in a call. Send blocks until the peer
 // has posted the matching Recv, so two ranks that both Send to each other
 // first wait for each other until the timeout: order exchanges (the sharded
 // gather exchanges sizes with Gather first, then the root Recvs from each
 // rank in turn).
+//
+// Waiting for a peer that comes late by design. The timeout bounds a peer
+// that has gone silent inside an exchange. A message that opens an exchange
+// the peer takes part in only much later (a rollout worker waiting for the
+// trainer's next sync while the trainer trains for minutes) is not such a
+// peer: SendAwaiting and RecvAwaiting wait for it as long as the caller
+// says, and bound only the rest of the message by the timeout. A peer that
+// dies while they wait still fails them at once where the communicator
+// detects dead peers.
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -99,6 +110,12 @@ struct CommunicatorCapabilities {
   // is an error naming both counts. Without this a mismatch is undefined (in
   // practice a timeout or wrong bytes), so the caller must agree sizes first.
   bool checks_sizes = false;
+  // SendAwaiting and RecvAwaiting wait for the peer as long as they are
+  // asked to; without this they are Send and Recv, bounded by the timeout.
+  bool awaits_peer = false;
+  // Cancel ends a call in flight at once; without this the call ends by
+  // itself (at the latest at its timeout) and only later calls fail.
+  bool cancels_in_flight = false;
 };
 
 // Where the members of a group find each other.
@@ -108,17 +125,51 @@ struct Rendezvous {
     kRedis = 1,  // Gloo's RedisStore: a redis-server every member reaches
   };
   Kind kind = Kind::kFile;
-  std::string path;  // kFile: the directory (created if missing)
+  // kFile: the directory. Created if missing, readable and writable by
+  // this user only (0700); an existing one is used as it is.
+  std::string path;
   std::string host;  // kRedis
   int port = 6379;   // kRedis
+  // kRedis: the server's password (AUTH), when it asks for one. Never part
+  // of a spec (specs show on command lines and in logs): read it from a
+  // file with ReadSecretFile, or leave it empty to take the environment's
+  // DELTASYNC_REDIS_PASSWORD when that is set.
+  std::string password;
 };
 
-// "file:<directory>" or "redis:<host>:<port>" (the port may be left out:
-// 6379). InvalidArgument naming the spec and the accepted forms otherwise.
+// "file:<directory>", "file://<directory>" (a file URL: file:///abs/dir),
+// "redis:<host>[:<port>]" or "redis://<host>[:<port>]" (the port defaults
+// to 6379; an IPv6 host in brackets). InvalidArgument naming the spec and
+// the accepted forms otherwise, and for a password in the spec.
 Result<Rendezvous> ParseRendezvous(std::string_view spec);
 
-// The spec ParseRendezvous reads back to the same Rendezvous.
+// The spec ParseRendezvous reads back to the same Rendezvous (but for the
+// password, which no spec holds).
 std::string RendezvousSpec(const Rendezvous& rendezvous);
+
+// The contents of a file holding a secret (a Redis password, a stream
+// key), without one trailing newline. Refuses, naming the file, one that
+// other users may read or write (mode & 077: chmod 600 it) or that is
+// empty; NotFound or IOError when it cannot be read.
+Result<std::string> ReadSecretFile(const std::string& path);
+
+// Authenticated mode (docs/format.md, "Authenticated messages"): every
+// message of the group carries a BLAKE3 tag under a key every member holds,
+// bound to its place in the group's traffic, so that a process without the
+// key cannot make a member take a message, and no message is taken twice.
+struct AuthKey {
+  std::array<uint8_t, 32> bytes{};
+};
+
+// The key from a shared secret of at least 16 bytes (InvalidArgument for a
+// shorter one).
+Result<AuthKey> DeriveAuthKey(std::string_view secret);
+
+// The key the environment gives: DELTASYNC_STREAM_KEY_FILE names a file
+// (ReadSecretFile: only its owner may read it) or DELTASYNC_STREAM_KEY
+// holds the secret itself; nullopt when neither is set. The errors of
+// ReadSecretFile and DeriveAuthKey.
+Result<std::optional<AuthKey>> AuthKeyFromEnvironment();
 
 struct CommunicatorOptions {
   int rank = 0;  // this process, 0 <= rank < size
@@ -141,6 +192,9 @@ struct CommunicatorOptions {
   std::string hostname;
   // nccl: the CUDA device this rank uses.
   int cuda_device = 0;
+  // Set: the member is authenticated (AuthenticateCommunicator), and
+  // every member of the group must set the same key.
+  std::optional<AuthKey> auth_key;
 };
 
 // One member of a formed group. Buffers are spans of bytes in the memory
@@ -188,6 +242,31 @@ class Communicator {
   virtual Status Gather(int root, std::span<const uint8_t> record, std::span<uint8_t> out) = 0;
   // Gather to every rank: each rank's `out` is size() * record.size() bytes.
   virtual Status AllGather(std::span<const uint8_t> record, std::span<uint8_t> out) = 0;
+
+  // Send and Recv of a message that opens an exchange the peer may come to
+  // long after this rank does (see "Waiting for a peer that comes late by
+  // design"): the wait for the peer to take part is `wait` (nullopt: no
+  // bound) instead of the timeout; once the message has begun to move, the
+  // rest is bounded by the timeout. Running out of `wait` is
+  // DeadlineExceeded and breaks the communicator as any timeout does.
+  // Without capabilities().awaits_peer these are Send and Recv.
+  virtual Status SendAwaiting(int peer, std::span<const uint8_t> data,
+                              std::optional<std::chrono::milliseconds> wait) {
+    (void)wait;
+    return Send(peer, data);
+  }
+  virtual Status RecvAwaiting(int peer, std::span<uint8_t> data,
+                              std::optional<std::chrono::milliseconds> wait) {
+    (void)wait;
+    return Recv(peer, data);
+  }
+
+  // Thread-safe; the one method another thread may call while a call is in
+  // flight. Breaks the communicator with Aborted naming `why`: a call in
+  // flight returns with that error (at once with
+  // capabilities().cancels_in_flight; otherwise when it ends by itself, at
+  // the latest at its timeout), and every later call fails. Idempotent.
+  virtual void Cancel(std::string_view why) = 0;
 };
 
 // Forms this rank's member of the group `options` describes with the
@@ -199,6 +278,17 @@ class Communicator {
 // come (the lowest rank that did not, where the store tells).
 Result<std::unique_ptr<Communicator>> CreateCommunicator(std::string_view name,
                                                          const CommunicatorOptions& options);
+
+// Wraps `inner`, a formed member of the group named `group`, in the
+// authenticated mode: every member of the group wraps its own, with the
+// same key, right after forming (the wrap makes the session with an
+// all-gather bounded by inner's timeout). The wrapper's messages carry
+// tags; one whose tag does not verify fails its call with Corruption and
+// breaks the communicator. It takes host memory only (the tags are
+// computed on the host). The all-gather's errors, naming the group.
+Result<std::unique_ptr<Communicator>> AuthenticateCommunicator(std::unique_ptr<Communicator> inner,
+                                                               const AuthKey& key,
+                                                               std::string_view group);
 
 // The communicators this build holds, e.g. {"gloo", "nccl"}; may be empty.
 std::vector<std::string_view> BuiltCommunicators();

@@ -32,14 +32,22 @@
 // memory (nccl), with every tensor of a side on one device, the frames stay
 // on the device end to end: built there from the diff's outputs, sent from
 // and received into device buckets, checked and scattered there; over
-// gloo only the changes come back to host frames. Each side uses one
-// thread; neither is thread-safe.
+// gloo only the changes come back to host frames.
+//
+// Threads. Each side makes one call at a time: a second thread that calls
+// Sync, SyncShards or ReceiveSync while another thread is in one gets
+// FailedPrecondition at once and changes nothing. Cancel and health may be
+// called from any thread at any time: Cancel ends the call in flight with
+// Aborted (at once over gloo and nccl; see CommunicatorCapabilities) and
+// closes the side for good, so that an owner can shut a side down that
+// another thread is using, and then destroy it once that call returned.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -137,7 +145,10 @@ struct SenderOptions {
 struct SyncStats {
   uint64_t sync_id = 0;
   uint32_t receivers = 0;
-  uint32_t seeded = 0;         // receivers that got a seed
+  uint32_t seeded = 0;  // receivers that got a seed
+  // Receivers that hold only some of the tensors on purpose
+  // (ReceiverOptions::partial).
+  uint32_t partial_receivers = 0;
   uint64_t changed = 0;        // elements that differ from the snapshot
   uint64_t sent_elements = 0;  // elements the delta frames carry (changed + resent)
   uint64_t frames = 0;         // frames built (each sent to every receiver of its kind)
@@ -202,6 +213,10 @@ class StreamSender {
   virtual Result<std::span<const uint8_t>> Snapshot(std::string_view name) const = 0;
   // The id of the last sync that succeeded; 0 before.
   virtual uint64_t committed_sync_id() const = 0;
+
+  // Thread-safe. Ends a call in flight with Aborted naming `why` and closes
+  // this sender: every later call fails. Idempotent.
+  virtual void Cancel(std::string_view why) = 0;
 };
 
 // A part of a tensor a receiver holds: tensor elements hf_first + k (0 <= k
@@ -218,9 +233,27 @@ struct DestinationRun {
 };
 
 struct ReceiverOptions {
-  // Frames larger than this are refused (the receiver then leaves the
-  // group). The receiver holds one frame and one decode chunk.
+  // The largest frame this receiver takes; it holds one frame and one
+  // decode chunk. It says so in its hello, and a sender whose bucket is
+  // larger refuses it there, naming both sizes.
   uint64_t max_frame_bytes = uint64_t{1} << 30;
+  // How long ReceiveSync waits for the next sync to begin (and, before the
+  // first sync of a formation, for the sender to take its hello); unset: no
+  // bound. Between syncs the trainer trains, which may take far longer than
+  // the communicator's timeout; a sender that dies meanwhile is still
+  // noticed at once over gloo (its connection drops). Everything inside a
+  // sync stays bounded by the timeout.
+  std::optional<std::chrono::milliseconds> sync_wait;
+  // This receiver registers only some of the sender's tensors on purpose
+  // (a pipeline stage). Otherwise the sender refuses it unless it registers
+  // every tensor the sender syncs, naming the first one it lacks.
+  bool partial = false;
+  // Called once per sync before it writes anything (when its first frame
+  // has arrived): an error refuses the sync with that error, having written
+  // nothing. For destinations whose memory the caller may move between
+  // syncs (Python tensors whose storage an engine swaps): the check names
+  // the tensor, and Rebind points the receiver at its new memory.
+  std::function<Status()> before_apply;
   // Take frames into device memory when every registered tensor lives on
   // one device and the communicator takes device memory
   // (ReceiveStats::device_frames); false: into host memory always.
@@ -233,7 +266,12 @@ struct ReceiverOptions {
 
 struct ReceiveStats {
   uint64_t sync_id = 0;
+  // A seed: every element this receiver holds was written. A seed counts
+  // no changes (there is no previous state to compare with): it is the
+  // sender's SyncStats::changed that counts a delta's changes.
   bool seed = false;
+  bool partial = false;  // ReceiverOptions::partial
+  uint64_t tensors = 0;  // registered
   bool verify_all = false;
   uint64_t frames = 0;
   // Of those, frames taken into device memory, checked and applied from
@@ -271,12 +309,41 @@ class StreamReceiver {
                           std::span<uint8_t> dest, std::vector<DestinationRun> runs = {},
                           Placement place = {}) = 0;
 
+  // Points a registered tensor at new memory of the same dtype and size
+  // (an engine that reallocated its weights), between syncs. The new
+  // memory's contents are not known, so the receiver asks the sender for a
+  // seed: the next sync is refused (the sender learns why) and the one after
+  // reseeds it. InvalidArgument naming the tensor for an unknown name or a
+  // destination of another size or place; FailedPrecondition during a call.
+  virtual Status Rebind(std::string_view name, std::span<uint8_t> dest, Placement place = {}) = 0;
+
   // Takes one sync: its frames, applied in place once each is checked, its
   // digests verified, and the report sent. OK when this receiver's part
   // succeeded; otherwise the error names the sync and frame or tensor and
-  // the problem (a refused frame changed no weight). A communicator failure
-  // drops the group, which the next call forms again (and is reseeded).
+  // the problem. A frame refused by its checks changed no weight, but
+  // frames of the sync before it may have been applied: after a failed
+  // sync each element holds its committed value or the sync's, and the
+  // next sync repairs it (docs/format.md, "After a failed sync"). A
+  // communicator failure drops the group, which the next call forms again
+  // (and is reseeded); so do three failed syncs in a row.
   virtual Result<ReceiveStats> ReceiveSync() = 0;
+
+  // Thread-safe. Ends a call in flight with Aborted naming `why` and closes
+  // this receiver: every later call fails. Idempotent.
+  virtual void Cancel(std::string_view why) = 0;
+
+  // Thread-safe: where this receiver stands.
+  struct Health {
+    bool connected = false;  // a member of a formed group
+    bool seeded = false;     // holds a verified state of this formation
+    bool in_call = false;    // a ReceiveSync is running
+    bool waiting = false;    // ... and waits for a sync to begin
+    double waiting_s = 0;    // since when it waits
+    uint64_t last_sync_id = 0;
+    uint32_t failures_in_a_row = 0;
+    Status link;  // the communicator's health (OK while usable), or Cancel's error
+  };
+  virtual Health health() const = 0;
 };
 
 }  // namespace deltasync

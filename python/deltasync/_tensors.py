@@ -7,6 +7,7 @@ returns, and a receiver keeps its registered destinations.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -104,12 +105,39 @@ def dtype_name(obj: Any) -> str:
     raise InvalidArgumentError(f"expected a torch tensor or numpy array, got {type(obj).__name__}")
 
 
+def _over_immutable_bytes(t: Any) -> bool:
+    """Whether a CPU tensor's memory is the contents of a Python ``bytes``
+    object (``torch.frombuffer(b"...")``: torch cannot mark such a tensor
+    read-only, and writing through it would change an immutable object).
+
+    CPython keeps a bytes object's contents at a fixed offset after its
+    header, whose type field then holds the address of ``bytes`` itself;
+    the header is read only when it lies on the same memory page as the
+    contents, so the check never touches memory that may be unmapped. A
+    tensor at an offset inside the bytes object is not recognised."""
+    ptr = t.data_ptr()
+    header = bytes.__basicsize__ - 1  # where ob_sval starts
+    if ptr == 0 or ptr % 4096 < header:
+        return False
+    type_field = ctypes.c_size_t.from_address(ptr - header + ctypes.sizeof(ctypes.c_ssize_t))
+    return type_field.value == id(bytes)
+
+
+def memory_of(t: Any) -> tuple[int, int]:
+    """(data pointer, bytes its storage holds from there on) of a torch
+    tensor: what a receiver checks before each sync writes into it."""
+    storage = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
+    owned = storage.nbytes() - t.storage_offset() * t.element_size()
+    return t.data_ptr(), max(0, owned)
+
+
 def arg(name: str, obj: Any, *, writable: bool = False) -> _deltasync.TensorArg:
     """A TensorArg for ``obj``, named ``name`` in every error.
 
     Refuses (InvalidArgumentError naming the tensor) what the core cannot
     read in place: a non-contiguous or sparse tensor, an array that does not
-    own plain memory, a read-only array where ``writable``.
+    own plain memory, a read-only array or a tensor over an immutable
+    ``bytes`` object where ``writable``.
     """
     if isinstance(obj, Raw):
         array, code = obj.array, obj.dtype
@@ -124,9 +152,17 @@ def arg(name: str, obj: Any, *, writable: bool = False) -> _deltasync.TensorArg:
         if t.layout != torch.strided:
             raise InvalidArgumentError(f"tensor '{name}': a {t.layout} tensor (need a dense one)")
         if not t.is_contiguous():
+            if writable:
+                # .contiguous() would be a copy: writes into it would never
+                # reach the tensor.
+                raise InvalidArgumentError(
+                    f"tensor '{name}': not contiguous (strides {tuple(t.stride())}), and it is "
+                    "written in place: register the contiguous tensor it is a view of (with "
+                    "runs for the part it holds), not a copy"
+                )
             raise InvalidArgumentError(
                 f"tensor '{name}': not contiguous (strides {tuple(t.stride())}); "
-                "pass .contiguous() or register a contiguous view"
+                "pass .contiguous()"
             )
         device, stream = -1, 0
         kind = t.device.type
@@ -135,6 +171,11 @@ def arg(name: str, obj: Any, *, writable: bool = False) -> _deltasync.TensorArg:
             stream = torch.cuda.current_stream(t.device).cuda_stream
         elif kind != "cpu":
             raise UnsupportedError(f"tensor '{name}': on {t.device} (deltasync takes cpu and cuda)")
+        if writable and kind == "cpu" and t.numel() > 0 and _over_immutable_bytes(t):
+            raise InvalidArgumentError(
+                f"tensor '{name}': its memory is an immutable bytes object "
+                "(torch.frombuffer over bytes), but it is written: use a bytearray or a copy"
+            )
         return _deltasync.TensorArg(name, code, list(t.shape), t.data_ptr(),
                                     t.numel() * t.element_size(), device, stream, True)
     if isinstance(array, np.ndarray):

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from . import _deltasync
 from ._closing import Closing
-from ._tensors import arg, dtype_name, named, tensor_args
+from ._tensors import arg, dtype_name, is_torch, named, tensor_args
 from .errors import InvalidArgumentError, UnsupportedError
 
 ShardSpec = _deltasync.ShardSpec
@@ -29,10 +29,27 @@ ShardSpec = _deltasync.ShardSpec
 class Group:
     """A group deltasync forms itself.
 
-    ``rendezvous`` is ``file:/a/dir/every/member/sees`` or ``redis://host:port``;
-    every member gives the same ``rendezvous``, ``size`` and ``group`` name,
-    and its own ``rank``. ``backend`` is ``"gloo"`` (host memory, TCP) or
-    ``"nccl"``; ``timeout_s`` bounds every call on a silent peer.
+    ``rendezvous`` is ``file:/a/dir/every/member/sees`` (also
+    ``file:///a/dir``; a directory it creates is private to the user) or
+    ``redis://host:port`` (also ``redis:host:port``; the port defaults to
+    6379). A Redis password is never part of the spec: give
+    ``redis_password_file`` (a file only its owner may read) or set
+    ``DELTASYNC_REDIS_PASSWORD``. Every member gives the same
+    ``rendezvous``, ``size`` and ``group`` name, and its own ``rank``.
+    ``backend`` is ``"gloo"`` (host memory, TCP) or ``"nccl"``;
+    ``timeout_s`` bounds every call on a silent peer inside a sync (a
+    receiver's wait for the next sync has its own bound, see
+    :class:`StreamReceiver`). Bad values are refused here, not at the first
+    sync.
+
+    Authenticated mode: ``key_file`` names a file holding a secret every
+    member shares (at least 16 bytes; only its owner may read it); without
+    it, ``DELTASYNC_STREAM_KEY_FILE`` or ``DELTASYNC_STREAM_KEY`` in the
+    environment give one. Every message then carries a BLAKE3 tag, and a
+    process without the key can neither take over a rank nor have a
+    forged or replayed message taken (docs/format.md, "Authenticated
+    messages"). Without a key the group trusts whoever reaches its
+    rendezvous and its ports.
     """
 
     rendezvous: str
@@ -44,10 +61,28 @@ class Group:
     timeout_s: float = 30.0
     connect_timeout_s: float = 60.0
     cuda_device: int = 0
+    redis_password_file: str = ""
+    key_file: str = ""
 
     def __post_init__(self) -> None:
-        if not self.backend:
-            raise InvalidArgumentError("Group: backend must be 'gloo' or 'nccl'")
+        if self.backend not in ("gloo", "nccl"):
+            raise InvalidArgumentError(
+                f"Group: backend {self.backend!r}: expected 'gloo' or 'nccl'"
+            )
+        if not (isinstance(self.size, int) and self.size >= 1):
+            raise InvalidArgumentError(f"Group: size {self.size!r}: at least 1")
+        if not (isinstance(self.rank, int) and 0 <= self.rank < self.size):
+            raise InvalidArgumentError(
+                f"Group: rank {self.rank!r} is outside a group of {self.size} (0 <= rank < size)"
+            )
+        if not (self.timeout_s > 0 and self.connect_timeout_s > 0):
+            raise InvalidArgumentError(
+                f"Group: timeouts must be positive (timeout_s {self.timeout_s}, "
+                f"connect_timeout_s {self.connect_timeout_s})"
+            )
+        if not self.group or "/" in self.group:
+            raise InvalidArgumentError(f"Group: group name {self.group!r} must be non-empty, no '/'")
+        _deltasync.parse_rendezvous(self.rendezvous)
 
 
 def built_communicators() -> list[str]:
@@ -89,10 +124,16 @@ class StreamSender(Closing):
         pairs, host or CUDA, or the same prepared once with
         :func:`~deltasync.prepare` for a lower cost per call) since the last
         sync to every receiver. The first sync, and any after a receiver
-        joins or fails, seeds the whole model. Returns ``sync_id``, ``changed``, ``bytes_sent``, ``seeded`` and the
-        time split (``diff_s``, ``encode_s``, ``transfer_s``, ``report_s``,
-        ``commit_s``, ``total_s``). On an error nothing is committed: the
-        next sync resends."""
+        joins or fails, seeds the whole model. Returns ``sync_id``,
+        ``changed`` (elements that differ from the last committed state: 0
+        for the first sync, which has none to compare with),
+        ``bytes_sent``, ``seeded``, ``receivers``, ``partial_receivers``
+        and the time split (``diff_s``, ``encode_s``, ``transfer_s``,
+        ``report_s``, ``commit_s``, ``total_s``). On an error nothing is
+        committed: the next sync resends. One call at a time: another
+        thread's call meanwhile raises FailedPreconditionError, and
+        :meth:`close` from another thread ends a sync in flight with an
+        error."""
         targs, keep = tensor_args(tensors)
         stats = self._live().sync(targs)
         del keep
@@ -134,15 +175,46 @@ class StreamSender(Closing):
 class StreamReceiver(Closing):
     """An engine's side: rank ``r >= 1`` of ``group``.
 
-    Register every tensor the sender syncs, then call :meth:`receive` once
+    Register the tensors the sender syncs, then call :meth:`receive` once
     per sync. Changes are written in place into the registered tensors
-    (host or CUDA); a sync that fails leaves them as they were before it
-    (the sender resends or reseeds).
+    (host or CUDA). By default a receiver registers every tensor the sender
+    syncs, and the sender refuses one that lacks some, naming the first;
+    ``partial=True`` says this receiver holds only some on purpose (a
+    pipeline stage), and the stats report it.
+
+    A sync that fails is not undone: frames applied before the failure stay
+    applied, so each element holds either its committed value or the
+    failed sync's, and the next sync brings every element to the sender's
+    state (it resends what the failed one changed, or reseeds).
+
+    ``sync_wait_s`` bounds how long :meth:`receive` waits for the next sync
+    to begin (``None``, the default: no bound; a trainer's step takes as
+    long as it takes). A sender that dies meanwhile is noticed at once over
+    ``gloo``; :meth:`health` says what the receiver is doing. Everything
+    inside a sync stays bounded by the group's ``timeout_s``.
+
+    A registered tensor must keep its memory: before a sync writes
+    anything, the receiver checks that no registered torch tensor's storage
+    was swapped (``t.data = ...``, ``set_``) or freed
+    (``untyped_storage().resize_(0)``), refuses the sync naming the first
+    one that was, and :meth:`rebind` points it at the new memory.
+
+    Threads: one call at a time (a second thread's call while
+    :meth:`receive` runs raises FailedPreconditionError); :meth:`close`
+    from another thread ends a receive in flight with an error and then
+    closes; :meth:`health` may be called from any thread.
     """
 
-    def __init__(self, group: Any, *, max_frame_bytes: int = 1 << 30) -> None:
+    def __init__(
+        self,
+        group: Any,
+        *,
+        max_frame_bytes: int = 1 << 30,
+        sync_wait_s: Optional[float] = None,
+        partial: bool = False,
+    ) -> None:
         self._dests: dict[str, Any] = {}
-        self._impl = _deltasync.StreamReceiver(group, max_frame_bytes)
+        self._impl = _deltasync.StreamReceiver(group, max_frame_bytes, sync_wait_s, partial)
 
     def register(
         self,
@@ -166,7 +238,8 @@ class StreamReceiver(Closing):
         run_list = [tuple(int(x) for x in r) for r in runs] if runs is not None else []
         if runs is not None and shape is None:
             raise InvalidArgumentError(f"tensor '{name}': runs need the sender's shape")
-        self._live().register(a, run_list, dtype or "", list(shape) if shape is not None else [])
+        self._live().register(a, _torch_or_none(dest), run_list, dtype or "",
+                              list(shape) if shape is not None else [])
         self._dests.setdefault(name, []).append(dest)
 
     def register_all(self, tensors: Any) -> None:
@@ -174,14 +247,40 @@ class StreamReceiver(Closing):
         for name, t in named(tensors):
             self.register(name, t)
 
+    def rebind(self, name: str, dest: Any) -> None:
+        """Points registered tensor ``name`` at new memory of the same dtype
+        and size (an engine that reallocated the parameter), between
+        receives. What the new memory holds is unknown, so the receiver asks
+        for a seed: the next sync is refused (the sender is told why) and
+        the one after reseeds it."""
+        a = arg(name, dest, writable=True)
+        self._live().rebind(a, _torch_or_none(dest))
+        self._dests[name] = [dest]
+
     def receive(self) -> dict:
         """Takes one sync: returns ``sync_id``, ``seed``, ``frames``, ``bytes``,
-        ``elements_written`` and the time split."""
+        ``elements_written``, ``tensors``, ``partial`` and the time split
+        (``wait_s``, ``receive_s``, ``apply_s``, ``verify_s``). A seed writes
+        every element and counts no changes (the sender's ``changed`` counts
+        a delta's)."""
         return self._live().receive()
+
+    def health(self) -> dict:
+        """Where the receiver stands, from any thread: ``connected``,
+        ``seeded``, ``in_call``, ``waiting`` (for a sync to begin) and
+        ``waiting_s``, ``last_sync_id``, ``failures_in_a_row``, and ``ok``
+        with ``error`` (the connection's state, or why it broke)."""
+        return self._live().health()
 
     def close(self) -> None:
         super().close()
         self._dests = {}
+
+
+def _torch_or_none(t: Any) -> Any:
+    """The torch tensor whose memory a receiver checks before each sync
+    (numpy memory cannot be swapped under an array)."""
+    return t if is_torch(t) else None
 
 
 def shard_spec_from_dtensor(name: str, dt: Any) -> ShardSpec:

@@ -51,12 +51,16 @@ class TorchGroup:
     ``timeout_s`` is what deltasync reports as the communicator's timeout;
     the group's own timeout (``init_process_group(timeout=...)``) decides
     when a silent peer fails a call. ``device`` is the CUDA device an NCCL
-    group stages through (default: the current one).
+    group stages through (default: the current one). ``key_file`` (or the
+    environment's ``DELTASYNC_STREAM_KEY_FILE`` / ``DELTASYNC_STREAM_KEY``)
+    authenticates every message as :class:`~deltasync.Group`'s does; frames
+    then travel through host memory.
     """
 
     backend = ""  # not a built-in communicator: deltasync calls the methods below
 
-    def __init__(self, group: Any = None, *, timeout_s: float = 1800, device: Any = None) -> None:
+    def __init__(self, group: Any = None, *, timeout_s: float = 1800, device: Any = None,
+                 key_file: str = "") -> None:
         if dist is None or not dist.is_available():
             raise UnsupportedError("TorchGroup: this torch has no torch.distributed")
         if not dist.is_initialized():
@@ -75,6 +79,7 @@ class TorchGroup:
             raise InvalidArgumentError("TorchGroup: this process is not a member of the group")
         self.name = "torch-" + self.torch_backend
         self.timeout_s = float(timeout_s)
+        self.key_file = key_file
         self._device: Optional[Any] = None
         if self.torch_backend == "nccl":
             self._device = torch.device("cuda", torch.cuda.current_device()) if device is None \

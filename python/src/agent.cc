@@ -159,12 +159,12 @@ class PyCoordinator {
     coordinator_.Set(Take(std::move(r)));
   }
   py::dict Sync(const TensorArgs& weights, bool full) {
-    coordinator_.Use();
+    auto lease = coordinator_.Enter("sync");
     const std::vector<TensorView> views = HostViews(weights, "a coordinated sync");
     Result<SyncReport> r = Status::OK();
     {
       py::gil_scoped_release release;
-      r = coordinator_.Use().Sync(views, full);
+      r = lease->Sync(views, full);
     }
     const SyncReport report = Take(std::move(r));
     py::dict d = Outcomes(report.engines);
@@ -176,11 +176,11 @@ class PyCoordinator {
     return d;
   }
   py::dict PullAll(std::optional<int64_t> target) {
-    coordinator_.Use();
+    auto lease = coordinator_.Enter("pull_all");
     std::vector<EnginePullOutcome> outcomes;
     {
       py::gil_scoped_release release;
-      outcomes = coordinator_.Use().PullAll(target);
+      outcomes = lease->PullAll(target);
     }
     return Outcomes(outcomes);
   }

@@ -6,10 +6,14 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "deltasync/dtype.h"
@@ -80,8 +84,15 @@ inline std::string ShapeText(const std::vector<int64_t>& shape) {
 using TensorArgs = std::vector<TensorArg>;
 
 // A core object a binding holds until Close(): Use() raises
-// FailedPrecondition "<what> is closed" after it. Close() releases the GIL
-// while the object is destroyed (its threads and connections end there).
+// FailedPrecondition "<what> is closed" after it.
+//
+// Calls that release the GIL run under a Lease (Enter): a second such call
+// from another thread while one runs raises FailedPrecondition at once
+// (the core objects take one call at a time), and Close() from another
+// thread cancels the call in flight where the object can be cancelled (its
+// Cancel), waits for it to return, and only then destroys the object, with
+// the GIL released (its threads and connections end there). Calls that
+// keep the GIL need no lease: Close cannot run beside them.
 template <typename T>
 class Held {
  public:
@@ -95,15 +106,68 @@ class Held {
     return *p_;
   }
   bool closed() const { return p_ == nullptr; }
+
+  class Lease {
+   public:
+    explicit Lease(Held* h) : h_(h) {}
+    Lease(Lease&& o) noexcept : h_(std::exchange(o.h_, nullptr)) {}
+    Lease(const Lease&) = delete;
+    ~Lease() {
+      if (h_ != nullptr) h_->Leave();
+    }
+    T& operator*() const { return *h_->p_; }
+    T* operator->() const { return h_->p_.get(); }
+
+   private:
+    Held* h_;
+  };
+
+  // With the GIL held.
+  Lease Enter(const char* call) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!p_ || closing_) Raise(Status::FailedPrecondition(std::string(what_) + " is closed"));
+    if (in_flight_ != nullptr) {
+      Raise(Status::FailedPrecondition(std::string(what_) + "." + call +
+                                       "() while another thread is in " + what_ + "." + in_flight_ +
+                                       "(): one call at a time"));
+    }
+    in_flight_ = call;
+    return Lease(this);
+  }
+
   void Close() {
     if (!p_) return;
-    py::gil_scoped_release release;
-    p_.reset();
+    std::unique_ptr<T> gone;
+    {
+      py::gil_scoped_release release;
+      std::unique_lock<std::mutex> lock(mu_);
+      if (closing_) return;  // another thread is closing it
+      closing_ = true;
+      if (in_flight_ != nullptr) {
+        if constexpr (requires(T & t) { t.Cancel(std::string_view()); }) {
+          p_->Cancel(std::string(what_) + " was closed by another thread");
+        }
+        idle_.wait(lock, [&] { return in_flight_ == nullptr; });
+      }
+      gone = std::move(p_);
+      lock.unlock();
+      gone.reset();
+    }
   }
 
  private:
+  void Leave() {
+    std::lock_guard<std::mutex> lock(mu_);
+    in_flight_ = nullptr;
+    idle_.notify_all();
+  }
+
   const char* what_;
   std::unique_ptr<T> p_;
+  std::mutex mu_;
+  std::condition_variable idle_;
+  const char* in_flight_ = nullptr;  // the call under a lease
+  bool closing_ = false;
 };
 
 // Host memory only: InvalidArgument naming the tensor and `what` otherwise.

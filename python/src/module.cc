@@ -74,8 +74,9 @@ void CheckPair(const TensorArg& current, const TensorArg& other, const char* rol
   Check(RequireHost(current, call));
   Check(RequireHost(other, call));
   if (current.dtype != other.dtype || current.shape != other.shape) {
-    Raise(Status::InvalidArgument("tensor '" + current.name + "': " + current.dtype +
-                                  " against a " + role + " of " + other.dtype +
+    Raise(Status::InvalidArgument("tensor '" + current.name + "': " + current.dtype + " " +
+                                  ShapeText(current.shape) + " against a " + role + " of " +
+                                  other.dtype + " " + ShapeText(other.shape) +
                                   " (dtypes and shapes must match)"));
   }
 }

@@ -97,21 +97,21 @@ class PyPublisher {
     publisher_.Set(Take(std::move(p)));
   }
   py::dict Publish(const TensorArgs& weights, bool full) {
-    publisher_.Use();
+    auto lease = publisher_.Enter("publish");
     const std::vector<TensorView> views = HostViews(weights, "publish");
     Result<PublishResult> r = Status::OK();
     {
       py::gil_scoped_release release;
-      r = publisher_.Use().Publish(views, full);
+      r = lease->Publish(views, full);
     }
     return PublishDict(Take(std::move(r)));
   }
   py::dict PublishCheckpoint(const std::string& path, bool full) {
-    publisher_.Use();
+    auto lease = publisher_.Enter("publish_checkpoint");
     Result<PublishResult> r = Status::OK();
     {
       py::gil_scoped_release release;
-      r = publisher_.Use().PublishCheckpoint(path, full);
+      r = lease->PublishCheckpoint(path, full);
     }
     return PublishDict(Take(std::move(r)));
   }
@@ -141,29 +141,29 @@ class PyLocalCheckpoint {
     checkpoint_.Set(Take(std::move(r)));
   }
   py::dict Pull(std::optional<int64_t> target) {
-    checkpoint_.Use();
+    auto lease = checkpoint_.Enter("pull");
     Result<PullResult> r = Status::OK();
     {
       py::gil_scoped_release release;
-      r = checkpoint_.Use().Pull(target);
+      r = lease->Pull(target);
     }
     return PullDict(Take(std::move(r)));
   }
   std::optional<int64_t> CurrentVersion() {
-    checkpoint_.Use();
+    auto lease = checkpoint_.Enter("current_version");
     Result<std::optional<int64_t>> r = Status::OK();
     {
       py::gil_scoped_release release;
-      r = checkpoint_.Use().CurrentVersion();
+      r = lease->CurrentVersion();
     }
     return Take(std::move(r));
   }
   void Verify() {
-    checkpoint_.Use();
+    auto lease = checkpoint_.Enter("verify");
     Status s;
     {
       py::gil_scoped_release release;
-      s = checkpoint_.Use().Verify();
+      s = lease->Verify();
     }
     Check(s);
   }

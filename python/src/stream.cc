@@ -4,6 +4,7 @@
 // the shard placements of a sharded trainer.
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <optional>
 
 #include "common.h"
@@ -61,7 +62,16 @@ class PyCommunicator final : public Communicator {
     return c;
   }
   std::chrono::milliseconds timeout() const override { return timeout_; }
-  Status health() const override { return broken_; }
+  Status health() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return broken_;
+  }
+  // A call in flight runs on to its own end (a torch collective cannot be
+  // interrupted); later ones fail.
+  void Cancel(std::string_view why) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (broken_.ok()) broken_ = Status::Aborted("cancelled: " + std::string(why));
+  }
 
   Status Send(int peer, std::span<const uint8_t> data) override {
     if (data.empty()) return Usable();
@@ -125,20 +135,22 @@ class PyCommunicator final : public Communicator {
   }
 
   PyCommunicator() = default;
-  Status Usable() const { return broken_; }
+  Status Usable() const { return health(); }
 
   // Needs the GIL.
   template <typename... Args>
   Status CallHeld(const char* method, Args&&... args) {
-    if (!broken_.ok()) return broken_;
+    if (Status s = Usable(); !s.ok()) return s;
     try {
       impl_.attr(method)(std::forward<Args>(args)...);
-      return Status::OK();
+      return Usable();
     } catch (py::error_already_set& e) {
       const bool timeout = e.matches(PyExc_TimeoutError) ||
                            std::string(e.what()).find("imed out") != std::string::npos;
       const std::string text = name_ + " " + method + ": " + e.what();
-      broken_ = timeout ? Status::DeadlineExceeded(text) : Status::Unavailable(text);
+      std::lock_guard<std::mutex> lock(mu_);
+      if (broken_.ok())
+        broken_ = timeout ? Status::DeadlineExceeded(text) : Status::Unavailable(text);
       return broken_;
     }
   }
@@ -150,6 +162,7 @@ class PyCommunicator final : public Communicator {
   std::chrono::milliseconds timeout_{0};
   bool device_buffers_ = false;
   int cuda_device_ = -1;
+  mutable std::mutex mu_;  // broken_: Cancel and health come from any thread
   Status broken_;
 };
 
@@ -170,17 +183,30 @@ struct Connect {
         py::gil_scoped_acquire gil;
         delete p;
       });
-      return
-          [held]() -> Result<std::unique_ptr<Communicator>> { return PyCommunicator::Make(*held); };
+      return [held, key = options.auth_key]() -> Result<std::unique_ptr<Communicator>> {
+        DS_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> c, PyCommunicator::Make(*held));
+        if (!key) return c;
+        const std::string name(c->name());
+        return AuthenticateCommunicator(std::move(c), *key, name);
+      };
     }
     return [b = backend, o = options]() { return CreateCommunicator(b, o); };
   }
 };
 
+// The stream key a group object names (`key_file`), or the environment's
+// (AuthKeyFromEnvironment), or none.
+std::optional<AuthKey> KeyOf(const py::object& spec) {
+  const std::string file = py::str(py::getattr(spec, "key_file", py::str(""))).cast<std::string>();
+  if (!file.empty()) return Take(DeriveAuthKey(Take(ReadSecretFile(file))));
+  return Take(AuthKeyFromEnvironment());
+}
+
 Connect MakeConnect(const py::object& spec) {
   Connect c;
   if (py::hasattr(spec, "backend") && !py::isinstance<py::str>(spec)) {
     c.backend = spec.attr("backend").cast<std::string>();
+    c.options.auth_key = KeyOf(spec);
     if (c.backend.empty()) {
       c.impl = spec.attr("impl");
       return c;
@@ -196,6 +222,9 @@ Connect MakeConnect(const py::object& spec) {
     o.connect_timeout = std::chrono::milliseconds(
         static_cast<int64_t>(spec.attr("connect_timeout_s").cast<double>() * 1000));
     o.cuda_device = spec.attr("cuda_device").cast<int>();
+    const std::string password_file =
+        py::str(py::getattr(spec, "redis_password_file", py::str(""))).cast<std::string>();
+    if (!password_file.empty()) o.rendezvous.password = Take(ReadSecretFile(password_file));
     return c;
   }
   Raise(Status::InvalidArgument("a communicator: expected deltasync.Group or a torch group"));
@@ -206,6 +235,7 @@ py::dict SyncDict(const SyncStats& s) {
   d["sync_id"] = s.sync_id;
   d["receivers"] = s.receivers;
   d["seeded"] = s.seeded;
+  d["partial_receivers"] = s.partial_receivers;
   d["changed"] = s.changed;
   d["sent_elements"] = s.sent_elements;
   d["frames"] = s.frames;
@@ -226,6 +256,8 @@ py::dict ReceiveDict(const ReceiveStats& s) {
   py::dict d;
   d["sync_id"] = s.sync_id;
   d["seed"] = s.seed;
+  d["partial"] = s.partial;
+  d["tensors"] = s.tensors;
   d["verify_all"] = s.verify_all;
   d["frames"] = s.frames;
   d["device_frames"] = s.device_frames;
@@ -262,7 +294,7 @@ class PySender {
   }
 
   py::dict Sync(const TensorArgs& tensors) {
-    sender_.Use();
+    auto lease = sender_.Enter("sync");
     std::vector<SyncTensor> ts;
     ts.reserve(tensors.size());
     for (const TensorArg& t : tensors) {
@@ -272,7 +304,7 @@ class PySender {
     Result<SyncStats> r = Status::OK();
     {
       py::gil_scoped_release release;
-      r = sender_.Use().Sync(ts);
+      r = lease->Sync(ts);
     }
     return SyncDict(Take(std::move(r)));
   }
@@ -280,7 +312,7 @@ class PySender {
   py::dict SyncShards(
       const std::vector<std::tuple<std::string, std::string, std::vector<int64_t>>>& model,
       const std::vector<std::pair<ShardSpec, TensorArg>>& shards) {
-    sender_.Use();
+    auto lease = sender_.Enter("sync_shards");
     std::vector<ModelTensor> m;
     for (const auto& [name, dtype, shape] : model) {
       m.push_back({name, Take(ParseDType(dtype)), shape});
@@ -300,13 +332,14 @@ class PySender {
     Result<SyncStats> r = Status::OK();
     {
       py::gil_scoped_release release;
-      r = sender_.Use().SyncShards(m, s);
+      r = lease->SyncShards(m, s);
     }
     return SyncDict(Take(std::move(r)));
   }
 
-  py::bytes Snapshot(const std::string& name) const {
-    const std::span<const uint8_t> s = Take(sender_.Use().Snapshot(name));
+  py::bytes Snapshot(const std::string& name) {
+    auto lease = sender_.Enter("snapshot");
+    const std::span<const uint8_t> s = Take(lease->Snapshot(name));
     return py::bytes(reinterpret_cast<const char*>(s.data()), s.size());
   }
 
@@ -318,11 +351,33 @@ class PySender {
   Held<StreamSender> sender_{"StreamSender"};
 };
 
+// Where a registered Python tensor's memory was at registration, to refuse
+// a sync into memory it no longer owns (its storage swapped, freed or
+// shrunk: `t.data = ...`, `set_`, `untyped_storage().resize_(0)`).
+struct HeldTensor {
+  std::string name;
+  py::object tensor;  // a torch tensor; none for numpy memory, which cannot move
+  uintptr_t ptr = 0;
+  uint64_t nbytes = 0;
+};
+
 class PyReceiver {
  public:
-  PyReceiver(const py::object& group, uint64_t max_frame_bytes) {
+  PyReceiver(const py::object& group, uint64_t max_frame_bytes, std::optional<double> sync_wait_s,
+             bool partial) {
     ReceiverOptions ro;
     ro.max_frame_bytes = max_frame_bytes;
+    if (sync_wait_s) {
+      if (!(*sync_wait_s > 0)) {
+        Raise(Status::InvalidArgument("StreamReceiver: sync_wait_s must be positive or None"));
+      }
+      ro.sync_wait = std::chrono::milliseconds(static_cast<int64_t>(*sync_wait_s * 1000));
+    }
+    ro.partial = partial;
+    ro.before_apply = [this]() -> Status {
+      py::gil_scoped_acquire gil;
+      return CheckDestinations();
+    };
     const CommunicatorFactory f = MakeConnect(group).Factory();
     Result<std::unique_ptr<StreamReceiver>> r = Status::OK();
     {
@@ -332,10 +387,10 @@ class PyReceiver {
     receiver_.Set(Take(std::move(r)));
   }
 
-  void Register(const TensorArg& t,
+  void Register(const TensorArg& t, const py::object& tensor,
                 const std::vector<std::tuple<uint64_t, uint64_t, uint64_t, uint64_t>>& runs,
                 const std::string& hf_dtype, const std::vector<int64_t>& hf_shape) {
-    receiver_.Use();
+    auto lease = receiver_.Enter("register");
     Check(t.Validate());
     if (!t.writable) Raise(Status::InvalidArgument("tensor '" + t.name + "': read-only"));
     std::vector<DestinationRun> rs;
@@ -344,23 +399,90 @@ class PyReceiver {
       rs.push_back({first, count, offset, stride});
     }
     const DType dtype = hf_dtype.empty() ? t.ParsedDType() : Take(ParseDType(hf_dtype));
-    Check(receiver_.Use().Register(t.name, dtype, runs.empty() ? t.shape : hf_shape,
-                                   t.mutable_bytes(), rs, t.place()));
+    Check(lease->Register(t.name, dtype, runs.empty() ? t.shape : hf_shape, t.mutable_bytes(), rs,
+                          t.place()));
+    held_.push_back({t.name, tensor, t.ptr, t.nbytes});
+  }
+
+  void Rebind(const TensorArg& t, const py::object& tensor) {
+    auto lease = receiver_.Enter("rebind");
+    Check(t.Validate());
+    if (!t.writable) Raise(Status::InvalidArgument("tensor '" + t.name + "': read-only"));
+    Check(lease->Rebind(t.name, t.mutable_bytes(), t.place()));
+    for (HeldTensor& h : held_) {
+      if (h.name == t.name) h = {t.name, tensor, t.ptr, t.nbytes};
+    }
   }
 
   py::dict Receive() {
-    receiver_.Use();
+    auto lease = receiver_.Enter("receive");
     Result<ReceiveStats> r = Status::OK();
     {
       py::gil_scoped_release release;
-      r = receiver_.Use().ReceiveSync();
+      r = lease->ReceiveSync();
     }
     return ReceiveDict(Take(std::move(r)));
+  }
+
+  py::dict Health() const {
+    const StreamReceiver::Health h = receiver_.Use().health();
+    py::dict d;
+    d["connected"] = h.connected;
+    d["seeded"] = h.seeded;
+    d["in_call"] = h.in_call;
+    d["waiting"] = h.waiting;
+    d["waiting_s"] = h.waiting_s;
+    d["last_sync_id"] = h.last_sync_id;
+    d["failures_in_a_row"] = h.failures_in_a_row;
+    d["ok"] = h.link.ok();
+    d["error"] = h.link.ok() ? std::string() : h.link.ToString();
+    return d;
   }
   bool closed() const { return receiver_.closed(); }
   void Close() { receiver_.Close(); }
 
  private:
+  // Needs the GIL. FailedPrecondition naming the first registered torch
+  // tensor whose memory is no longer where it was registered.
+  Status CheckDestinations() const {
+    static const py::object memory_of = py::module_::import("deltasync._tensors").attr("memory_of");
+    for (const HeldTensor& h : held_) {
+      if (h.tensor.is_none()) continue;
+      uintptr_t ptr = 0;
+      uint64_t owned = 0;
+      try {
+        auto [p, n] = memory_of(h.tensor).cast<std::pair<uintptr_t, uint64_t>>();
+        ptr = p;
+        owned = n;
+      } catch (const std::exception& e) {
+        return Status::FailedPrecondition("tensor '" + h.name +
+                                          "': its memory cannot be checked: " + e.what());
+      }
+      const std::string what = "tensor '" + h.name + "': ";
+      if (ptr != h.ptr) {
+        return Status::FailedPrecondition(
+            what + "its memory moved since it was registered (" + Hex(h.ptr) + " -> " + Hex(ptr) +
+            "; its storage was replaced or freed): nothing was written; call rebind('" + h.name +
+            "', tensor) with the tensor's new memory (the receiver is then reseeded)");
+      }
+      if (owned < h.nbytes) {
+        return Status::FailedPrecondition(
+            what + "its storage holds " + std::to_string(owned) + " bytes from the tensor on, " +
+            std::to_string(h.nbytes) + " were registered (it was freed or shrunk): nothing was " +
+            "written; give it its memory back, or rebind('" + h.name + "', tensor)");
+      }
+    }
+    return Status::OK();
+  }
+
+  static std::string Hex(uintptr_t v) {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(v));
+    return buf;
+  }
+
+  std::vector<HeldTensor> held_;
+  // Last, so that the receiver (whose before_apply reads held_) goes first.
   Held<StreamReceiver> receiver_{"StreamReceiver"};
 };
 
@@ -463,11 +585,15 @@ void BindStream(py::module_& m) {
       .def_property_readonly("closed", &PySender::closed)
       .def("close", &PySender::Close);
   py::class_<PyReceiver>(m, "StreamReceiver")
-      .def(py::init<const py::object&, uint64_t>(), py::arg("group"), py::arg("max_frame_bytes"))
+      .def(py::init<const py::object&, uint64_t, std::optional<double>, bool>(), py::arg("group"),
+           py::arg("max_frame_bytes"), py::arg("sync_wait_s"), py::arg("partial"))
       .def("register", &PyReceiver::Register)
+      .def("rebind", &PyReceiver::Rebind)
       .def("receive", &PyReceiver::Receive)
+      .def("health", &PyReceiver::Health)
       .def_property_readonly("closed", &PyReceiver::closed)
       .def("close", &PyReceiver::Close);
+  m.def("parse_rendezvous", [](const std::string& spec) { (void)Take(ParseRendezvous(spec)); });
   m.def("built_communicators", [] {
     std::vector<std::string> out;
     for (std::string_view n : BuiltCommunicators()) out.emplace_back(n);

@@ -127,28 +127,51 @@ def test_prepared_tensors_sync_as_the_tensors_do_and_a_moved_one_is_refused(rend
     assert [n for n in want if not torch.equal(received[-1][n], want[n])] == []
 
 
-def test_a_receiver_subset_is_fine_a_tensor_the_sender_lacks_is_named(rendezvous):
+def test_a_receiver_subset_says_so_a_tensor_the_sender_lacks_is_named(rendezvous):
     w = model(1)
     errors = []
     got = torch.zeros(96, 32, dtype=torch.bfloat16)
+    stats = []
 
     def receiver(r):
-        with ds.StreamReceiver(ds.Group(rendezvous, r, 2, timeout_s=10)) as rx:
-            rx.register("emb", got)  # a receiver may hold a subset of the model
-            rx.receive()
+        # A pipeline stage holds a subset of the model, and says so.
+        with ds.StreamReceiver(ds.Group(rendezvous, r, 2, timeout_s=10), partial=True) as rx:
+            rx.register("emb", got)
+            stats.append(rx.receive())
 
     ts = run_receivers(1, receiver, errors)
     with ds.StreamSender(ds.Group(rendezvous, 0, 2, timeout_s=10)) as tx:
-        tx.sync(w)
+        assert tx.sync(w)["partial_receivers"] == 1
     for t in ts:
         t.join()
     assert not errors and torch.equal(bits(got), bits(w["emb"]))
+    assert stats[0]["partial"] and stats[0]["tensors"] == 1
+
+    # One that does not say so is refused, naming the first tensor it lacks.
+    lacking = rendezvous + "-lacking"
+    refusals = []
+
+    def silent(r):
+        with ds.StreamReceiver(ds.Group(lacking, r, 2, timeout_s=10)) as rx:
+            rx.register("emb", torch.zeros(96, 32, dtype=torch.bfloat16))
+            try:
+                rx.receive()
+            except ds.DeltasyncError as e:
+                refusals.append(e)
+
+    ts = run_receivers(1, silent, errors)
+    with ds.StreamSender(ds.Group(lacking, 0, 2, timeout_s=10)) as tx:
+        with pytest.raises(ds.InvalidArgumentError, match="did not register tensor 'count'"):
+            tx.sync(w)
+    for t in ts:
+        t.join()
+    assert refusals and "did not register tensor 'count'" in str(refusals[0])
 
     ghost_errors = []
     other = rendezvous + "-ghost"
 
     def ghost(r):
-        with ds.StreamReceiver(ds.Group(other, r, 2, timeout_s=10)) as rx:
+        with ds.StreamReceiver(ds.Group(other, r, 2, timeout_s=10), partial=True) as rx:
             rx.register("emb", torch.zeros(96, 32, dtype=torch.bfloat16))
             rx.register("ghost", torch.zeros(3))
             try:

@@ -1,6 +1,14 @@
 #include "deltasync/communicator.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <charconv>
+#include <cstdio>
+#include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -9,6 +17,21 @@
 namespace deltasync {
 
 namespace stream_internal {
+
+namespace {
+thread_local const std::atomic<bool>* formation_cancel = nullptr;
+}  // namespace
+
+FormationCancel::FormationCancel(const std::atomic<bool>* flag) : previous_(formation_cancel) {
+  formation_cancel = flag;
+}
+
+FormationCancel::~FormationCancel() { formation_cancel = previous_; }
+
+Status FormationCancel::Check(std::string_view where) {
+  if (formation_cancel == nullptr || !formation_cancel->load()) return Status::OK();
+  return Status::Aborted(std::string(where) + ": the formation was cancelled");
+}
 
 std::chrono::milliseconds Deadline::remaining() const {
   const auto left = end_ - Clock::now();
@@ -120,31 +143,68 @@ std::string JoinNames(const std::vector<std::string_view>& names) {
 Result<Rendezvous> ParseRendezvous(std::string_view spec) {
   const auto bad = [&](std::string_view why) {
     return Status::InvalidArgument("rendezvous \"" + std::string(spec) + "\": " + std::string(why) +
-                                   " (expected file:<directory> or redis:<host>[:<port>])");
+                                   " (expected file:<directory>, file://<directory>, "
+                                   "redis:<host>[:<port>] or redis://<host>[:<port>])");
   };
   Rendezvous r;
   if (spec.starts_with(kFilePrefix)) {
     r.kind = Rendezvous::Kind::kFile;
-    r.path = std::string(spec.substr(kFilePrefix.size()));
-    if (r.path.empty()) return bad("no directory");
+    std::string_view path = spec.substr(kFilePrefix.size());
+    if (path.starts_with("//")) {
+      // A file URL: file:///abs/dir, or file://localhost/abs/dir.
+      path.remove_prefix(2);
+      if (path.starts_with("localhost/")) path.remove_prefix(9);
+      if (!path.starts_with("/")) return bad("a file URL names a host other than this one");
+    }
+    if (path.empty()) return bad("no directory");
+    r.path = std::string(path);
     return r;
   }
   if (spec.starts_with(kRedisPrefix)) {
     r.kind = Rendezvous::Kind::kRedis;
     std::string_view rest = spec.substr(kRedisPrefix.size());
-    const size_t colon = rest.rfind(':');
-    if (colon != std::string_view::npos) {
-      std::string_view port = rest.substr(colon + 1);
+    if (rest.starts_with("//")) {
+      rest.remove_prefix(2);
+      if (rest.ends_with("/")) rest.remove_suffix(1);
+      if (rest.find('/') != std::string_view::npos) {
+        return bad("a path or database after the port is not supported");
+      }
+    }
+    if (rest.find('@') != std::string_view::npos) {
+      return bad(
+          "a password in the spec would show on command lines and in logs: give it as "
+          "Rendezvous::password (a file, or DELTASYNC_REDIS_PASSWORD) instead");
+    }
+    std::string_view host = rest;
+    std::string_view port;
+    if (rest.starts_with("[")) {  // [v6 address]
+      const size_t close = rest.find(']');
+      if (close == std::string_view::npos) return bad("an unclosed '[' in the host");
+      host = rest.substr(1, close - 1);
+      std::string_view after = rest.substr(close + 1);
+      if (!after.empty()) {
+        if (!after.starts_with(":")) return bad("text after the host's ']'");
+        port = after.substr(1);
+        if (port.empty()) return bad("an empty port");
+      }
+    } else if (const size_t colon = rest.rfind(':'); colon != std::string_view::npos) {
+      host = rest.substr(0, colon);
+      port = rest.substr(colon + 1);
+      if (port.empty()) return bad("an empty port");
+    }
+    if (!port.empty()) {
       int value = 0;
       auto [end, ec] = std::from_chars(port.data(), port.data() + port.size(), value);
       if (ec != std::errc() || end != port.data() + port.size() || value <= 0 || value > 65535) {
         return bad("port \"" + std::string(port) + "\" is not a number in 1..65535");
       }
       r.port = value;
-      rest = rest.substr(0, colon);
     }
-    if (rest.empty()) return bad("no host");
-    r.host = std::string(rest);
+    if (host.empty()) return bad("no host");
+    if (host.find(':') != std::string_view::npos && !rest.starts_with("[")) {
+      return bad("an IPv6 host goes in brackets: redis://[::1]:6379");
+    }
+    r.host = std::string(host);
     return r;
   }
   return bad("unknown kind");
@@ -152,9 +212,59 @@ Result<Rendezvous> ParseRendezvous(std::string_view spec) {
 
 std::string RendezvousSpec(const Rendezvous& r) {
   if (r.kind == Rendezvous::Kind::kRedis) {
-    return std::string(kRedisPrefix) + r.host + ":" + std::to_string(r.port);
+    const bool v6 = r.host.find(':') != std::string::npos;
+    return std::string(kRedisPrefix) + (v6 ? "[" + r.host + "]" : r.host) + ":" +
+           std::to_string(r.port);
   }
   return std::string(kFilePrefix) + r.path;
+}
+
+Result<std::string> ReadSecretFile(const std::string& path) {
+  const std::string what = "secret file " + path;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) return Status::NotFound(what + ": no such file");
+    return Status::IOError(what + ": " + std::strerror(err));
+  }
+  struct stat st = {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return Status::InvalidArgument(what + ": not a regular file");
+  }
+  if ((st.st_mode & 077) != 0) {
+    ::close(fd);
+    char mode[8];
+    std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    return Status::InvalidArgument(what + ": other users may read or write it (mode " + mode +
+                                   "); chmod 600 it");
+  }
+  constexpr size_t kMaxSecretBytes = 1 << 16;
+  std::string out;
+  char buf[4096];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      ::close(fd);
+      return Status::IOError(what + ": " + std::strerror(err));
+    }
+    if (n == 0) break;
+    out.append(buf, static_cast<size_t>(n));
+    if (out.size() > kMaxSecretBytes) {
+      ::close(fd);
+      return Status::InvalidArgument(what + ": over 64 KiB, not a secret");
+    }
+  }
+  ::close(fd);
+  if (out.ends_with("\r\n")) {
+    out.resize(out.size() - 2);
+  } else if (out.ends_with("\n")) {
+    out.pop_back();
+  }
+  if (out.empty()) return Status::InvalidArgument(what + ": empty");
+  return out;
 }
 
 std::vector<std::string_view> BuiltCommunicators() {
@@ -180,12 +290,17 @@ Result<std::unique_ptr<Communicator>> CreateCommunicator(std::string_view name,
                                    "; built: " + JoinNames(BuiltCommunicators()) + ")");
   }
   DS_RETURN_IF_ERROR(stream_internal::ValidateOptions(name, options));
+  std::optional<Result<std::unique_ptr<Communicator>>> made;
 #if DS_HAVE_GLOO
-  if (name == "gloo") return stream_internal::CreateGlooCommunicator(options);
+  if (name == "gloo") made = stream_internal::CreateGlooCommunicator(options);
 #endif
 #if DS_HAVE_NCCL
-  if (name == "nccl") return stream_internal::CreateNcclCommunicator(options);
+  if (name == "nccl") made = stream_internal::CreateNcclCommunicator(options);
 #endif
+  if (made) {
+    if (!made->ok() || !options.auth_key) return std::move(*made);
+    return AuthenticateCommunicator(std::move(**made), *options.auth_key, options.group);
+  }
   std::string needs =
       name == "nccl" ? "CUDA, NCCL and Gloo (DELTASYNC_WITH_NCCL)" : "Gloo (DELTASYNC_WITH_GLOO)";
   return Status::Unsupported("communicator \"" + std::string(name) +

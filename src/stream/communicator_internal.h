@@ -3,6 +3,7 @@
 // call, and the per-library factories CreateCommunicator dispatches to.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -35,6 +36,28 @@ class Deadline {
   std::chrono::milliseconds budget_;
   Clock::time_point end_;
 };
+
+// Forming a group waits in the rendezvous up to the connect timeout, and a
+// stream side's Cancel must reach such a wait too: while a FormationCancel
+// lives on a thread, the formation waits of that thread (the rendezvous
+// polls) end with Aborted once *flag is set.
+class FormationCancel {
+ public:
+  explicit FormationCancel(const std::atomic<bool>* flag);
+  ~FormationCancel();
+  FormationCancel(const FormationCancel&) = delete;
+  FormationCancel& operator=(const FormationCancel&) = delete;
+  // Aborted naming `where` once the calling thread's formation was
+  // cancelled; OK otherwise (and on threads without one).
+  static Status Check(std::string_view where);
+
+ private:
+  const std::atomic<bool>* previous_;
+};
+
+// What a Gloo store view throws with (then the text) when the formation
+// was cancelled, so that the formation's caller can tell.
+inline constexpr const char* kFormationCancelled = "the formation was cancelled: ";
 
 // InvalidArgument naming the problem for options no communicator accepts
 // (size, rank, group name, timeouts, rendezvous); `name` prefixes it.

@@ -71,6 +71,19 @@ class RendezvousStore {
   std::unique_ptr<Backend> backend_;
 };
 
+// What a GlooView's wait throws with (then the refusal's text) when a
+// member gave up on the formation (AbandonGeneration).
+inline constexpr const char* kRefusedMarker = "a member gave up on this formation: ";
+
+// Marks generation `g` of `group` as given up by this member, saying why
+// (the first member to give up writes it): the members still waiting in
+// it stop at once (a GlooView's waits throw kRefusedMarker and the text),
+// and members that join later pass it by for the next one. A formation
+// that failed for one member fails for all, so this spares them waiting
+// out their connect timeout. Best effort: a store error is ignored.
+void AbandonGeneration(RendezvousStore& store, const std::string& group, uint64_t g,
+                       const std::string& why);
+
 // "<group>/<generation>": the prefix of one formation's keys.
 std::string GenerationPrefix(const std::string& group, uint64_t generation);
 

@@ -46,15 +46,63 @@ TEST(RendezvousSpec, ParsesBothKindsAndPrintsThemBack) {
   EXPECT_EQ(d->port, 6379);
 }
 
+// Every form the docs show: the URL forms ("redis://host:port",
+// "file:///dir") read as the plain ones.
+TEST(RendezvousSpec, ReadsEveryDocumentedForm) {
+  struct Case {
+    const char* spec;
+    Rendezvous::Kind kind;
+    const char* where;  // the path, or the host
+    int port;
+    const char* printed;
+  };
+  const Case cases[] = {
+      {"file:/shared/rdv", Rendezvous::Kind::kFile, "/shared/rdv", 0, "file:/shared/rdv"},
+      {"file:///shared/rdv", Rendezvous::Kind::kFile, "/shared/rdv", 0, "file:/shared/rdv"},
+      {"file://localhost/shared/rdv", Rendezvous::Kind::kFile, "/shared/rdv", 0,
+       "file:/shared/rdv"},
+      {"file:relative/rdv", Rendezvous::Kind::kFile, "relative/rdv", 0, "file:relative/rdv"},
+      {"redis:10.0.0.7:7000", Rendezvous::Kind::kRedis, "10.0.0.7", 7000, "redis:10.0.0.7:7000"},
+      {"redis://10.0.0.7:7000", Rendezvous::Kind::kRedis, "10.0.0.7", 7000, "redis:10.0.0.7:7000"},
+      {"redis://127.0.0.1:6380/", Rendezvous::Kind::kRedis, "127.0.0.1", 6380,
+       "redis:127.0.0.1:6380"},
+      {"redis://cache", Rendezvous::Kind::kRedis, "cache", 6379, "redis:cache:6379"},
+      {"redis:cache", Rendezvous::Kind::kRedis, "cache", 6379, "redis:cache:6379"},
+      {"redis://[::1]:7001", Rendezvous::Kind::kRedis, "::1", 7001, "redis:[::1]:7001"},
+  };
+  for (const Case& c : cases) {
+    Result<Rendezvous> r = ParseRendezvous(c.spec);
+    ASSERT_TRUE(r.ok()) << c.spec << ": " << r.status().ToString();
+    EXPECT_EQ(r->kind, c.kind) << c.spec;
+    EXPECT_EQ(c.kind == Rendezvous::Kind::kFile ? r->path : r->host, c.where) << c.spec;
+    if (c.kind == Rendezvous::Kind::kRedis) {
+      EXPECT_EQ(r->port, c.port) << c.spec;
+    }
+    EXPECT_EQ(RendezvousSpec(*r), c.printed) << c.spec;
+    Result<Rendezvous> again = ParseRendezvous(RendezvousSpec(*r));
+    ASSERT_TRUE(again.ok()) << c.printed;
+    EXPECT_EQ(RendezvousSpec(*again), c.printed);
+  }
+}
+
 TEST(RendezvousSpec, RefusesWhatItCannotRead) {
-  for (const char* bad : {"file:", "redis:", "redis::6379", "redis:h:0", "redis:h:70000",
-                          "redis:h:12x", "etcd:h:1", ""}) {
+  for (const char* bad :
+       {"file:", "file://", "file://otherhost/x", "redis:", "redis://", "redis::6379", "redis:h:0",
+        "redis:h:70000", "redis:h:12x", "redis://h:1/2", "redis://h:", "redis://[::1",
+        "redis://::1:7", "etcd:h:1", ""}) {
     Result<Rendezvous> r = ParseRendezvous(bad);
     ASSERT_FALSE(r.ok()) << bad;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
     EXPECT_TRUE(Contains(r.status(), std::string("rendezvous \"") + bad + "\"")) << bad;
-    EXPECT_TRUE(Contains(r.status(), "expected file:<directory> or redis:<host>[:<port>]"));
+    EXPECT_TRUE(Contains(r.status(),
+                         "expected file:<directory>, file://<directory>, "
+                         "redis:<host>[:<port>] or redis://<host>[:<port>]"))
+        << r.status().ToString();
   }
+  // A password never goes in a spec.
+  Result<Rendezvous> pw = ParseRendezvous("redis://user:hunter2@cache:6379");
+  ASSERT_FALSE(pw.ok());
+  EXPECT_TRUE(Contains(pw.status(), "a password in the spec")) << pw.status().ToString();
 }
 
 TEST(CreateCommunicator, AnUnknownNameIsInvalidArgumentNamingTheKnownOnes) {

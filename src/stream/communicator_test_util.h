@@ -294,7 +294,9 @@ class Children {
 class RedisServer {
  public:
   // The server, or nullptr with *why saying what is missing.
-  static std::unique_ptr<RedisServer> Start(std::string* why) {
+  // `extra`: more arguments to the server ("--requirepass", "pw").
+  static std::unique_ptr<RedisServer> Start(std::string* why,
+                                            const std::vector<std::string>& extra = {}) {
     const char* candidates[] = {"/usr/bin/redis-server", "/usr/local/bin/redis-server"};
     std::string binary;
     for (const char* c : candidates) {
@@ -309,10 +311,25 @@ class RedisServer {
       if (port == 0) continue;
       auto server = std::unique_ptr<RedisServer>(new RedisServer);
       server->port_ = port;
-      server->pid_ =
-          Spawn({binary, "--port", std::to_string(port), "--bind", "127.0.0.1", "--save", "",
-                 "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning", "--dir",
-                 server->dir_.path(), "--logfile", server->dir_.path() + "/redis.log"});
+      std::vector<std::string> argv = {binary,
+                                       "--port",
+                                       std::to_string(port),
+                                       "--bind",
+                                       "127.0.0.1",
+                                       "--save",
+                                       "",
+                                       "--appendonly",
+                                       "no",
+                                       "--daemonize",
+                                       "no",
+                                       "--loglevel",
+                                       "warning",
+                                       "--dir",
+                                       server->dir_.path(),
+                                       "--logfile",
+                                       server->dir_.path() + "/redis.log"};
+      argv.insert(argv.end(), extra.begin(), extra.end());
+      server->pid_ = Spawn(argv);
       if (server->pid_ < 0) break;
       const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(5);
       while (std::chrono::steady_clock::now() < end) {

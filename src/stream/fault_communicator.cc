@@ -116,15 +116,34 @@ std::chrono::milliseconds FaultCommunicator::DelayOf(const FaultPlan& plan) cons
   return inner_->timeout() + std::chrono::milliseconds(250);
 }
 
-Status FaultCommunicator::Send(int peer, std::span<const uint8_t> data) {
+template <typename Call>
+Status FaultCommunicator::SendVia(std::span<const uint8_t> data, Call&& call) {
   const FaultPlan* f = Next(CommOp::kSend, &data);
-  auto call = [&](std::span<const uint8_t> d) { return inner_->Send(peer, d); };
   return f ? Outgoing(*f, DelayOf(*f), data, call) : call(data);
 }
 
+Status FaultCommunicator::Send(int peer, std::span<const uint8_t> data) {
+  return SendVia(data, [&](std::span<const uint8_t> d) { return inner_->Send(peer, d); });
+}
+
+Status FaultCommunicator::SendAwaiting(int peer, std::span<const uint8_t> data,
+                                       std::optional<std::chrono::milliseconds> wait) {
+  return SendVia(data,
+                 [&](std::span<const uint8_t> d) { return inner_->SendAwaiting(peer, d, wait); });
+}
+
 Status FaultCommunicator::Recv(int peer, std::span<uint8_t> data) {
+  return RecvVia(data, [&](std::span<uint8_t> d) { return inner_->Recv(peer, d); });
+}
+
+Status FaultCommunicator::RecvAwaiting(int peer, std::span<uint8_t> data,
+                                       std::optional<std::chrono::milliseconds> wait) {
+  return RecvVia(data, [&](std::span<uint8_t> d) { return inner_->RecvAwaiting(peer, d, wait); });
+}
+
+template <typename Call>
+Status FaultCommunicator::RecvVia(std::span<uint8_t> data, Call&& call) {
   const FaultPlan* f = Next(CommOp::kRecv);
-  auto call = [&](std::span<uint8_t> d) { return inner_->Recv(peer, d); };
   if (f != nullptr) return Incoming(*f, DelayOf(*f), data, call);
   Status s = call(data);
   if (!s.ok()) return s;

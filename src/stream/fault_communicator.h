@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -103,8 +104,19 @@ class FaultCommunicator final : public Communicator {
   Status Barrier() override;
   Status Gather(int root, std::span<const uint8_t> record, std::span<uint8_t> out) override;
   Status AllGather(std::span<const uint8_t> record, std::span<uint8_t> out) override;
+  // Counted, and faulted, as Send and Recv.
+  Status SendAwaiting(int peer, std::span<const uint8_t> data,
+                      std::optional<std::chrono::milliseconds> wait) override;
+  Status RecvAwaiting(int peer, std::span<uint8_t> data,
+                      std::optional<std::chrono::milliseconds> wait) override;
+  void Cancel(std::string_view why) override { inner_->Cancel(why); }
 
  private:
+  template <typename Call>
+  Status SendVia(std::span<const uint8_t> data, Call&& call);
+  template <typename Call>
+  Status RecvVia(std::span<uint8_t> data, Call&& call);
+
   struct Armed {
     FaultPlan plan;
     uint64_t seen = 0;  // matching calls so far

@@ -14,6 +14,7 @@
 #include <deque>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -134,33 +135,49 @@ class GlooCommunicator final : public Communicator {
     c.point_to_point = true;
     c.detects_dead_peer = true;
     c.checks_sizes = true;
+    c.awaits_peer = true;
+    c.cancels_in_flight = true;
     return c;
   }
   std::chrono::milliseconds timeout() const override { return options_.timeout; }
-  Status health() const override { return broken_; }
+  Status health() const override {
+    if (!broken_.ok()) return broken_;
+    std::lock_guard<std::mutex> lock(cancel_mu_);
+    return cancelled_;
+  }
 
   // Makes the connections to every other member, through `store`.
   Status Connect(RendezvousStore& store, const Deadline& deadline);
 
   Status Send(int peer, std::span<const uint8_t> data) override {
-    const std::string_view call = "gloo send";
-    DS_RETURN_IF_ERROR(Usable(call));
-    DS_RETURN_IF_ERROR(CheckPeer(call, size(), rank(), peer));
-    const Deadline deadline(options_.timeout);
-    Outgoing out;
-    DS_RETURN_IF_ERROR(Post(&out, peer, MessageOp::kSend, 0, data, call));
-    return Finish(&out, deadline, call);
+    return SendWaiting(peer, data, options_.timeout, "gloo send");
   }
 
   Status Recv(int peer, std::span<uint8_t> data) override {
-    const std::string_view call = "gloo recv";
-    DS_RETURN_IF_ERROR(Usable(call));
-    DS_RETURN_IF_ERROR(CheckPeer(call, size(), rank(), peer));
-    const Deadline deadline(options_.timeout);
-    Incoming in;
-    DS_RETURN_IF_ERROR(PostHeader(&in, peer, call));
-    DS_RETURN_IF_ERROR(Receive(&in, MessageOp::kSend, 0, data, deadline, call));
-    return FinishPayload(&in, deadline, call);
+    return RecvWaiting(peer, data, options_.timeout, "gloo recv");
+  }
+
+  Status SendAwaiting(int peer, std::span<const uint8_t> data,
+                      std::optional<std::chrono::milliseconds> wait) override {
+    return SendWaiting(peer, data, wait.value_or(kNoBound), "gloo send");
+  }
+
+  Status RecvAwaiting(int peer, std::span<uint8_t> data,
+                      std::optional<std::chrono::milliseconds> wait) override {
+    return RecvWaiting(peer, data, wait.value_or(kNoBound), "gloo recv");
+  }
+
+  void Cancel(std::string_view why) override {
+    std::lock_guard<std::mutex> lock(cancel_mu_);
+    if (!cancelled_.ok()) return;
+    cancelled_ = Status::Aborted("cancelled: " + std::string(why));
+    if (waiting_ != nullptr) {
+      if (waiting_recv_) {
+        waiting_->abortWaitRecv();
+      } else {
+        waiting_->abortWaitSend();
+      }
+    }
   }
 
   Status Broadcast(int root, std::span<uint8_t> data) override {
@@ -217,9 +234,87 @@ class GlooCommunicator final : public Communicator {
     std::unique_ptr<::gloo::transport::UnboundBuffer> payload_buf;
   };
 
-  Status Usable(std::string_view call) const {
+  // Gloo's waits take a number of milliseconds, and any wait that runs out
+  // closes every connection: "no bound" is a year.
+  static constexpr std::chrono::milliseconds kNoBound{std::chrono::hours(24 * 365)};
+
+  Status Usable(std::string_view call) {
     if (!broken_.ok()) return BrokenError(call, member_, broken_);
+    Status cancelled;
+    {
+      std::lock_guard<std::mutex> lock(cancel_mu_);
+      cancelled = cancelled_;
+    }
+    if (!cancelled.ok()) {
+      (void)Fail(cancelled);
+      return BrokenError(call, member_, broken_);
+    }
     return Status::OK();
+  }
+
+  // The header's wait is `first` (the peer coming to the exchange), the
+  // payload's the timeout from when the header has gone.
+  Status SendWaiting(int peer, std::span<const uint8_t> data, std::chrono::milliseconds first,
+                     std::string_view call) {
+    DS_RETURN_IF_ERROR(Usable(call));
+    DS_RETURN_IF_ERROR(CheckPeer(call, size(), rank(), peer));
+    Outgoing out;
+    DS_RETURN_IF_ERROR(Post(&out, peer, MessageOp::kSend, 0, data, call));
+    const Deadline opening(first);
+    DS_RETURN_IF_ERROR(Await(out.header_buf.get(), false, opening, call, peer));
+    const Deadline deadline(options_.timeout);
+    if (out.payload_buf)
+      DS_RETURN_IF_ERROR(Await(out.payload_buf.get(), false, deadline, call, peer));
+    return Status::OK();
+  }
+
+  Status RecvWaiting(int peer, std::span<uint8_t> data, std::chrono::milliseconds first,
+                     std::string_view call) {
+    DS_RETURN_IF_ERROR(Usable(call));
+    DS_RETURN_IF_ERROR(CheckPeer(call, size(), rank(), peer));
+    Incoming in;
+    DS_RETURN_IF_ERROR(PostHeader(&in, peer, call));
+    DS_RETURN_IF_ERROR(Await(in.header_buf.get(), true, Deadline(first), call, peer));
+    const Deadline deadline(options_.timeout);
+    DS_RETURN_IF_ERROR(Accept(&in, MessageOp::kSend, 0, data, deadline, call));
+    return FinishPayload(&in, deadline, call);
+  }
+
+  // Waits for `buf` (its receive when `recv`, else its send) until the
+  // deadline, where Cancel can end the wait.
+  Status Await(::gloo::transport::UnboundBuffer* buf, bool recv, const Deadline& deadline,
+               std::string_view call, int peer) {
+    {
+      std::lock_guard<std::mutex> lock(cancel_mu_);
+      if (!cancelled_.ok())
+        return Fail(Status(cancelled_.code(), Where(call, peer) + cancelled_.message()));
+      waiting_ = buf;
+      waiting_recv_ = recv;
+    }
+    bool done = true;
+    Status failed;
+    try {
+      done = recv ? buf->waitRecv(nullptr, deadline.remaining())
+                  : buf->waitSend(nullptr, deadline.remaining());
+    } catch (const std::exception& e) {
+      failed = Translate(e, call, peer, deadline);
+    }
+    Status cancelled;
+    {
+      std::lock_guard<std::mutex> lock(cancel_mu_);
+      waiting_ = nullptr;
+      cancelled = cancelled_;
+    }
+    if (!failed.ok()) return failed;
+    if (!done) {
+      return Fail(Status(StatusCode::kAborted,
+                         Where(call, peer) + (cancelled.ok() ? "aborted" : cancelled.message())));
+    }
+    return Status::OK();
+  }
+
+  std::string Where(std::string_view call, int peer) const {
+    return std::string(call) + " (" + member_ + "): peer rank " + std::to_string(peer) + ": ";
   }
 
   // Records the first error and closes every connection, so that no byte
@@ -279,11 +374,9 @@ class GlooCommunicator final : public Communicator {
   }
 
   Status Finish(Outgoing* out, const Deadline& deadline, std::string_view call) {
-    try {
-      out->header_buf->waitSend(deadline.remaining());
-      if (out->payload_buf) out->payload_buf->waitSend(deadline.remaining());
-    } catch (const std::exception& e) {
-      return Translate(e, call, out->peer, deadline);
+    DS_RETURN_IF_ERROR(Await(out->header_buf.get(), false, deadline, call, out->peer));
+    if (out->payload_buf) {
+      DS_RETURN_IF_ERROR(Await(out->payload_buf.get(), false, deadline, call, out->peer));
     }
     return Status::OK();
   }
@@ -303,12 +396,15 @@ class GlooCommunicator final : public Communicator {
   // expects, and posts the payload's receive into `data`.
   Status Receive(Incoming* in, MessageOp op, int root, std::span<uint8_t> data,
                  const Deadline& deadline, std::string_view call) {
+    DS_RETURN_IF_ERROR(Await(in->header_buf.get(), true, deadline, call, in->peer));
+    return Accept(in, op, root, data, deadline, call);
+  }
+
+  // Checks the header of `in`, which has arrived, against what this rank's
+  // call expects, and posts the payload's receive into `data`.
+  Status Accept(Incoming* in, MessageOp op, int root, std::span<uint8_t> data,
+                const Deadline& deadline, std::string_view call) {
     const int peer = in->peer;
-    try {
-      in->header_buf->waitRecv(deadline.remaining());
-    } catch (const std::exception& e) {
-      return Translate(e, call, peer, deadline);
-    }
     const std::string where =
         std::string(call) + " (" + member_ + "): peer rank " + std::to_string(peer) + " ";
     Header h;
@@ -347,12 +443,7 @@ class GlooCommunicator final : public Communicator {
 
   Status FinishPayload(Incoming* in, const Deadline& deadline, std::string_view call) {
     if (!in->payload_buf) return Status::OK();
-    try {
-      in->payload_buf->waitRecv(deadline.remaining());
-    } catch (const std::exception& e) {
-      return Translate(e, call, in->peer, deadline);
-    }
-    return Status::OK();
+    return Await(in->payload_buf.get(), true, deadline, call, in->peer);
   }
 
   // Along a binomial tree rooted at `root`: in virtual ranks (root is 0),
@@ -424,6 +515,11 @@ class GlooCommunicator final : public Communicator {
   std::vector<uint64_t> sent_;
   std::vector<uint64_t> received_;
   Status broken_;
+  // Cancel's state: the error it set, and the buffer a call waits on.
+  mutable std::mutex cancel_mu_;
+  Status cancelled_;
+  ::gloo::transport::UnboundBuffer* waiting_ = nullptr;
+  bool waiting_recv_ = false;
 };
 
 Status GlooCommunicator::Connect(RendezvousStore& store, const Deadline& deadline) {
@@ -454,6 +550,15 @@ Status GlooCommunicator::Connect(RendezvousStore& store, const Deadline& deadlin
       return Status::DeadlineExceeded(where + ": " + who + " did not join within " +
                                       std::to_string(deadline.budget().count()) + " ms");
     }
+    if (text.find(kFormationCancelled) != std::string::npos) {
+      return Status::Aborted(where + ": the formation was cancelled");
+    }
+    if (const size_t at = text.find(kRefusedMarker); at != std::string::npos) {
+      const std::string why = text.substr(at + std::strlen(kRefusedMarker));
+      const bool sizes = why.find("the group sizes disagree") != std::string::npos;
+      return Status(sizes ? StatusCode::kInvalidArgument : StatusCode::kUnavailable,
+                    where + ": " + why);
+    }
     return Status::Unavailable(where + ": connecting to " + who + ": " + text);
   }
   return Status::OK();
@@ -467,7 +572,13 @@ Result<std::unique_ptr<Communicator>> CreateGlooCommunicator(const CommunicatorO
                       RendezvousStore::Open(options.rendezvous, options.connect_timeout));
   DS_ASSIGN_OR_RETURN(uint64_t generation, JoinGeneration(*store, options, deadline));
   auto comm = std::make_unique<GlooCommunicator>(options, generation);
-  if (options.size > 1) DS_RETURN_IF_ERROR(comm->Connect(*store, deadline));
+  if (options.size > 1) {
+    if (Status s = comm->Connect(*store, deadline); !s.ok()) {
+      AbandonGeneration(*store, options.group, generation,
+                        "rank " + std::to_string(options.rank) + " gave up: " + s.message());
+      return s;
+    }
+  }
   return std::unique_ptr<Communicator>(std::move(comm));
 }
 

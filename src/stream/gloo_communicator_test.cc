@@ -5,6 +5,7 @@
 #include <signal.h>
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <chrono>
 #include <cstring>
@@ -213,6 +214,69 @@ TEST(GlooForm, AnExplicitGenerationIsFormedOnce) {
       << again.status().ToString();
   o.generation = 8;
   EXPECT_TRUE(CreateCommunicator("gloo", o).ok());
+}
+
+// Members started with different group sizes: every one says so, naming
+// both sizes, within the connect timeout (rather than a Gloo-internal
+// message or a wait past it).
+TEST(GlooForm, GroupSizesThatDisagreeAreNamedWithinTheConnectTimeout) {
+  for (const bool rank0_larger : {false, true}) {
+    SCOPED_TRACE(rank0_larger ? "rank 0 larger" : "rank 0 smaller");
+    comm_test::TempDir dir;
+    const int n0 = rank0_larger ? 3 : 2;
+    const int n1 = rank0_larger ? 2 : 3;
+    const auto start = Clock::now();
+    std::vector<Status> s = OnEveryRank(2, [&](int r) {
+      CommunicatorOptions o =
+          LoopbackOptions(FileRendezvous(dir.path()), r, r == 0 ? n0 : n1, kTimeout);
+      o.connect_timeout = 3000ms;
+      return CreateCommunicator("gloo", o).status();
+    });
+    EXPECT_LT(Since(start), 3000ms + kSlack);
+    const std::string sizes = "rank 1 was started with a group of " + std::to_string(n1) +
+                              " members, rank 0 with " + std::to_string(n0);
+    EXPECT_EQ(s[1].code(), StatusCode::kInvalidArgument) << s[1].ToString();
+    EXPECT_TRUE(Contains(s[1], sizes)) << s[1].ToString();
+    EXPECT_EQ(s[0].code(), StatusCode::kInvalidArgument) << s[0].ToString();
+    EXPECT_TRUE(Contains(s[0], "the group sizes disagree: " + sizes)) << s[0].ToString();
+  }
+}
+
+TEST(GlooForm, AFileRendezvousItCreatesIsPrivateToTheUser) {
+  comm_test::TempDir dir;
+  const std::string made = dir.path() + "/made/here/";
+  CommunicatorOptions o = LoopbackOptions(FileRendezvous(made), 0, 1, kTimeout);
+  ASSERT_TRUE(CreateCommunicator("gloo", o).ok());
+  struct stat st = {};
+  ASSERT_EQ(stat((dir.path() + "/made/here").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+}
+
+TEST(GlooForm, ARedisThatWantsAPasswordSaysSoAndFormsWithIt) {
+  std::string why;
+  std::unique_ptr<comm_test::RedisServer> redis =
+      comm_test::RedisServer::Start(&why, {"--requirepass", "s3cret-pass"});
+  if (!redis) GTEST_SKIP() << why;
+  CommunicatorOptions o = LoopbackOptions(redis->rendezvous(), 0, 1, kTimeout);
+  ::unsetenv("DELTASYNC_REDIS_PASSWORD");
+  Result<std::unique_ptr<Communicator>> none = CreateCommunicator("gloo", o);
+  EXPECT_EQ(none.status().code(), StatusCode::kInvalidArgument) << none.status().ToString();
+  EXPECT_TRUE(Contains(none.status(), "the server asks for a password"))
+      << none.status().ToString();
+  o.rendezvous.password = "wrong";
+  Result<std::unique_ptr<Communicator>> wrong = CreateCommunicator("gloo", o);
+  EXPECT_TRUE(Contains(wrong.status(), "the server refused the password"))
+      << wrong.status().ToString();
+  EXPECT_FALSE(Contains(wrong.status(), "wrong"));
+  o.rendezvous.password = "s3cret-pass";
+  Result<std::unique_ptr<Communicator>> right = CreateCommunicator("gloo", o);
+  EXPECT_TRUE(right.ok()) << right.status().ToString();
+  // From the environment, when the options give none.
+  o.rendezvous.password.clear();
+  ::setenv("DELTASYNC_REDIS_PASSWORD", "s3cret-pass", 1);
+  Result<std::unique_ptr<Communicator>> env = CreateCommunicator("gloo", o);
+  ::unsetenv("DELTASYNC_REDIS_PASSWORD");
+  EXPECT_TRUE(env.ok()) << env.status().ToString();
 }
 
 TEST(GlooForm, AnUnreachableRedisIsUnavailableNamingIt) {

@@ -21,8 +21,10 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
@@ -92,31 +94,45 @@ class NcclCommunicator final : public Communicator {
     c.device_buffers = true;
     c.cuda_device = options_.cuda_device;
     c.point_to_point = true;
+    c.awaits_peer = true;
+    c.cancels_in_flight = true;
     return c;
   }
   std::chrono::milliseconds timeout() const override { return options_.timeout; }
-  Status health() const override { return broken_; }
+  Status health() const override {
+    if (!broken_.ok()) return broken_;
+    return Cancelled();
+  }
+
+  void Cancel(std::string_view why) override {
+    std::lock_guard<std::mutex> lock(cancel_mu_);
+    if (cancel_requested_.load()) return;
+    cancel_why_ = std::string(why);
+    cancel_requested_.store(true);
+  }
 
   // Sets the device, makes the stream, and forms the NCCL communicator
   // with the unique id rank 0 puts in `store`.
   Status Connect(RendezvousStore& store, const Deadline& deadline);
 
   Status Send(int peer, std::span<const uint8_t> data) override {
-    const std::string_view call = "nccl send";
-    DS_RETURN_IF_ERROR(Usable(call));
-    DS_RETURN_IF_ERROR(CheckPeer(call, size(), rank(), peer));
-    return Chunked(
-        call, peer, const_cast<uint8_t*>(data.data()), data.size(), Way::kOut,
-        [&](uint8_t* p, size_t n) { return ncclSend(p, n, ncclUint8, peer, comm_, stream_); });
+    return SendWaiting(peer, data, options_.timeout);
   }
 
   Status Recv(int peer, std::span<uint8_t> data) override {
-    const std::string_view call = "nccl recv";
-    DS_RETURN_IF_ERROR(Usable(call));
-    DS_RETURN_IF_ERROR(CheckPeer(call, size(), rank(), peer));
-    return Chunked(call, peer, data.data(), data.size(), Way::kIn, [&](uint8_t* p, size_t n) {
-      return ncclRecv(p, n, ncclUint8, peer, comm_, stream_);
-    });
+    return RecvWaiting(peer, data, options_.timeout);
+  }
+
+  // NCCL cannot tell when a peer begins a message, so the first call of
+  // at most kChunk bytes waits `wait`, later ones the timeout.
+  Status SendAwaiting(int peer, std::span<const uint8_t> data,
+                      std::optional<std::chrono::milliseconds> wait) override {
+    return SendWaiting(peer, data, wait.value_or(kNoBound));
+  }
+
+  Status RecvAwaiting(int peer, std::span<uint8_t> data,
+                      std::optional<std::chrono::milliseconds> wait) override {
+    return RecvWaiting(peer, data, wait.value_or(kNoBound));
   }
 
   Status Broadcast(int root, std::span<uint8_t> data) override {
@@ -185,7 +201,39 @@ class NcclCommunicator final : public Communicator {
   }
 
  private:
-  Status Usable(std::string_view call) const {
+  static constexpr std::chrono::milliseconds kNoBound{std::chrono::hours(24 * 365)};
+
+  Status SendWaiting(int peer, std::span<const uint8_t> data, std::chrono::milliseconds first) {
+    const std::string_view call = "nccl send";
+    DS_RETURN_IF_ERROR(Usable(call));
+    DS_RETURN_IF_ERROR(CheckPeer(call, size(), rank(), peer));
+    return Chunked(
+        call, peer, const_cast<uint8_t*>(data.data()), data.size(), Way::kOut,
+        [&](uint8_t* p, size_t n) { return ncclSend(p, n, ncclUint8, peer, comm_, stream_); },
+        first);
+  }
+
+  Status RecvWaiting(int peer, std::span<uint8_t> data, std::chrono::milliseconds first) {
+    const std::string_view call = "nccl recv";
+    DS_RETURN_IF_ERROR(Usable(call));
+    DS_RETURN_IF_ERROR(CheckPeer(call, size(), rank(), peer));
+    return Chunked(
+        call, peer, data.data(), data.size(), Way::kIn,
+        [&](uint8_t* p, size_t n) { return ncclRecv(p, n, ncclUint8, peer, comm_, stream_); },
+        first);
+  }
+
+  // OK, or the Aborted error Cancel asked for.
+  Status Cancelled() const {
+    if (!cancel_requested_.load()) return Status::OK();
+    std::lock_guard<std::mutex> lock(cancel_mu_);
+    return Status::Aborted("cancelled: " + cancel_why_);
+  }
+
+  Status Usable(std::string_view call) {
+    if (broken_.ok()) {
+      if (Status c = Cancelled(); !c.ok()) (void)Fail(c);
+    }
     if (!broken_.ok()) return BrokenError(call, member_, broken_);
     return Status::OK();
   }
@@ -242,17 +290,29 @@ class NcclCommunicator final : public Communicator {
 
   // `op(p, n)` enqueues one NCCL call on the n device bytes at p; runs it
   // over `data` in calls of at most kChunk bytes, within one deadline.
+  // `first` bounds the first call (the peer coming to the exchange); the
+  // timeout, from when it completes, bounds the rest.
   template <typename Op>
-  Status Chunked(std::string_view call, int peer, uint8_t* data, size_t bytes, Way way, Op&& op) {
+  Status Chunked(std::string_view call, int peer, uint8_t* data, size_t bytes, Way way, Op&& op,
+                 std::optional<std::chrono::milliseconds> first = std::nullopt) {
     if (bytes == 0) return Status::OK();
-    const Deadline deadline(options_.timeout);
+    std::optional<Deadline> deadline;
+    deadline.emplace(first.value_or(options_.timeout));
+    // After the first call the rest of the message gets the timeout.
+    const auto next = [&] {
+      if (first) {
+        deadline.emplace(options_.timeout);
+        first.reset();
+      }
+    };
     if (OnDevice(data)) {
       // One call at a time, as a non-blocking communicator wants them
       // (each taken before the next is issued), and as a peer staging host
       // memory issues them.
       for (size_t at = 0; at < bytes; at += kChunk) {
         const size_t n = std::min(kChunk, bytes - at);
-        DS_RETURN_IF_ERROR(Run(call, peer, deadline, [&] { return op(data + at, n); }));
+        DS_RETURN_IF_ERROR(Run(call, peer, *deadline, [&] { return op(data + at, n); }));
+        next();
       }
       return Status::OK();
     }
@@ -261,11 +321,12 @@ class NcclCommunicator final : public Communicator {
     for (size_t at = 0; at < bytes; at += kChunk) {
       const size_t n = std::min(kChunk, bytes - at);
       if (way == Way::kOut) {
-        DS_RETURN_IF_ERROR(Copy(call, deadline, stage, data + at, n, cudaMemcpyHostToDevice));
+        DS_RETURN_IF_ERROR(Copy(call, *deadline, stage, data + at, n, cudaMemcpyHostToDevice));
       }
-      DS_RETURN_IF_ERROR(Run(call, peer, deadline, [&] { return op(stage, n); }));
+      DS_RETURN_IF_ERROR(Run(call, peer, *deadline, [&] { return op(stage, n); }));
+      next();
       if (way == Way::kIn) {
-        DS_RETURN_IF_ERROR(Copy(call, deadline, data + at, stage, n, cudaMemcpyDeviceToHost));
+        DS_RETURN_IF_ERROR(Copy(call, *deadline, data + at, stage, n, cudaMemcpyDeviceToHost));
       }
     }
     return Status::OK();
@@ -333,6 +394,7 @@ class NcclCommunicator final : public Communicator {
       if (state == ncclSuccess) return Status::OK();
       if (state != ncclInProgress) return Fail(NcclError(call, peer, state));
       if (deadline.expired()) return Fail(TimedOut(call, peer, deadline));
+      DS_RETURN_IF_ERROR(CheckCancel(call, peer));
       std::this_thread::sleep_for(kPollInterval);
     }
   }
@@ -347,6 +409,13 @@ class NcclCommunicator final : public Communicator {
       return Status::Unavailable(Where(call, peer) + "connection lost: " + text);
     }
     return Status::Internal(Where(call, peer) + "nccl failed: " + text);
+  }
+
+  // Cancel's error, aborting the communicator, once it was asked for.
+  Status CheckCancel(std::string_view call, int peer) {
+    if (!cancel_requested_.load(std::memory_order_relaxed)) return Status::OK();
+    const Status c = Cancelled();
+    return Fail(Status(c.code(), Where(call, peer) + c.message()));
   }
 
   Status TimedOut(std::string_view call, int peer, const Deadline& deadline) const {
@@ -376,6 +445,7 @@ class NcclCommunicator final : public Communicator {
         return Fail(NcclError(call, peer, state));
       }
       if (deadline.expired()) return Fail(TimedOut(call, peer, deadline));
+      DS_RETURN_IF_ERROR(CheckCancel(call, peer));
       std::this_thread::sleep_for(kPollInterval);
     }
   }
@@ -389,6 +459,10 @@ class NcclCommunicator final : public Communicator {
   void* staging_ = nullptr;  // host memory's way through the device (see the file comment)
   size_t staging_bytes_ = 0;
   Status broken_;
+  // Cancel's request, which the calling thread's waits look at.
+  std::atomic<bool> cancel_requested_{false};
+  mutable std::mutex cancel_mu_;
+  std::string cancel_why_;
 };
 
 Status NcclCommunicator::Connect(RendezvousStore& store, const Deadline& deadline) {
@@ -445,6 +519,11 @@ Status NcclCommunicator::Connect(RendezvousStore& store, const Deadline& deadlin
       return Status::Unavailable(where + ": " + text);
     }
     if (state == ncclSuccess) return Status::OK();
+    if (Status c = FormationCancel::Check(where); !c.ok()) {
+      ncclCommAbort(comm_);
+      comm_ = nullptr;
+      return c;
+    }
     if (deadline.expired()) {
       ncclCommAbort(comm_);
       comm_ = nullptr;
@@ -476,7 +555,11 @@ Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(const CommunicatorO
                       RendezvousStore::Open(options.rendezvous, options.connect_timeout));
   DS_ASSIGN_OR_RETURN(uint64_t generation, JoinGeneration(*store, options, deadline));
   auto comm = std::make_unique<NcclCommunicator>(options, generation);
-  DS_RETURN_IF_ERROR(comm->Connect(*store, deadline));
+  if (Status s = comm->Connect(*store, deadline); !s.ok()) {
+    AbandonGeneration(*store, options.group, generation,
+                      "rank " + std::to_string(options.rank) + " gave up: " + s.message());
+    return s;
+  }
   return std::unique_ptr<Communicator>(std::move(comm));
 }
 

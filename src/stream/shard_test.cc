@@ -717,6 +717,7 @@ class ScriptedCommunicator : public Communicator {
   }
   Status Broadcast(int, std::span<uint8_t>) override { return Status::Unsupported("scripted"); }
   Status Barrier() override { return Status::Unsupported("scripted"); }
+  void Cancel(std::string_view) override {}
   Status Gather(int root, std::span<const uint8_t> record, std::span<uint8_t> out) override {
     gathered.assign(record.begin(), record.end());
     if (rank_ != root) return Status::OK();

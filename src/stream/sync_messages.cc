@@ -1,8 +1,10 @@
 #include "stream/sync_messages.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/endian.h"
+#include "deltasync/checksum.h"
 
 namespace deltasync::stream {
 
@@ -62,17 +64,21 @@ Result<Envelope> DecodeEnvelope(std::span<const uint8_t, kEnvelopeBytes> bytes) 
   return e;
 }
 
-Status SendMessage(Communicator& comm, int peer, MessageType type, bool last,
-                   std::span<const uint8_t> body) {
+namespace {
+
+Status SendMessageWaiting(Communicator& comm, int peer, MessageType type, bool last,
+                          std::span<const uint8_t> body, bool awaiting,
+                          std::optional<std::chrono::milliseconds> wait) {
   const std::array<uint8_t, kEnvelopeBytes> env = EncodeEnvelope({type, last, body.size()});
-  DS_RETURN_IF_ERROR(comm.Send(peer, env));
+  DS_RETURN_IF_ERROR(awaiting ? comm.SendAwaiting(peer, env, wait) : comm.Send(peer, env));
   if (!body.empty()) DS_RETURN_IF_ERROR(comm.Send(peer, body));
   return Status::OK();
 }
 
-Result<Envelope> RecvEnvelope(Communicator& comm, int peer, MessageType expected) {
+Result<Envelope> RecvEnvelopeWaiting(Communicator& comm, int peer, MessageType expected,
+                                     bool awaiting, std::optional<std::chrono::milliseconds> wait) {
   std::array<uint8_t, kEnvelopeBytes> env{};
-  DS_RETURN_IF_ERROR(comm.Recv(peer, env));
+  DS_RETURN_IF_ERROR(awaiting ? comm.RecvAwaiting(peer, env, wait) : comm.Recv(peer, env));
   DS_ASSIGN_OR_RETURN(Envelope e, DecodeEnvelope(env));
   if (e.type != expected) {
     return Status::InvalidArgument("stream message from rank " + std::to_string(peer) + ": a " +
@@ -82,39 +88,79 @@ Result<Envelope> RecvEnvelope(Communicator& comm, int peer, MessageType expected
   return e;
 }
 
-Status SendJson(Communicator& comm, int peer, MessageType type, const nlohmann::json& body) {
+}  // namespace
+
+Status SendMessage(Communicator& comm, int peer, MessageType type, bool last,
+                   std::span<const uint8_t> body) {
+  return SendMessageWaiting(comm, peer, type, last, body, false, std::nullopt);
+}
+
+Result<Envelope> RecvEnvelope(Communicator& comm, int peer, MessageType expected) {
+  return RecvEnvelopeWaiting(comm, peer, expected, false, std::nullopt);
+}
+
+Result<Envelope> RecvEnvelopeAwaiting(Communicator& comm, int peer, MessageType expected,
+                                      std::optional<std::chrono::milliseconds> wait) {
+  return RecvEnvelopeWaiting(comm, peer, expected, true, wait);
+}
+
+std::vector<uint8_t> JsonBodyBytes(const nlohmann::json& body) {
   const std::string text = body.dump();
-  return SendMessage(comm, peer, type, false,
-                     std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+  std::vector<uint8_t> out(text.begin(), text.end());
+  const std::vector<uint8_t> sum =
+      ChecksumBytes(ChecksumAlgo::kXxh3_64, std::span<const uint8_t>(out));
+  out.insert(out.end(), sum.begin(), sum.end());
+  return out;
+}
+
+Result<nlohmann::json> ParseJsonBody(std::span<const uint8_t> bytes, std::string_view what) {
+  if (bytes.size() < kJsonChecksumBytes) {
+    return Status::Corruption(std::string(what) + ": " + std::to_string(bytes.size()) +
+                              " bytes, too few for a JSON body and its checksum");
+  }
+  const std::span<const uint8_t> text = bytes.first(bytes.size() - kJsonChecksumBytes);
+  const std::vector<uint8_t> sum = ChecksumBytes(ChecksumAlgo::kXxh3_64, text);
+  if (!std::equal(sum.begin(), sum.end(), bytes.end() - kJsonChecksumBytes)) {
+    return Status::Corruption(std::string(what) + ": checksum mismatch (the message was damaged)");
+  }
+  nlohmann::json body = nlohmann::json::parse(text.begin(), text.end(), nullptr,
+                                              /*allow_exceptions=*/false);
+  if (!body.is_object()) return Status::Corruption(std::string(what) + ": not a JSON object");
+  return body;
+}
+
+Status SendJson(Communicator& comm, int peer, MessageType type, const nlohmann::json& body) {
+  return SendMessage(comm, peer, type, false, JsonBodyBytes(body));
+}
+
+Status SendJsonAwaiting(Communicator& comm, int peer, MessageType type, const nlohmann::json& body,
+                        std::optional<std::chrono::milliseconds> wait) {
+  return SendMessageWaiting(comm, peer, type, false, JsonBodyBytes(body), true, wait);
 }
 
 Result<nlohmann::json> RecvJson(Communicator& comm, int peer, MessageType expected) {
   DS_ASSIGN_OR_RETURN(Envelope e, RecvEnvelope(comm, peer, expected));
-  std::string text(e.body_bytes, '\0');
-  if (!text.empty()) {
-    DS_RETURN_IF_ERROR(
-        comm.Recv(peer, std::span(reinterpret_cast<uint8_t*>(text.data()), text.size())));
-  }
-  nlohmann::json body = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (!body.is_object()) {
-    return Status::Corruption("stream " + std::string(MessageTypeName(expected)) + " from rank " +
-                              std::to_string(peer) + ": not a JSON object");
-  }
-  return body;
+  std::vector<uint8_t> bytes(e.body_bytes);
+  if (!bytes.empty()) DS_RETURN_IF_ERROR(comm.Recv(peer, bytes));
+  return ParseJsonBody(bytes, "stream " + std::string(MessageTypeName(expected)) + " from rank " +
+                                  std::to_string(peer));
 }
 
-nlohmann::json HelloBody(const std::vector<Registration>& tensors) {
+nlohmann::json HelloBody(const Hello& hello) {
   nlohmann::json list = nlohmann::json::array();
-  for (const Registration& t : tensors) {
+  for (const Registration& t : hello.tensors) {
     list.push_back({{"name", t.name},
                     {"dtype", std::string(DTypeName(t.dtype))},
                     {"shape", t.shape},
                     {"block", {t.block.first, t.block.count, t.block.rows, t.block.row_stride}}});
   }
-  return {{"protocol", kStreamProtocol}, {"tensors", std::move(list)}};
+  return {{"protocol", kStreamProtocol},
+          {"max_frame_bytes", hello.max_frame_bytes},
+          {"partial", hello.partial},
+          {"tensors", std::move(list)}};
 }
 
-Result<std::vector<Registration>> ParseHello(const nlohmann::json& body) {
+Result<Hello> ParseHello(const nlohmann::json& body) {
   const auto bad = [](const std::string& what) {
     return Status::Corruption("stream hello: " + what);
   };
@@ -125,8 +171,15 @@ Result<std::vector<Registration>> ParseHello(const nlohmann::json& body) {
     return Status::Unsupported("stream hello: protocol " + body["protocol"].dump() +
                                ", this build speaks " + std::to_string(kStreamProtocol));
   }
+  Hello hello;
+  if (!body.contains("max_frame_bytes") || !body["max_frame_bytes"].is_number_unsigned()) {
+    return bad("no max_frame_bytes");
+  }
+  hello.max_frame_bytes = body["max_frame_bytes"].get<uint64_t>();
+  if (!body.contains("partial") || !body["partial"].is_boolean()) return bad("no partial flag");
+  hello.partial = body["partial"].get<bool>();
   if (!body.contains("tensors") || !body["tensors"].is_array()) return bad("no tensor list");
-  std::vector<Registration> out;
+  std::vector<Registration>& out = hello.tensors;
   for (const nlohmann::json& t : body["tensors"]) {
     if (!t.is_object() || !t.contains("name") || !t["name"].is_string()) {
       return bad("a tensor without a name");
@@ -154,7 +207,7 @@ Result<std::vector<Registration>> ParseHello(const nlohmann::json& body) {
     if (Status s = r.block.Validate(); !s.ok()) return bad(what + ": " + s.message());
     out.push_back(std::move(r));
   }
-  return out;
+  return hello;
 }
 
 nlohmann::json ReportBody(const Report& report) {

@@ -3,7 +3,9 @@
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -21,7 +23,9 @@ namespace deltasync::stream {
 inline constexpr size_t kEnvelopeBytes = 16;
 // A body other than a frame's is at most this.
 inline constexpr uint64_t kMaxControlBodyBytes = uint64_t{1} << 24;
-inline constexpr int kStreamProtocol = 1;
+inline constexpr int kStreamProtocol = 2;
+// A JSON body's checksum: xxh3-64 of its text, after it.
+inline constexpr size_t kJsonChecksumBytes = 8;
 
 enum class MessageType : uint8_t { kHello = 1, kWelcome = 2, kFrame = 3, kReport = 4 };
 
@@ -46,10 +50,21 @@ Status SendMessage(Communicator& comm, int peer, MessageType type, bool last,
 // (InvalidArgument naming both otherwise); the body is still to be taken.
 Result<Envelope> RecvEnvelope(Communicator& comm, int peer, MessageType expected);
 
-// A JSON body's message, both ways. RecvJson refuses a body that is not a
-// JSON object (Corruption).
+// A JSON body's message, both ways (the text, then its checksum).
+// RecvJson refuses a body whose checksum does not match or that is not a
+// JSON object (Corruption). The Awaiting forms wait for the peer as
+// Communicator::SendAwaiting and RecvAwaiting do.
 Status SendJson(Communicator& comm, int peer, MessageType type, const nlohmann::json& body);
 Result<nlohmann::json> RecvJson(Communicator& comm, int peer, MessageType expected);
+Status SendJsonAwaiting(Communicator& comm, int peer, MessageType type, const nlohmann::json& body,
+                        std::optional<std::chrono::milliseconds> wait);
+// RecvEnvelope whose wait for the envelope is `wait` (Communicator::RecvAwaiting).
+Result<Envelope> RecvEnvelopeAwaiting(Communicator& comm, int peer, MessageType expected,
+                                      std::optional<std::chrono::milliseconds> wait);
+// The body of a JSON message as it travels, and its check (Corruption for
+// a checksum that does not match or a body that is no JSON object).
+std::vector<uint8_t> JsonBodyBytes(const nlohmann::json& body);
+Result<nlohmann::json> ParseJsonBody(std::span<const uint8_t> bytes, std::string_view what);
 
 // One registered tensor of a hello.
 struct Registration {
@@ -59,10 +74,17 @@ struct Registration {
   DigestBlock block;
 };
 
-nlohmann::json HelloBody(const std::vector<Registration>& tensors);
+// A receiver's hello (docs/format.md, "Messages").
+struct Hello {
+  std::vector<Registration> tensors;
+  uint64_t max_frame_bytes = 0;  // the largest frame body it takes
+  bool partial = false;          // it registered a subset of the tensors on purpose
+};
+
+nlohmann::json HelloBody(const Hello& hello);
 // Corruption naming the field for a malformed hello (another protocol:
 // Unsupported).
-Result<std::vector<Registration>> ParseHello(const nlohmann::json& body);
+Result<Hello> ParseHello(const nlohmann::json& body);
 
 // A receiver's report (docs/format.md, "Messages").
 struct Report {

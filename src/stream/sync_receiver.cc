@@ -1,13 +1,16 @@
 // The stream's receiver (include/deltasync/stream.h; docs/format.md,
 // "Stream: commit protocol").
+#include <atomic>
 #include <chrono>
 #include <map>
+#include <mutex>
 #include <set>
 #include <utility>
 
 #include "deltasync/stream.h"
 #include "deltasync/tensor.h"
 #include "deltasync/timing.h"
+#include "stream/communicator_internal.h"
 #include "stream/device_path.h"
 #include "stream/frame.h"
 #include "stream/state_digest.h"
@@ -38,6 +41,7 @@ struct Destination {
   // In device memory: applied and digested there (`running` is then
   // recomputed at each sync that touches it).
   std::unique_ptr<stream::DeviceDestination> device;
+  Placement place;
 };
 
 // What one sync has done so far.
@@ -51,7 +55,13 @@ struct SyncState {
   std::map<std::string, StateDigest, std::less<>> records;
   Status refused;     // the first refusal; later frames are taken, not applied
   bool clean = true;  // no unverified byte written
+  // Refused for a reason of this receiver's own (a destination that moved,
+  // a seed it waits for), not for a disagreement with the sender.
+  bool local = false;
 };
+
+// Failed syncs in a row after which a receiver forms the group again.
+constexpr uint32_t kRejoinAfterFailures = 3;
 
 class Receiver final : public StreamReceiver {
  public:
@@ -61,11 +71,22 @@ class Receiver final : public StreamReceiver {
   Status Register(std::string name, DType dtype, std::vector<int64_t> shape,
                   std::span<uint8_t> dest, std::vector<DestinationRun> runs,
                   Placement place) override;
+  Status Rebind(std::string_view name, std::span<uint8_t> dest, Placement place) override;
   Result<ReceiveStats> ReceiveSync() override;
+  void Cancel(std::string_view why) override;
+  Health health() const override;
 
  private:
+  Result<ReceiveStats> ReceiveSyncAlone();
   Status Join();
-  void Drop() { comm_.reset(); }
+  void Drop() {
+    std::lock_guard<std::mutex> lock(mu_);
+    comm_.reset();
+  }
+  Status Cancelled() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cancelled_;
+  }
   // Checks and applies the frame of `bytes` bytes just received (in
   // bucket_, or in the device bucket with `on_device`).
   Status TakeFrame(bool envelope_last, bool on_device, uint64_t bytes, SyncState* sync,
@@ -80,10 +101,19 @@ class Receiver final : public StreamReceiver {
   ReceiverOptions options_;
   std::map<std::string, Destination, std::less<>> dests_;
   std::map<int, std::unique_ptr<stream::DeviceContext>> devices_;  // by CUDA device
+  // Set and reset by the calling thread under mu_, read by Cancel and
+  // health under it; the calling thread reads it without.
   std::unique_ptr<Communicator> comm_;
+  mutable std::mutex mu_;
+  Status cancelled_;
+  std::atomic<bool> cancel_requested_{false};  // cancelled_ set, for formations
+  std::atomic<bool> busy_{false};
+  bool waiting_ = false;  // under mu_
+  Clock::time_point waiting_since_;
   bool started_ = false;
   bool seeded_ = false;        // holds a verified state of this connection
   uint64_t last_sync_id_ = 0;  // the highest sync id taken on this connection
+  uint32_t failures_in_a_row_ = 0;
   FlushReader reader_;
   std::vector<uint8_t> bucket_;
   std::unique_ptr<stream::DeviceFrameReader> device_frames_;
@@ -142,6 +172,7 @@ Status Receiver::Register(std::string name, DType dtype, std::vector<int64_t> sh
     d.device = std::move(*dev);
   }
   d.name = name;
+  d.place = place;
   d.dtype = dtype;
   d.shape = std::move(shape);
   d.w = static_cast<uint32_t>(w);
@@ -152,19 +183,92 @@ Status Receiver::Register(std::string name, DType dtype, std::vector<int64_t> sh
   return Status::OK();
 }
 
+Status Receiver::Rebind(std::string_view name, std::span<uint8_t> dest, Placement place) {
+  const std::string what = "rebinding tensor '" + std::string(name) + "'";
+  if (busy_.load()) {
+    return Status::FailedPrecondition(what + ": a ReceiveSync is running in another thread");
+  }
+  auto it = dests_.find(name);
+  if (it == dests_.end()) return Status::InvalidArgument(what + ": not registered");
+  Destination& d = it->second;
+  if (dest.size() != d.bytes.size()) {
+    return Status::InvalidArgument(what + ": the new memory holds " + std::to_string(dest.size()) +
+                                   " bytes, the registered " + std::to_string(d.bytes.size()));
+  }
+  if (place.cuda_device != d.place.cuda_device) {
+    return Status::InvalidArgument(what + ": the new memory is on another device than the old");
+  }
+  if (d.device) {
+    Result<std::unique_ptr<stream::DeviceDestination>> dev = stream::DeviceDestination::Create(
+        *devices_.at(place.cuda_device), d.name, d.dtype, d.map, dest, place);
+    if (!dev.ok()) return Status(dev.status().code(), what + ": " + dev.status().message());
+    d.device = std::move(*dev);
+  }
+  d.bytes = dest;
+  d.place = place;
+  // What the new memory holds is not known: only a seed brings it back.
+  seeded_ = false;
+  return Status::OK();
+}
+
+void Receiver::Cancel(std::string_view why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!cancelled_.ok()) return;
+  cancelled_ = Status::Aborted("the receiver was cancelled: " + std::string(why));
+  cancel_requested_.store(true);
+  if (comm_) comm_->Cancel(why);
+}
+
+StreamReceiver::Health Receiver::health() const {
+  Health h;
+  h.in_call = busy_.load();
+  std::lock_guard<std::mutex> lock(mu_);
+  h.connected = comm_ != nullptr;
+  h.waiting = waiting_;
+  if (waiting_) h.waiting_s = SecondsSince(waiting_since_);
+  if (!h.in_call) {
+    // Read by the calling thread otherwise.
+    h.seeded = seeded_;
+    h.last_sync_id = last_sync_id_;
+    h.failures_in_a_row = failures_in_a_row_;
+  }
+  if (!cancelled_.ok()) {
+    h.link = cancelled_;
+  } else if (comm_) {
+    h.link = comm_->health();
+  } else {
+    h.link = Status::Unavailable("not a member of a formed group (it forms at the next call)");
+  }
+  return h;
+}
+
 Status Receiver::Join() {
-  Result<std::unique_ptr<Communicator>> c = connect_();
+  Result<std::unique_ptr<Communicator>> c = Status::OK();
+  {
+    // Cancel reaches the rendezvous waits of a formation on this thread.
+    stream_internal::FormationCancel cancel(&cancel_requested_);
+    c = connect_();
+  }
   if (!c.ok())
     return Status(c.status().code(), "forming the stream group: " + c.status().message());
   if ((*c)->rank() < 1) {
     return Status::InvalidArgument("a receiver is rank 1 or above of its stream group");
   }
-  comm_ = std::move(*c);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!cancelled_.ok()) return cancelled_;
+    comm_ = std::move(*c);
+  }
   seeded_ = false;
   last_sync_id_ = 0;
-  std::vector<stream::Registration> regs;
-  for (const auto& [name, d] : dests_) regs.push_back({name, d.dtype, d.shape, d.block});
-  Status s = stream::SendJson(*comm_, 0, MessageType::kHello, stream::HelloBody(regs));
+  stream::Hello hello;
+  hello.max_frame_bytes = options_.max_frame_bytes;
+  hello.partial = options_.partial;
+  for (const auto& [name, d] : dests_) hello.tensors.push_back({name, d.dtype, d.shape, d.block});
+  // The sender takes hellos at its next sync, which may be a training step
+  // away.
+  Status s = stream::SendJsonAwaiting(*comm_, 0, MessageType::kHello, stream::HelloBody(hello),
+                                      options_.sync_wait);
   Result<nlohmann::json> welcome =
       s.ok() ? stream::RecvJson(*comm_, 0, MessageType::kWelcome) : Result<nlohmann::json>(s);
   if (!welcome.ok()) {
@@ -225,13 +329,22 @@ Status Receiver::TakeFrame(bool envelope_last, bool on_device, uint64_t bytes, S
     if (h.flush_index != 0) {
       return Status::InvalidArgument(frame + ": a sync's first frame has flush index 0");
     }
-    if (h.kind == FrameKind::kDelta && !seeded_) {
-      return Status::FailedPrecondition(frame +
-                                        ": a delta, but this receiver holds no seeded state");
-    }
     sync->sync_id = h.sync_id;
     sync->kind = h.kind;
     last_sync_id_ = h.sync_id;
+    if (h.kind == FrameKind::kDelta && !seeded_) {
+      // Not clean, so that the sender seeds it at the next sync.
+      sync->clean = false;
+      sync->local = true;
+      return Status::FailedPrecondition(
+          frame + ": a delta, but this receiver holds no seeded state (it asks for a seed)");
+    }
+    if (options_.before_apply) {
+      if (Status s = options_.before_apply(); !s.ok()) {
+        sync->local = true;
+        return Status(s.code(), "sync " + std::to_string(h.sync_id) + ": " + s.message());
+      }
+    }
   } else {
     if (h.sync_id != sync->sync_id) {
       return Status::InvalidArgument(frame + ": inside sync " + std::to_string(sync->sync_id));
@@ -358,17 +471,52 @@ void Receiver::Verify(SyncState* sync, ReceiveStats* stats) {
 }
 
 Result<ReceiveStats> Receiver::ReceiveSync() {
+  if (busy_.exchange(true)) {
+    return Status::FailedPrecondition(
+        "ReceiveSync is already running in another thread (one call at a time)");
+  }
+  Result<ReceiveStats> r = ReceiveSyncAlone();
+  busy_.store(false);
+  return r;
+}
+
+Result<ReceiveStats> Receiver::ReceiveSyncAlone() {
+  DS_RETURN_IF_ERROR(Cancelled());
   if (dests_.empty()) {
     return Status::FailedPrecondition("a receiver registers its tensors before it syncs");
   }
   started_ = true;
-  if (!comm_) DS_RETURN_IF_ERROR(Join());
-  ReceiveStats stats;
-  SyncState sync;
   const auto start = Clock::now();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    waiting_ = true;
+    waiting_since_ = start;
+  }
+  const auto stop_waiting = [&] {
+    std::lock_guard<std::mutex> lock(mu_);
+    waiting_ = false;
+  };
+  if (!comm_) {
+    if (Status s = Join(); !s.ok()) {
+      stop_waiting();
+      return s;
+    }
+  }
+  ReceiveStats stats;
+  stats.partial = options_.partial;
+  stats.tensors = dests_.size();
+  SyncState sync;
   for (;;) {
-    Result<stream::Envelope> env = stream::RecvEnvelope(*comm_, 0, MessageType::kFrame);
-    if (sync.frames == 0) stats.wait_s = SecondsSince(start);
+    // The first envelope opens the sync, which comes when the trainer is
+    // done with its step: it waits as long as the user allows.
+    Result<stream::Envelope> env =
+        sync.frames == 0
+            ? stream::RecvEnvelopeAwaiting(*comm_, 0, MessageType::kFrame, options_.sync_wait)
+            : stream::RecvEnvelope(*comm_, 0, MessageType::kFrame);
+    if (sync.frames == 0) {
+      stats.wait_s = SecondsSince(start);
+      stop_waiting();
+    }
     if (!env.ok()) {
       Drop();
       return Status(env.status().code(), "taking the sync's frame " + std::to_string(sync.frames) +
@@ -415,6 +563,18 @@ Result<ReceiveStats> Receiver::ReceiveSync() {
       !s.ok()) {
     Drop();
     return Status(s.code(), "reporting to the sender: " + s.message());
+  }
+  if (sync.refused.ok() || sync.local) {
+    if (sync.refused.ok()) failures_in_a_row_ = 0;
+  } else if (++failures_in_a_row_ >= kRejoinAfterFailures) {
+    // Whatever keeps this receiver and the sender apart (a registration the
+    // sender took wrongly, say) goes away with a new hello.
+    failures_in_a_row_ = 0;
+    Drop();
+    return Status(sync.refused.code(),
+                  sync.refused.message() + " (" + std::to_string(kRejoinAfterFailures) +
+                      " failed syncs in a row: this receiver forms the group again and is "
+                      "reseeded)");
   }
   stats.sync_id = sync.sync_id;
   stats.seed = sync.kind == FrameKind::kSeed;

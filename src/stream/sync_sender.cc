@@ -1,9 +1,11 @@
 // The stream's sender (include/deltasync/stream.h; docs/format.md, "Stream:
 // commit protocol").
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <set>
 #include <thread>
 #include <tuple>
@@ -14,6 +16,7 @@
 #include "deltasync/stream.h"
 #include "deltasync/tensor.h"
 #include "deltasync/timing.h"
+#include "stream/communicator_internal.h"
 #include "stream/device_path.h"
 #include "stream/frame.h"
 #include "stream/shard_changes.h"
@@ -99,6 +102,7 @@ struct TensorState {
 struct Peer {
   int rank = 0;
   bool need_seed = true;
+  bool partial = false;                                    // holds some of the tensors on purpose
   std::map<std::string, DigestBlock, std::less<>> blocks;  // held tensors
   std::string layout;                                      // the held names, one key per set
 };
@@ -136,13 +140,53 @@ class Sender final : public StreamSender {
         sharded_(true) {}
   ~Sender() override { (void)Land(nullptr); }
 
-  Result<SyncStats> Sync(std::span<const SyncTensor> tensors) override;
+  Result<SyncStats> Sync(std::span<const SyncTensor> tensors) override {
+    return Alone([&] { return SyncAlone(tensors); });
+  }
   Result<SyncStats> SyncShards(std::span<const ModelTensor> model,
-                               std::span<const ShardedTensor> shards) override;
+                               std::span<const ShardedTensor> shards) override {
+    return Alone([&] { return SyncShardsAlone(model, shards); });
+  }
   Result<std::span<const uint8_t>> Snapshot(std::string_view name) const override;
   uint64_t committed_sync_id() const override { return committed_id_; }
+  void Cancel(std::string_view why) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!cancelled_.ok()) return;
+    cancelled_ = Status::Aborted("the sender was cancelled: " + std::string(why));
+    cancel_requested_.store(true);
+    if (comm_) comm_->Cancel(why);
+    if (trainers_) trainers_->Cancel(why);
+  }
 
  private:
+  // Runs one call, refusing a second thread's while it runs, and any call
+  // once cancelled.
+  template <typename Call>
+  Result<SyncStats> Alone(Call&& call) {
+    if (busy_.exchange(true)) {
+      return Status::FailedPrecondition(
+          "a sync is already running in another thread (one call at a time)");
+    }
+    const Status cancelled = Cancelled();
+    Result<SyncStats> r = cancelled.ok() ? call() : Result<SyncStats>(cancelled);
+    busy_.store(false);
+    return r;
+  }
+  Status Cancelled() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cancelled_;
+  }
+  // Sets or clears a communicator Cancel reaches.
+  Status Keep(std::unique_ptr<Communicator>* slot, std::unique_ptr<Communicator> c) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (c && !cancelled_.ok()) return cancelled_;
+    *slot = std::move(c);
+    return Status::OK();
+  }
+  Result<SyncStats> SyncAlone(std::span<const SyncTensor> tensors);
+  Result<SyncStats> SyncShardsAlone(std::span<const ModelTensor> model,
+                                    std::span<const ShardedTensor> shards);
+
   // The receivers of one kind (seed or delta) holding one set of tensors:
   // they take the same frames.
   struct Group {
@@ -203,7 +247,7 @@ class Sender final : public StreamSender {
   Status Handshake(uint64_t sync_id);
   void Drop() {
     (void)Land(nullptr);
-    comm_.reset();
+    (void)Keep(&comm_, nullptr);
     welcomed_ = false;
   }
   Status Begin(Group& g, uint64_t sync_id, bool last, bool verify_all);
@@ -259,6 +303,12 @@ class Sender final : public StreamSender {
   DiffOptions diff_;
   ChangeSet changes_;
   std::vector<uint64_t> scratch_positions_;
+  // Cancel's state, and the lock under which comm_ and trainers_ are set
+  // and cleared (the calling thread reads them without it).
+  mutable std::mutex mu_;
+  Status cancelled_;
+  std::atomic<bool> cancel_requested_{false};  // cancelled_ set, for formations
+  std::atomic<bool> busy_{false};
 };
 
 Status Sender::CheckModel(std::span<const TensorMeta> tensors, std::vector<TensorState*>* order) {
@@ -367,14 +417,18 @@ Status Sender::CheckModel(std::span<const TensorMeta> tensors, std::vector<Tenso
 }
 
 Status Sender::Connect() {
-  Result<std::unique_ptr<Communicator>> c = connect_();
+  Result<std::unique_ptr<Communicator>> c = Status::OK();
+  {
+    stream_internal::FormationCancel cancel(&cancel_requested_);
+    c = connect_();
+  }
   if (!c.ok())
     return Status(c.status().code(), "forming the stream group: " + c.status().message());
   if ((*c)->rank() != 0) {
     return Status::InvalidArgument("the sender must be rank 0 of its stream group, not rank " +
                                    std::to_string((*c)->rank()));
   }
-  comm_ = std::move(*c);
+  DS_RETURN_IF_ERROR(Keep(&comm_, std::move(*c)));
   welcomed_ = false;
   return Status::OK();
 }
@@ -384,16 +438,32 @@ Status Sender::Handshake(uint64_t sync_id) {
   std::vector<std::string> refusals;
   for (int r = 1; r < comm_->size(); ++r) {
     const std::string who = "receiver " + std::to_string(r);
-    Result<nlohmann::json> hello = stream::RecvJson(*comm_, r, MessageType::kHello);
-    if (!hello.ok()) return Status(hello.status().code(), who + ": " + hello.status().message());
-    Result<std::vector<Registration>> regs = stream::ParseHello(*hello);
+    // A hello that arrives damaged is refused in the welcome (the receiver
+    // then knows why); only a failing communicator fails the handshake.
+    Result<Envelope> env = stream::RecvEnvelope(*comm_, r, MessageType::kHello);
+    if (!env.ok()) return Status(env.status().code(), who + ": " + env.status().message());
+    std::vector<uint8_t> body(env->body_bytes);
+    if (!body.empty()) {
+      if (Status s = comm_->Recv(r, body); !s.ok()) {
+        return Status(s.code(), who + ": " + s.message());
+      }
+    }
+    Result<nlohmann::json> hello = stream::ParseJsonBody(body, "its hello");
+    Result<stream::Hello> parsed =
+        hello.ok() ? stream::ParseHello(*hello) : Result<stream::Hello>(hello.status());
     std::string refusal;
     Peer peer;
     peer.rank = r;
-    if (!regs.ok()) {
-      refusal = regs.status().message();
+    if (!parsed.ok()) {
+      refusal = parsed.status().message();
+    } else if (parsed->max_frame_bytes < options_.bucket_bytes) {
+      refusal = "it takes frames of at most " + std::to_string(parsed->max_frame_bytes) +
+                " bytes, and the sender's frames may be " + std::to_string(options_.bucket_bytes) +
+                " (its bucket_bytes): raise the receiver's max_frame_bytes or lower the sender's "
+                "bucket_bytes";
     } else {
-      for (const Registration& reg : *regs) {
+      peer.partial = parsed->partial;
+      for (const Registration& reg : parsed->tensors) {
         auto it = tensors_.find(reg.name);
         if (it == tensors_.end()) {
           refusal =
@@ -416,6 +486,16 @@ Status Sender::Handshake(uint64_t sync_id) {
         peer.blocks.emplace(reg.name, reg.block);
         peer.layout += reg.name;
         peer.layout += '\n';
+      }
+      if (refusal.empty() && !peer.partial && peer.blocks.size() != tensors_.size()) {
+        for (const auto& [name, t] : tensors_) {
+          if (peer.blocks.count(name)) continue;
+          refusal = "it did not register tensor '" + name + "' (of " +
+                    std::to_string(tensors_.size()) + " the sender syncs, it registered " +
+                    std::to_string(peer.blocks.size()) +
+                    "); a receiver that holds only some tensors on purpose says so (partial)";
+          break;
+        }
       }
     }
     nlohmann::json welcome = {{"ok", refusal.empty()}};
@@ -733,6 +813,7 @@ Status Sender::BeginSync(Round* round, Clock::time_point start) {
   SyncStats& stats = round->stats;
   stats.sync_id = round->sync_id;
   stats.receivers = static_cast<uint32_t>(peers_.size());
+  for (const Peer& p : peers_) stats.partial_receivers += p.partial ? 1 : 0;
   stats.verify_all = options_.verify_every > 0 && round->sync_id % options_.verify_every == 0;
   // Receivers of one kind and layout take the same frames.
   std::map<std::pair<bool, std::string>, Group*> by_key;
@@ -940,7 +1021,7 @@ Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>&
   return Status(code == StatusCode::kOk ? StatusCode::kAborted : code, msg);
 }
 
-Result<SyncStats> Sender::Sync(std::span<const SyncTensor> tensors) {
+Result<SyncStats> Sender::SyncAlone(std::span<const SyncTensor> tensors) {
   const Clock::time_point start = Clock::now();
   if (sharded_) return Status::FailedPrecondition("a sharded sender syncs with SyncShards");
   std::vector<TensorMeta> metas;
@@ -1012,15 +1093,18 @@ Result<SyncStats> Sender::Sync(std::span<const SyncTensor> tensors) {
 
 Status Sender::ConnectTrainers() {
   if (trainers_) return Status::OK();
-  Result<std::unique_ptr<Communicator>> c = trainer_connect_();
+  Result<std::unique_ptr<Communicator>> c = Status::OK();
+  {
+    stream_internal::FormationCancel cancel(&cancel_requested_);
+    c = trainer_connect_();
+  }
   if (!c.ok()) {
     return Status(c.status().code(), "forming the trainer group: " + c.status().message());
   }
   if ((*c)->rank() == 0 && !connect_) {
     return Status::InvalidArgument("trainer rank 0 needs the stream group's factory");
   }
-  trainers_ = std::move(*c);
-  return Status::OK();
+  return Keep(&trainers_, std::move(*c));
 }
 
 Status Sender::DiffShards(
@@ -1104,7 +1188,7 @@ Status Sender::DiffShards(
 }
 
 void Sender::LoseTrainers() {
-  trainers_.reset();
+  (void)Keep(&trainers_, nullptr);
   have_local_ = false;
   if (sharded_ && connect_) {
     // Rank 0: its copy is rebuilt from the full send that follows, and every
@@ -1165,8 +1249,8 @@ void BatchInput(const std::vector<const ModelTensor*>& tensors,
   }
 }
 
-Result<SyncStats> Sender::SyncShards(std::span<const ModelTensor> model,
-                                     std::span<const ShardedTensor> shards) {
+Result<SyncStats> Sender::SyncShardsAlone(std::span<const ModelTensor> model,
+                                          std::span<const ShardedTensor> shards) {
   if (!sharded_) return Status::FailedPrecondition("this sender syncs whole tensors with Sync");
   DS_RETURN_IF_ERROR(ConnectTrainers());
   if (trainers_->rank() == 0) return SyncShardsAsRank0(model, shards);
@@ -1241,6 +1325,19 @@ Result<SyncStats> Sender::SyncShardsAsRank0(std::span<const ModelTensor> model,
     for (stream::TensorChanges& tc : *all) {
       TensorState& t = tensors_.find(tc.name)->second;
       const ChangeSet& cs = tc.changes;
+      // A full send carries every element the contributing ranks hold, so
+      // an element it lacks is held by none of them: the receivers would
+      // get zeros there. Overlaps the gather refuses by itself.
+      if (!have_local_ && cs.count() != t.numel) {
+        uint64_t gap = 0;
+        while (gap < cs.count() && cs.position(gap) == gap) ++gap;
+        round.streamed = Status::InvalidArgument(
+            "sharded sync: tensor '" + t.name + "': element " + std::to_string(gap) + " (of " +
+            std::to_string(t.numel) + ", " + std::to_string(t.numel - cs.count()) +
+            " in all) is held by no trainer rank that contributes (a rank whose shard spec "
+            "has contributes=False sends nothing): every element needs a contributing rank");
+        break;
+      }
       // The unit's slice of the tensor's changes, positions made relative.
       const auto slice = [&](uint64_t first, uint64_t count, uint64_t* lo, uint64_t* hi) {
         uint64_t a = 0, z = cs.count();

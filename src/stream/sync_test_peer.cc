@@ -1,41 +1,47 @@
-// A receiver of the stream sync tests as a process of its own, so that a
-// test can kill it (kill -9) mid-sync and start it again.
+// A member of the stream sync tests as a process of its own, so that a test
+// can kill it (kill -9) at any instant and start it again.
 //
-//   stream_sync_test_peer RENDEZVOUS RANK SIZE OUT_FILE DIE_AT_SYNC TIMEOUT_MS
+//   stream_sync_test_peer receive RENDEZVOUS RANK SIZE OUT_FILE DIE_AT_SYNC TIMEOUT_MS
+//   stream_sync_test_peer send RENDEZVOUS SIZE STEPS TIMEOUT_MS
 //
-// Registers sync_test::Model's tensors whole and takes syncs until the
-// sender is gone. After each sync it applied, it writes every tensor's bytes
-// back to back to OUT_FILE (through a rename). With DIE_AT_SYNC > 0 it
-// SIGKILLs itself while applying the second entry of that sync. Exits 0
-// once the sender has gone, 2 for bad usage.
+// receive: registers sync_test::Model's tensors whole and takes syncs until
+// the test ends it. After each sync it applied, it writes every tensor's
+// bytes back to back to OUT_FILE (through a rename). With DIE_AT_SYNC > 0 it
+// SIGKILLs itself while applying the second entry of that sync.
+//
+// send: rank 0 of the group: syncs Model::Make(0) as it is, then after each
+// of STEPS steps (Model::Step(1000 + k, 0.05), k = 1 .. STEPS), retrying a
+// failed sync up to 5 times; exits 0 once every step is synced, 1 when a
+// step could not be.
+//
+// Exits 2 for bad usage.
 #include <signal.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <string_view>
 
 #include "stream/communicator_test_util.h"
 #include "stream/sync_test_util.h"
 
-int main(int argc, char** argv) {
-  using namespace deltasync;
-  if (argc != 7) {
-    std::fprintf(stderr,
-                 "usage: stream_sync_test_peer RENDEZVOUS RANK SIZE OUT_FILE "
-                 "DIE_AT_SYNC TIMEOUT_MS\n");
-    return 2;
-  }
-  Result<Rendezvous> where = ParseRendezvous(argv[1]);
-  if (!where.ok()) {
-    std::fprintf(stderr, "%s\n", where.status().ToString().c_str());
-    return 2;
-  }
+namespace {
+
+using namespace deltasync;
+
+int Usage() {
+  std::fprintf(stderr,
+               "usage: stream_sync_test_peer receive RENDEZVOUS RANK SIZE OUT_FILE DIE_AT_SYNC "
+               "TIMEOUT_MS\n"
+               "       stream_sync_test_peer send RENDEZVOUS SIZE STEPS TIMEOUT_MS\n");
+  return 2;
+}
+
+int Receive(const Rendezvous& where, int rank, int size, const std::string& out, uint64_t die_at,
+            int timeout_ms) {
   const CommunicatorOptions o =
-      comm_test::LoopbackOptions(*where, std::atoi(argv[2]), std::atoi(argv[3]),
-                                 std::chrono::milliseconds(std::atoi(argv[6])), "sync");
-  const std::string out = argv[4];
-  const uint64_t die_at = std::strtoull(argv[5], nullptr, 10);
+      comm_test::LoopbackOptions(where, rank, size, std::chrono::milliseconds(timeout_ms), "sync");
   ReceiverOptions options;
   options.apply_hook = [die_at](uint64_t sync_id, std::string_view, uint64_t entry) {
     if (die_at != 0 && sync_id == die_at && entry == 1) kill(getpid(), SIGKILL);
@@ -67,4 +73,48 @@ int main(int argc, char** argv) {
     std::fclose(f);
     std::rename(tmp.c_str(), out.c_str());
   }
+}
+
+int Send(const Rendezvous& where, int size, int steps, int timeout_ms) {
+  const CommunicatorOptions o =
+      comm_test::LoopbackOptions(where, 0, size, std::chrono::milliseconds(timeout_ms), "sync");
+  Result<std::unique_ptr<StreamSender>> s =
+      StreamSender::Create([o] { return CreateCommunicator("gloo", o); });
+  if (!s.ok()) return 2;
+  sync_test::Model m = sync_test::Model::Make(0);
+  for (int k = 0; k <= steps; ++k) {
+    if (k > 0) m.Step(1000 + k, 0.05);
+    Status last;
+    for (int attempt = 0; attempt < 5; ++attempt) {
+      Result<SyncStats> r = (*s)->Sync(m.tensors);
+      last = r.ok() ? Status::OK() : r.status();
+      if (r.ok()) break;
+    }
+    if (!last.ok()) {
+      std::fprintf(stderr, "stream_sync_test_peer send: step %d: %s\n", k, last.ToString().c_str());
+      return 1;
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) return Usage();
+  const std::string role = argv[1];
+  if ((role == "receive" && argc != 8) || (role == "send" && argc != 6) ||
+      (role != "receive" && role != "send")) {
+    return Usage();
+  }
+  Result<Rendezvous> where = ParseRendezvous(argv[2]);
+  if (!where.ok()) {
+    std::fprintf(stderr, "%s\n", where.status().ToString().c_str());
+    return 2;
+  }
+  if (role == "receive") {
+    return Receive(*where, std::atoi(argv[3]), std::atoi(argv[4]), argv[5],
+                   std::strtoull(argv[6], nullptr, 10), std::atoi(argv[7]));
+  }
+  return Send(*where, std::atoi(argv[3]), std::atoi(argv[4]), std::atoi(argv[5]));
 }
