@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 
 namespace deltasync {
@@ -44,6 +45,15 @@ void ExpectOneLineError(const CliRun& r, const std::string& needle) {
   EXPECT_EQ(r.err.find("error: error"), std::string::npos) << r.err;
 }
 
+// Every path under `dir` (hidden ones too), relative to it.
+std::set<std::string> ListTree(const std::string& dir) {
+  std::set<std::string> paths;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(dir)) {
+    paths.insert(std::filesystem::relative(entry.path(), dir).string());
+  }
+  return paths;
+}
+
 TEST(CliStore, JsonSaysVerifiedAndTensorsCountsTheModel) {
   Chain c("cli_store_json");
   CliRun pull = RunCli("pull --json --target 1 --store " + c.store() + " --local " + c.local() +
@@ -79,6 +89,64 @@ TEST(CliStore, AMistypedStoreIsAnErrorAndAnEmptyOneSaysSo) {
   CliRun empty = RunCli("versions --store " + c.dir + "/empty");
   EXPECT_EQ(empty.exit_code, 0) << empty.err;
   EXPECT_NE(empty.out.find("empty store"), std::string::npos) << empty.out;
+}
+
+TEST(CliStore, ADirectoryThatHoldsOtherThingsIsNotAStoreForAnyCommand) {
+  Chain c("cli_store_not_a_store");
+  // The synth output dir, mistaken for the store: it holds step dirs and
+  // synth_chain.json, and no version.
+  const std::string chain = c.dir + "/chain";
+  const std::set<std::string> before = ListTree(chain);
+  const std::string needle = chain + " is not a store";
+  ExpectOneLineError(
+      RunCli("pull --store " + chain + " --local " + c.local() + " --base " + c.step(0)), needle);
+  ExpectOneLineError(
+      RunCli("pull --target 0 --store " + chain + " --local " + c.local() + " --base " + c.step(0)),
+      needle);
+  EXPECT_FALSE(std::filesystem::exists(c.local()));
+  ExpectOneLineError(RunCli("versions --store " + chain), needle);
+  ExpectOneLineError(RunCli("prune --keep 1 --store " + chain), needle);
+  ExpectOneLineError(
+      RunCli("publish --store " + chain + " --old " + c.step(0) + " --new " + c.step(1)), needle);
+  ExpectOneLineError(RunCli("sync --store " + chain + " --old " + c.step(0) + " --new " +
+                                c.step(1) + " --engines http://127.0.0.1:1 --retries 0",
+                            60),
+                     needle);
+  ExpectOneLineError(RunCli("agent --listen 127.0.0.1:0 --store " + chain + " --local " +
+                                c.local() + " --base " + c.step(0),
+                            60),
+                     needle);
+  // verify reads the store only when given one.
+  ASSERT_EQ(RunCli("pull --store " + c.store() + " --local " + c.local() + " --base " + c.step(0))
+                .exit_code,
+            0);
+  ExpectOneLineError(RunCli("verify --store " + chain + " --local " + c.local()), needle);
+  EXPECT_EQ(ListTree(chain), before);  // nothing was published into it
+
+  // An empty directory is an empty store, and said to be one.
+  const std::string empty = c.dir + "/empty";
+  std::filesystem::create_directories(empty);
+  CliRun pull =
+      RunCli("pull --store " + empty + " --local " + c.dir + "/fresh --base " + c.step(0));
+  EXPECT_EQ(pull.exit_code, 0) << pull.err;
+  EXPECT_NE(pull.out.find("-> 000000"), std::string::npos) << pull.out;
+  EXPECT_NE(pull.out.find("store " + empty + " is empty"), std::string::npos) << pull.out;
+  CliRun again =
+      RunCli("pull --store " + empty + " --local " + c.dir + "/fresh --base " + c.step(0));
+  EXPECT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_NE(again.out.find("already at version 000000 (store " + empty + " is empty)"),
+            std::string::npos)
+      << again.out;
+  CliRun prune = RunCli("prune --keep 1 --store " + empty);
+  EXPECT_EQ(prune.exit_code, 0) << prune.err;
+  EXPECT_NE(prune.out.find("is empty"), std::string::npos) << prune.out;
+  // What a store holds beside its versions leaves it an empty store.
+  std::filesystem::create_directories(empty + "/.tmp-weight_v000001-1-0");
+  std::filesystem::create_directories(empty + "/.trash-weight_v000001-1-0");
+  std::ofstream(empty + "/weight_v000001.partial") << "x";
+  CliRun listed = RunCli("versions --store " + empty);
+  EXPECT_EQ(listed.exit_code, 0) << listed.err;
+  EXPECT_NE(listed.out.find("empty store"), std::string::npos) << listed.out;
 }
 
 TEST(CliStore, TheLocalMustNotBeTheBase) {

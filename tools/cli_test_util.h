@@ -30,13 +30,16 @@ inline std::string ReadWholeFile(const std::string& path) {
 
 // Runs `deltasync <args>` through the shell, capturing stdout and stderr in
 // files unique to this process and call (CTest runs test cases in parallel
-// processes that share the temp dir).
-inline CliRun RunCli(const std::string& args) {
+// processes that share the temp dir). With `timeout_s`, a command that runs
+// longer is killed (exit code 124), for commands that would otherwise serve
+// forever when they wrongly start.
+inline CliRun RunCli(const std::string& args, int timeout_s = 0) {
   static std::atomic<int> counter{0};
   const std::string stem = ::testing::TempDir() + "/deltasync_cli_" + std::to_string(getpid()) +
                            "_" + std::to_string(counter.fetch_add(1));
   const std::string out_path = stem + ".out", err_path = stem + ".err";
   const std::string cmd =
+      (timeout_s > 0 ? "timeout " + std::to_string(timeout_s) + " " : std::string()) +
       std::string(DS_CLI_PATH) + " " + args + " >" + out_path + " 2>" + err_path;
   const int status = std::system(cmd.c_str());
   CliRun r;

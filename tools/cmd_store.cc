@@ -152,11 +152,14 @@ void RegisterPull(CLI::App& app, CommandFn* run) {
       if (!local.ok()) return Fail(local.status());
       Result<PullResult> r = (*local)->Pull(target);
       if (!r.ok()) return Fail(r.status());
+      // Only an empty store has no version past the base to call latest.
+      const std::string empty_store =
+          !target && r->version == 0 ? " (store " + o->store + " is empty)" : "";
       if (o->json) {
         std::cout << PullJson(*r).dump(2) << std::endl;
       } else if (!r->applied) {
         std::cout << o->local << " is already at version " << FormatVersion(r->version)
-                  << std::endl;
+                  << empty_store << std::endl;
       } else {
         std::cout << o->local << ": "
                   << (r->from_version ? FormatVersion(*r->from_version) : std::string("(empty)"))
@@ -164,7 +167,7 @@ void RegisterPull(CLI::App& app, CommandFn* run) {
                   << " deltas" << (r->reset_to ? ", reset to " + FormatVersion(*r->reset_to) : "")
                   << (r->recovered ? ", recovered an interrupted apply" : "") << "), "
                   << r->tensors_changed << " tensors changed, " << FormatBytes(r->bytes_read)
-                  << " read in " << r->seconds << " s, verified" << std::endl;
+                  << " read in " << r->seconds << " s, verified" << empty_store << std::endl;
       }
       return 0;
     };
@@ -264,6 +267,10 @@ void RegisterPrune(CLI::App& app, CommandFn* run) {
       if (!removed.ok()) return Fail(removed.status());
       std::cout << "removed " << removed->size() << " versions";
       for (int64_t v : *removed) std::cout << " " << FormatVersion(v);
+      if (Result<std::vector<int64_t>> left = ListVersionNumbers(o->store);
+          left.ok() && left->empty()) {
+        std::cout << " (store " << o->store << " is empty)";
+      }
       std::cout << std::endl;
       return 0;
     };

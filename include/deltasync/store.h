@@ -84,7 +84,15 @@ Result<VersionInfo> ReadVersionInfo(const std::string& version_dir);
 // Version numbers of every version dir in `store`, ascending, reading only
 // the directory listing. Entries that are not version dirs (temp dirs of a
 // publish in progress, trash of a prune) are ignored. NotFound for a store
-// that does not exist (an empty one has no versions).
+// that does not exist (an empty one has no versions). A directory with no
+// version dir is a store (an empty one) only when all it holds is what a
+// store may hold besides versions: hidden entries (".tmp-*" of a publish,
+// ".trash-*" of a prune, a file system's own such as ".nfs*"), entries
+// named "weight_v..." (a version's temporaries, whoever writes them) and
+// "lost+found" (a store at a file system's root). Anything else there (a
+// checkpoint, a synth chain: a mistyped store) is InvalidArgument naming
+// the directory and one such entry; a store with versions may hold anything
+// else beside them.
 Result<std::vector<int64_t>> ListVersionNumbers(const std::string& store);
 
 // ReadVersionInfo of every version dir in `store`, ascending. Fails on the
@@ -328,7 +336,8 @@ class LocalCheckpoint {
   // otherwise writes nothing (nor does CurrentVersion or Verify: only Pull
   // creates <local>/.weight_sync). InvalidArgument for an empty `local`,
   // or one that is, lies inside or holds the base or the store (compared by
-  // device and inode, so symlinks and bind mounts count).
+  // device and inode, so symlinks and bind mounts count), or for a store
+  // directory that is not a store (ListVersionNumbers).
   static Result<std::unique_ptr<LocalCheckpoint>> Open(const LocalCheckpointOptions& options);
   ~LocalCheckpoint();
   LocalCheckpoint(const LocalCheckpoint&) = delete;
@@ -346,8 +355,9 @@ class LocalCheckpoint {
   // options.base is copied again from options.base. Leftovers of a killed
   // writer (a reset's partial copies, state temporaries) are removed first.
   // Errors (the local checkpoint is left at the last committed version):
-  // NotFound for a missing store, version dir or target; FailedPrecondition
-  // for a base the store's records refuse, a local checkpoint that no
+  // NotFound for a missing store, version dir or target; InvalidArgument
+  // for a directory that is not a store; FailedPrecondition for a base the
+  // store's records refuse, a local checkpoint that no
   // receiver made (see replace_unknown_checkpoint), a
   // version whose base_version breaks the chain, or whose base checksums
   // show the local tensor is not its base; Corruption for bad files, frames,

@@ -1317,6 +1317,13 @@ Result<std::unique_ptr<LocalCheckpoint>> LocalCheckpoint::Open(
   state->journal_path = JoinPath(state->sync_dir, store_internal::kJournalFileName);
   state->base_record_path = JoinPath(state->sync_dir, kBaseRecordFileName);
   DS_RETURN_IF_ERROR(CheckSeparatePaths(options));
+  // A directory that is not a store is refused here, before anything reads
+  // or writes the checkpoint; one that does not exist (yet: an agent may
+  // start before the trainer publishes) is the pull's to report.
+  if (!options.store.empty() && io::IsDirectory(options.store)) {
+    Result<std::vector<int64_t>> listed = ListVersionNumbers(options.store);
+    if (listed.status().code() == StatusCode::kInvalidArgument) return listed.status();
+  }
   // Nothing is created here: only a pull writes, so that opening a
   // checkpoint to read or verify it leaves no trace.
   if (options.recover_on_open && io::IsDirectory(state->sync_dir)) {
@@ -1358,9 +1365,14 @@ Result<PullResult> LocalCheckpoint::Pull(std::optional<int64_t> target) {
                                    {opt.store, target ? FormatVersion(*target) : "latest"},
                                    "pre-read hook"));
   }
-  if (!opt.store.empty() && !io::IsDirectory(opt.store)) {
-    return Status::NotFound("store " + opt.store + " does not exist" +
-                            (io::PathExists(opt.store) ? " as a directory" : ""));
+  if (!opt.store.empty()) {
+    if (!io::IsDirectory(opt.store)) {
+      return Status::NotFound("store " + opt.store + " does not exist" +
+                              (io::PathExists(opt.store) ? " as a directory" : ""));
+    }
+    // Whatever the target: a directory that is not a store is a mistyped
+    // store, refused before anything is created.
+    DS_RETURN_IF_ERROR(ListVersionNumbers(opt.store).status());
   }
   DS_RETURN_IF_ERROR(io::CreateDirectories(s.sync_dir));
   DS_ASSIGN_OR_RETURN(io::FileLock lock, io::FileLock::Acquire(s.lock_path));

@@ -100,6 +100,59 @@ TEST(LocalGuard, AMissingStoreIsAnErrorThatWritesNothing) {
   EXPECT_TRUE(versions->empty());
 }
 
+TEST(LocalGuard, ADirectoryHoldingOtherThingsAndNoVersionIsNotAStore) {
+  Fixture f;
+  WriteModel(f.base, f.base_model);
+  // What a store holds beside its versions keeps it an empty store.
+  std::filesystem::create_directories(f.store + "/.tmp-weight_v000001-7-0");
+  std::filesystem::create_directories(f.store + "/.trash-weight_v000001-7-0");
+  std::filesystem::create_directories(f.store + "/lost+found");
+  WriteFile(f.store + "/.nfs0000000000001234", "x");
+  WriteFile(f.store + "/weight_v000001.tmp", "x");
+  Result<std::vector<int64_t>> empty = ListVersionNumbers(f.store);
+  DS_ASSERT_OK(empty);
+  EXPECT_TRUE(empty->empty());
+
+  // Anything else makes it a mistyped store, for every reader.
+  WriteModel(f.store + "/step_000000", f.base_model);
+  WriteFile(f.store + "/synth_chain.json", "{}");
+  auto not_a_store = [&](const Status& s) {
+    EXPECT_TRUE(s.IsInvalidArgument()) << s.ToString();
+    EXPECT_NE(s.message().find(f.store + " is not a store"), std::string::npos) << s.ToString();
+    EXPECT_NE(s.message().find("step_000000"), std::string::npos) << s.ToString();
+    EXPECT_NE(s.message().find("and 1 other entry"), std::string::npos) << s.ToString();
+  };
+  not_a_store(ListVersionNumbers(f.store).status());
+  not_a_store(ListVersions(f.store).status());
+  not_a_store(PruneStore(f.store, 1).status());
+  not_a_store(Publisher::Create(f.PublisherOpts(), Views(f.base_model)).status());
+  not_a_store(LocalCheckpoint::Open(f.LocalOpts()).status());
+  EXPECT_FALSE(io::PathExists(f.local));
+  // Opened while it was still empty: the pull refuses it, whatever its
+  // target, before creating anything.
+  std::filesystem::rename(f.store + "/step_000000", f.tmp.Join("aside"));
+  std::filesystem::rename(f.store + "/synth_chain.json", f.tmp.Join("aside.json"));
+  auto local = f.OpenLocal();
+  std::filesystem::rename(f.tmp.Join("aside"), f.store + "/step_000000");
+  std::filesystem::rename(f.tmp.Join("aside.json"), f.store + "/synth_chain.json");
+  for (std::optional<int64_t> target : {std::optional<int64_t>(), std::optional<int64_t>(0)}) {
+    not_a_store(local->Pull(target).status());
+  }
+  EXPECT_FALSE(io::PathExists(f.local));
+  // With a version it is a store, whatever else it holds.
+  std::filesystem::rename(f.store + "/step_000000", f.tmp.Join("aside"));
+  std::filesystem::rename(f.store + "/synth_chain.json", f.tmp.Join("aside.json"));
+  auto publisher = Publisher::Create(f.PublisherOpts(), Views(f.base_model));
+  DS_ASSERT_OK(publisher);
+  DS_ASSERT_OK((*publisher)->Publish(Views(Step(f.base_model, 1))));
+  std::filesystem::rename(f.tmp.Join("aside"), f.store + "/step_000000");
+  std::filesystem::rename(f.tmp.Join("aside.json"), f.store + "/synth_chain.json");
+  Result<std::vector<int64_t>> listed = ListVersionNumbers(f.store);
+  DS_ASSERT_OK(listed);
+  EXPECT_EQ(*listed, std::vector<int64_t>{1});
+  DS_ASSERT_OK(local->Pull(std::nullopt));
+}
+
 TEST(LocalGuard, RefusesToReplaceACheckpointNoPullMadeUnlessTold) {
   Fixture f;
   auto publisher = f.MakePublisher(f.PublisherOpts());

@@ -236,13 +236,31 @@ Result<std::vector<int64_t>> ListVersionNumbers(const std::string& store) {
     if (errno == ENOENT) return Status::NotFound("store " + store + " does not exist");
     return Status::FromErrno(errno, store + ": open store directory");
   }
+  // What a store may hold besides its versions (see the contract): only
+  // these leave a directory without a version an empty store.
+  auto store_own = [](std::string_view name) {
+    return name.starts_with(".") || name.starts_with(kVersionDirPrefix) || name == "lost+found";
+  };
+  std::string first_other;
+  uint64_t others = 0;
   while (struct dirent* entry = ::readdir(d)) {
-    Result<int64_t> v = ParseVersionDirName(entry->d_name);
+    const std::string_view name = entry->d_name;
+    Result<int64_t> v = ParseVersionDirName(name);
     if (v.ok() && io::IsDirectory(JoinPath(store, entry->d_name))) {
       versions.push_back(*v);
+    } else if (!store_own(name)) {
+      if (others++ == 0 || name < first_other) first_other = name;
     }
   }
   ::closedir(d);
+  if (versions.empty() && others > 0) {
+    return Status::InvalidArgument(
+        store + " is not a store: it holds no version (weight_vNNNNNN) but " +
+        QuoteForMessage(first_other, 80) +
+        (others == 1   ? std::string()
+         : others == 2 ? std::string(" and 1 other entry")
+                       : " and " + std::to_string(others - 1) + " other entries"));
+  }
   std::sort(versions.begin(), versions.end());
   // "weight_v000007" and "weight_v0000007" name the same version; refuse to
   // guess which one is meant.
