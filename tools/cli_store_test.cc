@@ -167,7 +167,9 @@ TEST(CliStore, ATrainersCheckpointIsReplacedOnlyWithForce) {
   std::filesystem::copy(c.step(1), c.local(), std::filesystem::copy_options::recursive);
   const std::string pull =
       "pull --store " + c.store() + " --local " + c.local() + " --base " + c.step(0);
+  const std::set<std::string> before = ListTree(c.local());
   ExpectOneLineError(RunCli(pull), "--force");
+  EXPECT_EQ(ListTree(c.local()), before);  // no .weight_sync, no lock: nothing of the pull's
   CliRun verify = RunCli("verify --local " + c.local());
   ExpectOneLineError(verify, "never pulled");
   EXPECT_FALSE(std::filesystem::exists(c.local() + "/.weight_sync/state.json"));

@@ -284,7 +284,9 @@ struct LocalCheckpointOptions {
   std::string base;
   // A pull that has to reset a local checkpoint with no state.json (one
   // that no receiver made, such as a trainer's checkpoint) but holding
-  // weights files refuses to replace them unless this is set.
+  // weights files refuses to replace them unless this is set. When no
+  // receiver has been there at all (no .weight_sync), the refusal creates
+  // nothing in `local`.
   bool replace_unknown_checkpoint = false;
   // Executable run as `hook <store> <target>` (target: 6-digit version or
   // "latest") at the start of every Pull, before the store is listed; e.g.

@@ -451,6 +451,8 @@ struct LocalCheckpoint::State {
   // files of a checkpoint that no receiver made (no state.json) are kept
   // unless options.replace_unknown_checkpoint says otherwise.
   Status CheckReplaceable(const LocalState& st);
+  // FailedPrecondition naming the first weights file `local` holds, if any.
+  Status RefuseToReplaceWeights();
   // Checks `base` against what the store's version 1 records about the base
   // it was made against, before anything is copied, and returns those
   // digests (name -> tagged) for state.json. Empty when the store records
@@ -532,6 +534,10 @@ Status LocalCheckpoint::State::RecordVouchedBase() {
 
 Status LocalCheckpoint::State::CheckReplaceable(const LocalState& st) {
   if (st.exists || options.replace_unknown_checkpoint) return Status::OK();
+  return RefuseToReplaceWeights();
+}
+
+Status LocalCheckpoint::State::RefuseToReplaceWeights() {
   Result<std::vector<std::string>> names = io::ListRegularFiles(options.local);
   if (!names.ok()) return names.status().IsNotFound() ? Status::OK() : names.status();
   for (const std::string& name : *names) {
@@ -1373,6 +1379,12 @@ Result<PullResult> LocalCheckpoint::Pull(std::optional<int64_t> target) {
     // Whatever the target: a directory that is not a store is a mistyped
     // store, refused before anything is created.
     DS_RETURN_IF_ERROR(ListVersionNumbers(opt.store).status());
+  }
+  // No receiver has been here (each makes .weight_sync first): weights in
+  // `local` are a checkpoint that no pull made, which the reset this pull
+  // needs must not replace. Refused before anything is created beside them.
+  if (!opt.replace_unknown_checkpoint && !io::PathExists(s.sync_dir)) {
+    DS_RETURN_IF_ERROR(s.RefuseToReplaceWeights());
   }
   DS_RETURN_IF_ERROR(io::CreateDirectories(s.sync_dir));
   DS_ASSIGN_OR_RETURN(io::FileLock lock, io::FileLock::Acquire(s.lock_path));
