@@ -149,6 +149,22 @@ TEST(CliStore, ADirectoryThatHoldsOtherThingsIsNotAStoreForAnyCommand) {
   EXPECT_NE(listed.out.find("empty store"), std::string::npos) << listed.out;
 }
 
+TEST(CliStore, AWrongBaseIsRefusedEvenWithNothingToPull) {
+  Chain c("cli_store_wrong_base");
+  const std::string pull = "pull --store " + c.store() + " --local " + c.local() + " --base ";
+  ASSERT_EQ(RunCli(pull + c.step(0)).exit_code, 0);
+  const std::string state_path = c.local() + "/.weight_sync/state.json";
+  const std::string state = ReadWholeFile(state_path);
+  // Already at the latest version: the base plays no part in this pull,
+  // but it is the wrong one all the same.
+  ExpectOneLineError(RunCli(pull + c.step(1)), "is not the base");
+  ExpectOneLineError(RunCli(pull + c.step(1) + " --target 2"), "is not the base");
+  EXPECT_EQ(ReadWholeFile(state_path), state);
+  CliRun right = RunCli(pull + c.step(0));
+  EXPECT_EQ(right.exit_code, 0) << right.err;
+  EXPECT_NE(right.out.find("already at version 000002"), std::string::npos) << right.out;
+}
+
 TEST(CliStore, TheLocalMustNotBeTheBase) {
   Chain c("cli_store_same");
   const std::string before = ReadWholeFile(c.step(0) + "/model.safetensors");

@@ -279,8 +279,12 @@ struct LocalCheckpointOptions {
   // has to start from the base (Verify, CurrentVersion need none). Before
   // copying it, a pull checks it against what the store's version 1 records
   // about its base, when it records that (our sidecar), and refuses a base
-  // that differs, changing nothing. A full version must have the base's
-  // tensor names, dtypes and shapes before it replaces anything.
+  // that differs, changing nothing. A pull that does not copy it still
+  // checks it when given, even with nothing to pull: it must be the base
+  // the checkpoint was last reset to (recorded under .weight_sync), or one
+  // the store's version 1 vouches for (a copy of it), else FailedPrecondition
+  // before anything changes. A full version must have the base's tensor
+  // names, dtypes and shapes before it replaces anything.
   std::string base;
   // A pull that has to reset a local checkpoint with no state.json (one
   // that no receiver made, such as a trainer's checkpoint) but holding
@@ -359,7 +363,8 @@ class LocalCheckpoint {
   // Errors (the local checkpoint is left at the last committed version):
   // NotFound for a missing store, version dir or target; InvalidArgument
   // for a directory that is not a store; FailedPrecondition for a base the
-  // store's records refuse, a local checkpoint that no
+  // store's records or the checkpoint's record refuse (see
+  // LocalCheckpointOptions::base), a local checkpoint that no
   // receiver made (see replace_unknown_checkpoint), a
   // version whose base_version breaks the chain, or whose base checksums
   // show the local tensor is not its base; Corruption for bad files, frames,

@@ -453,6 +453,14 @@ struct LocalCheckpoint::State {
   Status CheckReplaceable(const LocalState& st);
   // FailedPrecondition naming the first weights file `local` holds, if any.
   Status RefuseToReplaceWeights();
+  // FailedPrecondition unless options.base (when given) is the base this
+  // checkpoint's history starts from: the recorded one (the same directory),
+  // or one the store's version 1 vouches for; a base the store refuses is
+  // refused even with nothing recorded. Nothing to check when the pull
+  // copies the given base (`copies_base`: the copy checks it). Sets
+  // given_base_vouched when the store vouched for it.
+  Status CheckGivenBase(bool copies_base);
+  bool given_base_vouched = false;
   // Checks `base` against what the store's version 1 records about the base
   // it was made against, before anything is copied, and returns those
   // digests (name -> tagged) for state.json. Empty when the store records
@@ -511,13 +519,41 @@ Status LocalCheckpoint::State::RecordBase(const std::string& resolved_base) {
 }
 
 Status LocalCheckpoint::State::RecordVouchedBase() {
-  if (options.base.empty() || !RecordedBase().empty()) return Status::OK();
-  Result<std::unique_ptr<Checkpoint>> base = Checkpoint::Open(options.base);
-  if (!base.ok()) return Status::OK();  // not needed by this pull, so not its error
-  Result<std::map<std::string, std::string>> vouched = CheckBaseAgainstStore(**base, options.base);
-  if (!vouched.ok() || vouched->empty()) return Status::OK();
+  if (!std::exchange(given_base_vouched, false)) return Status::OK();
   DS_ASSIGN_OR_RETURN(const std::string resolved, io::ResolvedPath(options.base));
   return RecordBase(resolved);
+}
+
+Status LocalCheckpoint::State::CheckGivenBase(bool copies_base) {
+  given_base_vouched = false;
+  if (options.base.empty() || copies_base) return Status::OK();
+  const std::string recorded = RecordedBase();
+  if (!recorded.empty() && io::IsSameOrInside(options.base, recorded) &&
+      io::IsSameOrInside(recorded, options.base)) {
+    return Status::OK();
+  }
+  const std::string not_ours = "base checkpoint " + options.base +
+                               " is not the base local checkpoint " + options.local +
+                               " was pulled from (" + recorded + ")";
+  Result<std::unique_ptr<Checkpoint>> base = Checkpoint::Open(options.base);
+  if (!base.ok()) {
+    // Not needed by this pull, so not its error unless there is a base to
+    // compare it with.
+    if (recorded.empty()) return Status::OK();
+    return Status::FailedPrecondition(not_ours +
+                                      ", and it cannot be read: " + base.status().message());
+  }
+  // The store's record compares contents: a copy of the right base passes,
+  // anything else is refused before this pull changes anything.
+  Result<std::map<std::string, std::string>> vouched = CheckBaseAgainstStore(**base, options.base);
+  if (!vouched.ok()) return vouched.status();
+  if (!vouched->empty()) {
+    given_base_vouched = true;
+    return Status::OK();
+  }
+  if (recorded.empty()) return Status::OK();  // nothing to compare it with
+  return Status::FailedPrecondition(not_ours + " and the store records nothing to compare them " +
+                                    "by; give that base, or pull into a fresh local checkpoint");
 }
 
 [[gnu::noinline]] void LocalCheckpoint::State::ForgetACopyOfAnotherBase(LocalState* st) {
@@ -1413,6 +1449,7 @@ Result<PullResult> LocalCheckpoint::Pull(std::optional<int64_t> target) {
   s.ForgetACopyOfAnotherBase(&st);
   const std::optional<int64_t> current = st.version;
   if (current && *current == goal) {
+    DS_RETURN_IF_ERROR(s.CheckGivenBase(/*copies_base=*/false));
     DS_RETURN_IF_ERROR(s.RecordVouchedBase());
     result.seconds = SecondsSince(t0);
     return result;
@@ -1466,6 +1503,7 @@ Result<PullResult> LocalCheckpoint::Pull(std::optional<int64_t> target) {
     }
   }
 
+  DS_RETURN_IF_ERROR(s.CheckGivenBase(/*copies_base=*/reset_to == 0));
   if (reset_to) {
     DS_RETURN_IF_ERROR(s.Materialize(reset_dir, *reset_to, &st, &result));
   }

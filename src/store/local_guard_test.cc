@@ -396,22 +396,75 @@ TEST(LocalGuard, TheRightBaseRepairsACheckpointSeededFromAWrongOne) {
   DS_EXPECT_OK(local->Verify());
 }
 
-TEST(LocalGuard, AWrongBaseChangesNothingOnACheckpointAlreadyAtAVersion) {
+TEST(LocalGuard, AWrongBaseIsRefusedOnACheckpointAlreadyAtAVersion) {
   Fixture f;
   auto publisher = f.MakePublisher(f.PublisherOpts());
   const std::vector<Model> models = PublishSteps(publisher.get(), f.base_model, 2);
   DS_ASSERT_OK(f.OpenLocal()->Pull(1));
   const std::string record = f.local + "/.weight_sync/deltasync-base.json";
   const std::string recorded = ReadFile(record);
+  const auto state_before = Snapshot(f.local);
   const std::string wrong = f.tmp.Join("wrong-base");
   WriteModel(wrong, Step(f.base_model, 5));
   LocalCheckpointOptions lo = f.LocalOpts();
   lo.base = wrong;
   auto local = LocalCheckpoint::Open(lo);
   DS_ASSERT_OK(local);
-  DS_ASSERT_OK((*local)->Pull(1));  // already there
-  DS_ASSERT_OK((*local)->Pull(2));  // a delta on top: the base plays no part
+  // The base plays no part in either pull (nothing to pull; a delta on
+  // top), but a wrong one is a mistake all the same: the store says so.
+  for (int64_t target : {1, 2}) {
+    Result<PullResult> r = (*local)->Pull(target);
+    ASSERT_EQ(r.status().code(), StatusCode::kFailedPrecondition) << r.status().ToString();
+    EXPECT_NE(r.status().message().find("base checkpoint " + wrong + " is not the base of store"),
+              std::string::npos)
+        << r.status().ToString();
+  }
   EXPECT_EQ(ReadFile(record), recorded);
+  EXPECT_EQ(Snapshot(f.local), state_before);
+  EXPECT_EQ(**(*local)->CurrentVersion(), 1);
+  // A copy of the right base elsewhere is the same base: the store vouches
+  // for its contents, and it becomes the recorded one.
+  const std::string copy = f.tmp.Join("base-copy");
+  WriteModel(copy, f.base_model);
+  lo.base = copy;
+  auto copied = LocalCheckpoint::Open(lo);
+  DS_ASSERT_OK(copied);
+  DS_ASSERT_OK((*copied)->Pull(2));
+  EXPECT_TRUE(HoldsModel(f.local, models[2]));
+  EXPECT_NE(ReadFile(record).find("base-copy"), std::string::npos) << ReadFile(record);
+  DS_ASSERT_OK(f.OpenLocal()->Pull(2));  // and the original still is
+}
+
+TEST(LocalGuard, AWrongBaseTheStoreCannotCheckIsComparedWithTheRecordedOne) {
+  Fixture f;
+  auto publisher = f.MakePublisher(f.PublisherOpts(Encoding::kXor));
+  const std::vector<Model> models = PublishSteps(publisher.get(), f.base_model, 2);
+  // Without sidecars the store records nothing about its base.
+  for (int v : {1, 2}) std::filesystem::remove(f.VersionPath(v) + "/" + kVersionManifestFileName);
+  DS_ASSERT_OK(f.OpenLocal()->Pull(1));
+  const std::string wrong = f.tmp.Join("wrong-base");
+  WriteModel(wrong, Step(f.base_model, 5));
+  LocalCheckpointOptions lo = f.LocalOpts();
+  lo.base = wrong;
+  auto local = LocalCheckpoint::Open(lo);
+  DS_ASSERT_OK(local);
+  for (std::optional<int64_t> target : {std::optional<int64_t>(1), std::optional<int64_t>()}) {
+    Result<PullResult> r = (*local)->Pull(target);
+    ASSERT_EQ(r.status().code(), StatusCode::kFailedPrecondition) << r.status().ToString();
+    EXPECT_NE(r.status().message().find("base checkpoint " + wrong +
+                                        " is not the base local checkpoint " + f.local +
+                                        " was pulled from"),
+              std::string::npos)
+        << r.status().ToString();
+  }
+  EXPECT_EQ(**(*local)->CurrentVersion(), 1);
+  // The recorded base itself, by another path to the same directory.
+  const std::string link = f.tmp.Join("base-link");
+  std::filesystem::create_directory_symlink(f.base, link);
+  lo.base = link;
+  auto linked = LocalCheckpoint::Open(lo);
+  DS_ASSERT_OK(linked);
+  DS_ASSERT_OK((*linked)->Pull(std::nullopt));
   EXPECT_TRUE(HoldsModel(f.local, models[2]));
 }
 
