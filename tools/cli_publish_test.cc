@@ -1,6 +1,9 @@
 // Runs the real `deltasync` binary: what `publish` and `prune` refuse, and
 // what the `--hook` help texts of `publish` and `pull` promise.
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <gtest/gtest.h>
 
@@ -65,6 +68,42 @@ TEST(CliPublish, AnEmptyNewestVersionIsRefusedNamingIt) {
   EXPECT_NE(r.err.find(c.Store() + "/weight_v000002"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("remove it"), std::string::npos) << r.err;
   EXPECT_FALSE(std::filesystem::exists(c.Store() + "/weight_v000003"));
+}
+
+// A loopback port nothing listens on (bound, read back, released).
+int UnusedLoopbackPort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = 0;
+  if (fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  if (fd >= 0) ::close(fd);
+  return port;
+}
+
+TEST(CliSync, AnUnreachableEngineFailsSayingWhatWasPublished) {
+  ChainDir c("cli_sync_unreachable", 1);
+  const int port = UnusedLoopbackPort();
+  ASSERT_GT(port, 0);
+  const std::string engine = "http://127.0.0.1:" + std::to_string(port);
+  const CliRun r =
+      RunCli("sync --store " + c.Store() + " --old " + c.Step(0) + " --new " + c.Step(1) +
+                 " --engines " + engine + " --retries 0 --connect-timeout 2 --timeout 5",
+             120);
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_EQ(CountLines(r.err), 1) << r.err;
+  // The version is there for good: the line says which, and that the
+  // engine does not have it.
+  EXPECT_NE(r.err.find("published version 000001, but not every engine pulled it"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find(engine), std::string::npos) << r.err;
+  EXPECT_TRUE(std::filesystem::is_directory(c.Store() + "/weight_v000001"));
 }
 
 TEST(CliPrune, KeepBelowOneIsRefusedInOneReadableLine) {

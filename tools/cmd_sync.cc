@@ -7,6 +7,7 @@
 
 #include "cli_util.h"
 #include "deltasync/agent.h"
+#include "deltasync/store.h"
 
 namespace deltasync::cli {
 
@@ -73,7 +74,12 @@ void RegisterSync(CLI::App& app, CommandFn* run) {
           (*coordinator)->SyncCheckpoint(o->publish.new_ckpt, o->publish.full);
       if (!report.ok()) return Fail(report.status().WithContext("publish failed"));
       std::cout << SyncReportToJson(*report) << std::endl;
-      if (!report->status.ok()) return Fail(report->status);
+      // The version stays published whatever the engines did: say so, so
+      // that a rerun does not publish the same weights again on top of it.
+      if (!report->status.ok()) {
+        return Fail("published version " + FormatVersion(report->version) +
+                    ", but not every engine pulled it: " + report->status.message());
+      }
       return 0;
     };
   });
