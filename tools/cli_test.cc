@@ -166,6 +166,18 @@ TEST(CliTest, SynthRejectsUnknownPreset) {
   EXPECT_NE(r.err.find("gpt-17"), std::string::npos) << r.err;
 }
 
+TEST(CliTest, SynthIntoAnExistingChainNamesTheOverwriteFlag) {
+  const std::string out = testing::TempDir() + "/cli_synth_exists";
+  std::filesystem::remove_all(out);
+  ASSERT_EQ(RunCli("synth --out " + out + " --steps 1").exit_code, 0);
+  CliRun again = RunCli("synth --out " + out + " --steps 1");
+  EXPECT_EQ(again.exit_code, 1);
+  EXPECT_EQ(CountLines(again.err), 1) << again.err;
+  EXPECT_NE(again.err.find(out + "/step_000000 already exists"), std::string::npos) << again.err;
+  EXPECT_NE(again.err.find("(pass --overwrite to replace it)"), std::string::npos) << again.err;
+  EXPECT_EQ(RunCli("synth --out " + out + " --steps 1 --overwrite").exit_code, 0);
+}
+
 // Tensor bytes of two checkpoints are equal, name by name.
 void ExpectSameTensors(const std::string& a_path, const std::string& b_path) {
   auto a = Checkpoint::Open(a_path);

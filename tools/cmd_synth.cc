@@ -4,6 +4,7 @@
 // DIR/step_000000 ... DIR/step_{N:06d}.
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 
 #include "cli_util.h"
@@ -79,6 +80,18 @@ void RegisterSynth(CLI::App& app, CommandFn* run) {
       Result<std::vector<SynthTensorSpec>> specs =
           SynthPresetSpecs(chain.trainer.preset, chain.trainer.scale);
       if (!specs.ok()) return Fail(specs.status());
+      // The library would refuse too, naming its option rather than the flag.
+      if (!opts->overwrite) {
+        for (int64_t step = 0; step <= opts->steps; ++step) {
+          const std::filesystem::path dir =
+              std::filesystem::path(opts->out) / SynthStepDirName(step);
+          std::error_code ec;
+          if (std::filesystem::exists(std::filesystem::symlink_status(dir, ec))) {
+            return Fail("synth: " + dir.string() +
+                        " already exists (pass --overwrite to replace it)");
+          }
+        }
+      }
       std::cout << "synth: preset " << opts->preset << " scale " << chain.trainer.scale << ", "
                 << specs->size() << " tensors, " << SynthParameterCount(*specs) << " parameters ("
                 << FormatBytes(SynthBf16Bytes(*specs)) << " BF16), lr " << opts->lr << ", seed "
