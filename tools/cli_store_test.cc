@@ -4,8 +4,10 @@
 
 #include "cli_test_util.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <set>
 #include <string>
 
@@ -163,6 +165,33 @@ TEST(CliStore, AWrongBaseIsRefusedEvenWithNothingToPull) {
   CliRun right = RunCli(pull + c.step(0));
   EXPECT_EQ(right.exit_code, 0) << right.err;
   EXPECT_NE(right.out.find("already at version 000002"), std::string::npos) << right.out;
+}
+
+TEST(CliStore, HumanReadableSecondsAreRoundedAndJsonKeepsThem) {
+  Chain c("cli_store_seconds");
+  // Three significant digits at most (leading zeros are not significant).
+  auto significant_digits = [](std::string number) {
+    number.erase(std::remove(number.begin(), number.end(), '.'), number.end());
+    const size_t first = number.find_first_not_of('0');
+    return first == std::string::npos ? size_t{0} : number.size() - first;
+  };
+  const std::regex seconds(" in ([0-9.]+) s\\b");
+  CliRun publish =
+      RunCli("publish --store " + c.store() + " --old " + c.step(2) + " --new " + c.step(1));
+  ASSERT_EQ(publish.exit_code, 0) << publish.err;
+  CliRun pull =
+      RunCli("pull --store " + c.store() + " --local " + c.local() + " --base " + c.step(0));
+  ASSERT_EQ(pull.exit_code, 0) << pull.err;
+  for (const std::string& out : {publish.out, pull.out}) {
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(out, m, seconds)) << out;
+    EXPECT_LE(significant_digits(m[1].str()), 3u) << out;
+    EXPECT_GE(significant_digits(m[1].str()), 1u) << out;
+  }
+  CliRun json = RunCli("pull --json --target 1 --store " + c.store() + " --local " + c.local() +
+                       " --base " + c.step(0));
+  ASSERT_EQ(json.exit_code, 0) << json.err;
+  EXPECT_GT(nlohmann::json::parse(json.out)["seconds"].get<double>(), 0.0);
 }
 
 TEST(CliStore, TheLocalMustNotBeTheBase) {

@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <iostream>
@@ -44,6 +45,18 @@ std::string FormatBytes(uint64_t bytes) {
   } else {
     std::snprintf(buf, sizeof(buf), "%.2f %s", v, kUnits[unit]);
   }
+  return buf;
+}
+
+std::string FormatSeconds(double seconds) {
+  // Decimals for three significant digits: 2 from 1 s, none from 100 s,
+  // one more per decade below 1 s down to a microsecond.
+  int decimals = 2;
+  const double magnitude = std::fabs(seconds);
+  for (double v = magnitude; decimals > 0 && v >= 10; v /= 10) --decimals;
+  for (double v = magnitude; decimals < 6 && v > 0 && v < 1; v *= 10) ++decimals;
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f s", decimals, seconds);
   return buf;
 }
 

@@ -26,6 +26,11 @@ bool StdoutIsTerminal();
 // Human-readable byte counts: "512 B", "1.5 KiB", "3.20 GiB".
 std::string FormatBytes(uint64_t bytes);
 
+// Seconds for people to read: three significant digits, and never finer
+// than a microsecond nor coarser than a second ("0.0834 s", "2.35 s",
+// "184 s", "1234 s"). JSON output keeps the full value instead.
+std::string FormatSeconds(double seconds);
+
 // Parses a byte count: "4096", "512MiB", "1GiB", "64KiB", "2GB", "10MB".
 // Binary (KiB/MiB/GiB/TiB) and decimal (KB/MB/GB/TB) suffixes; InvalidArgument
 // for anything else, for zero-free garbage, or on overflow.

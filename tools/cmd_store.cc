@@ -99,7 +99,7 @@ void RegisterPublish(CLI::App& app, CommandFn* run) {
                                        : std::string("full"))
                   << "): " << r->tensors_changed << " of " << r->tensors << " tensors, "
                   << r->changed_elements << " changed elements, " << FormatBytes(r->bytes_written)
-                  << " in " << r->seconds << " s" << std::endl;
+                  << " in " << FormatSeconds(r->seconds) << std::endl;
       }
       return 0;
     };
@@ -167,7 +167,8 @@ void RegisterPull(CLI::App& app, CommandFn* run) {
                   << " deltas" << (r->reset_to ? ", reset to " + FormatVersion(*r->reset_to) : "")
                   << (r->recovered ? ", recovered an interrupted apply" : "") << "), "
                   << r->tensors_changed << " tensors changed, " << FormatBytes(r->bytes_read)
-                  << " read in " << r->seconds << " s, verified" << empty_store << std::endl;
+                  << " read in " << FormatSeconds(r->seconds) << ", verified" << empty_store
+                  << std::endl;
       }
       return 0;
     };
