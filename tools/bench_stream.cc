@@ -35,15 +35,6 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 using nlohmann::json;
 
-// The namespace and veth pair of the shaped links: the sender stays in the
-// host's namespace at kSenderAddress, every receiver runs in kNamespace at
-// kReceiverAddress, and tc shapes both ends of the pair.
-constexpr const char* kNamespace = "dsbench";
-constexpr const char* kHostVeth = "dsb0";
-constexpr const char* kNsVeth = "dsb1";
-constexpr const char* kSenderAddress = "10.77.0.1";
-constexpr const char* kReceiverAddress = "10.77.0.2";
-
 double Gib(uint64_t b) { return static_cast<double>(b) / (1u << 30); }
 double Mib(uint64_t b) { return static_cast<double>(b) / (1u << 20); }
 
@@ -67,54 +58,81 @@ int Shell(const std::string& command) {
   return WIFEXITED(rc) ? WEXITSTATUS(rc) : 1;
 }
 
-// The veth pair and namespace, made once and removed at the end.
+// The shaped links (StreamBenchNet): the sender stays in the host's
+// namespace at the sender address, every receiver runs in the run's
+// namespace at the receiver address, and tc shapes both ends of the veth
+// pair. Made once and removed at the end; a run removes only what it made.
 class ShapedLink {
  public:
-  ~ShapedLink() {
-    if (made_) Shell(std::string("ip netns del ") + kNamespace);
-  }
+  ~ShapedLink() { Remove(); }
+  const StreamBenchNet& net() const { return net_; }
   // Empty when made; otherwise why not.
   std::string Make() {
-    Shell(std::string("ip netns del ") + kNamespace);  // a previous run's
-    const std::string ns = std::string("ip netns exec ") + kNamespace + " ";
+    // A /30 that no other run (nor anything else) has on this host.
+    const int64_t pid = ::getpid();
+    for (int attempt = 0;; ++attempt) {
+      if (attempt == 64) return "no free /30 in 10.77.0.0/16 for the veth pair";
+      net_ = StreamBenchNetFor(pid, attempt);
+      if (Shell("ip -o -4 addr show to " + net_.sender_address + "/" +
+                std::to_string(net_.prefix_length) + " | grep -q .") != 0) {
+        break;
+      }
+    }
+    const std::string add_ns = "ip netns add " + net_.ns;
+    if (Shell(add_ns) != 0) {
+      return "'" + add_ns + "' failed (this needs root and iproute2; a killed run's namespace?)";
+    }
+    made_ns_ = true;
+    const std::string add_veth =
+        "ip link add " + net_.host_veth + " type veth peer name " + net_.ns_veth;
+    if (Shell(add_veth) != 0) {
+      Remove();
+      return "'" + add_veth + "' failed";
+    }
+    made_veth_ = true;
+    const std::string ns = "ip netns exec " + net_.ns + " ";
+    const std::string prefix = "/" + std::to_string(net_.prefix_length);
     const std::vector<std::string> steps = {
-        std::string("ip netns add ") + kNamespace,
-        std::string("ip link add ") + kHostVeth + " type veth peer name " + kNsVeth,
-        std::string("ip link set ") + kNsVeth + " netns " + kNamespace,
-        std::string("ip addr add ") + kSenderAddress + "/24 dev " + kHostVeth,
-        std::string("ip link set ") + kHostVeth + " up",
-        ns + "ip addr add " + kReceiverAddress + "/24 dev " + kNsVeth,
-        ns + "ip link set " + kNsVeth + " up",
+        "ip link set " + net_.ns_veth + " netns " + net_.ns,
+        "ip addr add " + net_.sender_address + prefix + " dev " + net_.host_veth,
+        "ip link set " + net_.host_veth + " up",
+        ns + "ip addr add " + net_.receiver_address + prefix + " dev " + net_.ns_veth,
+        ns + "ip link set " + net_.ns_veth + " up",
         ns + "ip link set lo up",
     };
-    for (const std::string& s : steps) {
-      if (Shell(s) != 0) {
-        if (made_ || s.find("netns add") == std::string::npos) {
-          Shell(std::string("ip netns del ") + kNamespace);
-        }
-        return "'" + s + "' failed (this needs root and iproute2)";
+    for (const std::string& step : steps) {
+      if (Shell(step) != 0) {
+        Remove();
+        return "'" + step + "' failed";
       }
-      made_ = true;
     }
     return "";
   }
   // Token-bucket shaping of both directions at `gbit`; 0 removes it.
   bool Shape(double gbit) {
-    const std::string ns = std::string("ip netns exec ") + kNamespace + " ";
-    Shell(std::string("tc qdisc del dev ") + kHostVeth + " root");
-    Shell(ns + "tc qdisc del dev " + kNsVeth + " root");
+    const std::string ns = "ip netns exec " + net_.ns + " ";
+    Shell("tc qdisc del dev " + net_.host_veth + " root");
+    Shell(ns + "tc qdisc del dev " + net_.ns_veth + " root");
     if (gbit <= 0) return true;
     // A burst of 10 ms at the rate keeps tbf from under-running it.
     const uint64_t burst =
         std::max<uint64_t>(64 << 10, static_cast<uint64_t>(gbit * 1e9 / 8 / 100));
     std::ostringstream q;
     q << "root tbf rate " << gbit << "gbit burst " << burst << " latency 100ms";
-    return Shell(std::string("tc qdisc add dev ") + kHostVeth + " " + q.str()) == 0 &&
-           Shell(ns + "tc qdisc add dev " + kNsVeth + " " + q.str()) == 0;
+    return Shell("tc qdisc add dev " + net_.host_veth + " " + q.str()) == 0 &&
+           Shell(ns + "tc qdisc add dev " + net_.ns_veth + " " + q.str()) == 0;
   }
 
  private:
-  bool made_ = false;
+  // Deleting either end of a veth pair deletes both, wherever the other is.
+  void Remove() {
+    if (made_veth_) Shell("ip link del " + net_.host_veth);
+    if (made_ns_) Shell("ip netns del " + net_.ns);
+    made_veth_ = made_ns_ = false;
+  }
+
+  StreamBenchNet net_;
+  bool made_ns_ = false, made_veth_ = false;
 };
 
 struct Link {
@@ -183,6 +201,8 @@ class Bench {
 
   json Report() const;
   void Print() const;
+  // The shaped links' names and addresses, once they are made.
+  void SetNet(const StreamBenchNet& net) { net_ = net; }
   std::vector<Link> links;
   std::vector<std::string> skipped;
 
@@ -196,7 +216,7 @@ class Bench {
     o.group = group;
     o.timeout = c_.timeout;
     o.connect_timeout = std::chrono::milliseconds(60000);
-    o.hostname = link.gbit > 0 ? kSenderAddress : "127.0.0.1";
+    o.hostname = link.gbit > 0 ? net_.sender_address : "127.0.0.1";
     return o;
   }
 
@@ -204,7 +224,7 @@ class Bench {
                     int syncs, std::vector<std::unique_ptr<Child>>* peers) {
     for (int r = 1; r <= n; ++r) {
       std::vector<std::string> argv;
-      if (link.gbit > 0) argv = {"ip", "netns", "exec", kNamespace};
+      if (link.gbit > 0) argv = {"ip", "netns", "exec", net_.ns};
       const CommunicatorOptions o = Options(link, group, n + 1);
       std::ostringstream scale;
       scale.precision(17);
@@ -220,7 +240,7 @@ class Bench {
                                    std::string("--size"),
                                    std::to_string(n + 1),
                                    std::string("--hostname"),
-                                   std::string(link.gbit > 0 ? kReceiverAddress : "127.0.0.1"),
+                                   link.gbit > 0 ? net_.receiver_address : "127.0.0.1",
                                    std::string("--preset"),
                                    c_.preset,
                                    std::string("--scale"),
@@ -329,6 +349,7 @@ class Bench {
 
   const StreamBenchConfig& c_;
   std::string dir_;
+  StreamBenchNet net_;
   double scale_ = 1;
   std::unique_ptr<SynthTrainer> trainer_;
   std::vector<std::vector<uint8_t>> before_;
@@ -424,6 +445,23 @@ void Bench::Print() const {
 
 }  // namespace
 
+StreamBenchNet StreamBenchNetFor(int64_t pid, int attempt) {
+  // Eight digits keep "dsb<pid>-0" within an interface name's 15 characters
+  // (Linux pids stay below 2^22).
+  const std::string id = std::to_string(pid % 100000000);
+  StreamBenchNet net;
+  net.ns = "dsbench-" + id;
+  net.host_veth = "dsb" + id + "-0";
+  net.ns_veth = "dsb" + id + "-1";
+  // 16384 /30s in 10.77.0.0/16: .1 the sender, .2 the receivers.
+  const uint64_t subnet = (static_cast<uint64_t>(pid) + static_cast<uint64_t>(attempt)) % 16384;
+  const uint64_t host = subnet * 4;
+  const std::string prefix = "10.77." + std::to_string(host / 256) + ".";
+  net.sender_address = prefix + std::to_string(host % 256 + 1);
+  net.receiver_address = prefix + std::to_string(host % 256 + 2);
+  return net;
+}
+
 int RunStreamBench(const StreamBenchConfig& config, bool json_out) {
   ScratchDir scratch{config.workdir, config.workdir.empty()};
   if (scratch.owned) {
@@ -442,6 +480,7 @@ int RunStreamBench(const StreamBenchConfig& config, bool json_out) {
     shaped = std::make_unique<ShapedLink>();
     const std::string why = geteuid() == 0 ? shaped->Make() : "not root";
     if (why.empty()) {
+      bench.SetNet(shaped->net());
       for (double g : config.shaped_gbit) {
         std::ostringstream name;
         name << g << " Gbit/s veth";

@@ -29,6 +29,20 @@ struct StreamBenchConfig {
   std::string workdir;  // empty: a temp dir under /tmp
 };
 
+// The network namespace, veth pair and addresses of one run's shaped links,
+// unique to the run so that two runs on one host never touch each other's:
+// the names carry the pid ("dsbench-<pid>", veths "dsb<pid>-0" on the host
+// and "dsb<pid>-1" in the namespace, within the 15 characters of an
+// interface name for any pid below 10^8), and the two addresses are a /30
+// of 10.77.0.0/16 picked from the pid and `attempt` (the next attempt takes
+// the next /30, for when another run's holds this one).
+struct StreamBenchNet {
+  std::string ns, host_veth, ns_veth;
+  std::string sender_address, receiver_address;  // without the prefix length
+  int prefix_length = 30;
+};
+StreamBenchNet StreamBenchNetFor(int64_t pid, int attempt = 0);
+
 // Runs the benchmark and prints its tables (or one JSON object); the exit
 // code.
 int RunStreamBench(const StreamBenchConfig& config, bool json);
