@@ -318,8 +318,8 @@ void RegisterDemo(CLI::App& app, CommandFn* run) {
       "The end-to-end showcase on generated data: an in-process trainer publishes each RL step "
       "as a delta, the agents of two rollout hosts (one with two ranks sharing a local "
       "checkpoint) pull it over HTTP, and every local checkpoint is checked bit for bit against "
-      "the trainer's weights. Exit 0 only when all matched. The default size takes about half a "
-      "minute on 2 cores and ~11x --bytes of memory (the trainer's fp32 state)");
+      "the trainer's weights. Exit 0 only when all matched. The default size takes about two and a "
+      "half minutes on 2 cores and ~11x --bytes of memory (the trainer's fp32 state)");
   cmd->add_option("--steps", o->demo.steps, "RL steps, one published version each")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1}, int64_t{100000}));
