@@ -180,11 +180,14 @@ class StreamSender {
   // One trainer rank of a sharded trainer: SyncShards. `trainer_group`
   // forms the trainer ranks' own group (its rank is this trainer rank);
   // `stream_group` forms the stream group, on trainer rank 0 only (empty on
-  // the others). Each rank diffs its shards against its own snapshot of
-  // them and only the changed elements travel to rank 0 (docs/format.md,
-  // "Stream: sharded gather"), which streams them on. Rank 0 also keeps the
-  // committed state of the whole model, in the HF tensors' coordinates,
-  // from which it seeds receivers and resends what a failed sync changed.
+  // the others). No rank holds a copy of the model (docs/format.md,
+  // "Stream: sharded sync"): each rank keeps the committed snapshot of its
+  // own shards, diffs them against it and sends rank 0 only the changed
+  // elements, one batch at a time, which rank 0 streams on; a seed streams
+  // the ranks' current values through rank 0 the same way, and a failed
+  // sync's changes are resent by the ranks that hold them. Rank 0's memory
+  // beyond its own shards is its buckets and one batch, whatever the
+  // model's size.
   static Result<std::unique_ptr<StreamSender>> CreateSharded(CommunicatorFactory trainer_group,
                                                              CommunicatorFactory stream_group,
                                                              SenderOptions options = {});
@@ -210,7 +213,13 @@ class StreamSender {
   // The committed state of a tensor (what every receiver held after the
   // last sync that succeeded), in the memory the tensor lives in (device
   // memory for a device tensor); NotFound before the first success.
+  // FailedPrecondition on a sharded sender, which holds no whole tensor.
   virtual Result<std::span<const uint8_t>> Snapshot(std::string_view name) const = 0;
+  // A sharded rank's committed snapshot of its local tensor `index` (the
+  // index-th of the shards SyncShards takes); NotFound before the first
+  // success, or for a local tensor that contributes nothing (no snapshot is
+  // kept of it); FailedPrecondition on a whole-tensor sender.
+  virtual Result<std::span<const uint8_t>> ShardSnapshot(size_t index) const = 0;
   // The id of the last sync that succeeded; 0 before.
   virtual uint64_t committed_sync_id() const = 0;
 

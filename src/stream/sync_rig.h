@@ -115,6 +115,7 @@ class ReceiverRig {
   // Ends a call in flight (a wait to rejoin a group that will not form
   // again) and closes the receiver.
   void Cancel() { receiver_->Cancel("the test ends"); }
+  StreamReceiver::Health health() const { return receiver_->health(); }
 
  private:
   std::unique_ptr<StreamReceiver> receiver_;
@@ -175,70 +176,9 @@ inline std::unique_ptr<StreamSender> MakeSender(CommunicatorFactory f, SenderOpt
 // ---------------------------------------------------------------------------
 // A sharded trainer: 4 ranks, each holding its own pieces of the model.
 
-// The model's tensors as a Model, for the receivers and the checks.
-inline Model ShardedModel(uint64_t seed) {
-  Model m = Model::Make(seed);
-  std::mt19937_64 rng(seed + 1);
-  for (const auto& [name, shape] : std::vector<std::pair<std::string, std::vector<int64_t>>>{
-           {"e.weight", {24, 37}}, {"q.weight", {16, 48}}, {"k.weight", {8, 48}}}) {
-    std::vector<uint8_t> b(shape[0] * shape[1] * 2);
-    for (uint8_t& x : b) x = static_cast<uint8_t>(rng());
-    m.bytes.push_back(std::move(b));
-    m.tensors.push_back({name, DType::kBF16, shape, {}, {}});
-  }
-  m.Rebind();
-  return m;
-}
-
-// Rank r's local tensors: a.weight Shard(0), c.weight uneven, e.weight
-// Shard(1) (37 columns: 10, 10, 10, 7), b.bias replicated (rank 2 sends),
-// q and k fused along dim 0 and split in 2 for tensor parallelism (ranks 2
-// and 3 replicate ranks 0 and 1 and do not send), d.empty whole on rank 0.
-// The spec, or a failed test naming why (an empty spec then).
-inline ShardSpec Spec(Result<ShardSpec> r) {
-  EXPECT_TRUE(r.ok()) << r.status().ToString();
-  return r.ok() ? std::move(*r) : ShardSpec{};
-}
-
-inline std::vector<ShardSpec> RankSpecs(int r) {
-  std::vector<ShardSpec> out;
-  out.push_back(Spec(ShardSpec::Shard("a.weight", DType::kBF16, {64, 48}, 0, r, 4)));
-  out.push_back(
-      Spec(ShardSpec::ShardSizes("c.weight", DType::kBF16, {5000}, 0, {2000, 1500, 1500, 0}, r)));
-  out.push_back(Spec(ShardSpec::Shard("e.weight", DType::kBF16, {24, 37}, 1, r, 4)));
-  out.push_back(Spec(ShardSpec::Replicate("b.bias", DType::kF32, {300}, r == 2)));
-  ShardSpec fused = Spec(
-      ShardSpec::Fused(DType::kBF16, 0,
-                       {Spec(ShardSpec::Shard("q.weight", DType::kBF16, {16, 48}, 0, r % 2, 2)),
-                        Spec(ShardSpec::Shard("k.weight", DType::kBF16, {8, 48}, 0, r % 2, 2))}));
-  fused.contributes = r < 2;
-  out.push_back(fused);
-  if (r == 0) out.push_back(Spec(ShardSpec::Whole("d.empty", DType::kBF16, {0, 4})));
-  return out;
-}
-
-// A local tensor's bytes, read out of the whole tensors element by element.
-inline std::vector<uint8_t> Extract(const ShardSpec& spec, const Model& m) {
-  const size_t w = DTypeSize(spec.dtype);
-  std::vector<uint8_t> out(spec.local_numel() * w);
-  const size_t nd = spec.local_shape.size();
-  for (const ShardPiece& p : spec.pieces) {
-    const std::vector<uint8_t>& hf = m.Of(p.hf_name);
-    std::vector<int64_t> c(nd, 0);
-    for (int64_t e = 0; e < p.elements(); ++e) {
-      int64_t rem = e, local = 0, global = 0;
-      for (size_t d = nd; d-- > 0;) {
-        c[d] = rem % p.extent[d];
-        rem /= p.extent[d];
-      }
-      for (size_t d = 0; d < nd; ++d) {
-        local = local * spec.local_shape[d] + p.local_offset[d] + c[d];
-        global = global * p.hf_shape[d] + p.hf_offset[d] + c[d];
-      }
-      std::memcpy(out.data() + local * w, hf.data() + global * w, w);
-    }
-  }
-  return out;
-}
+using sync_test::Extract;
+using sync_test::RankSpecs;
+using sync_test::ShardedModel;
+using sync_test::Spec;
 
 }  // namespace deltasync::sync_rig

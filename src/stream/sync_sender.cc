@@ -1,14 +1,12 @@
-// The stream's sender (include/deltasync/stream.h; docs/format.md, "Stream:
-// commit protocol").
+// The stream's sender: what the whole-tensor and the sharded sender share
+// (sender.h), and the whole-tensor sync (include/deltasync/stream.h;
+// docs/format.md, "Stream: commit protocol").
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <map>
-#include <mutex>
 #include <set>
 #include <thread>
-#include <tuple>
 #include <utility>
 
 #include "core/endian.h"
@@ -17,299 +15,11 @@
 #include "deltasync/tensor.h"
 #include "deltasync/timing.h"
 #include "stream/communicator_internal.h"
-#include "stream/device_path.h"
-#include "stream/frame.h"
-#include "stream/shard_changes.h"
-#include "stream/shard_gather.h"
-#include "stream/state_digest.h"
-#include "stream/sync_messages.h"
+#include "stream/sender.h"
 
 namespace deltasync {
 
-namespace {
-
-using stream::DigestBlock;
-using stream::Envelope;
-using stream::FlushHeader;
-using stream::FlushWriter;
-using stream::FrameKind;
-using stream::MessageType;
-using stream::Positions;
-using stream::Registration;
-using stream::StateDigest;
-using stream::TensorRange;
-using Clock = std::chrono::steady_clock;
-
-constexpr uint64_t kMinBucketBytes = uint64_t{64} << 10;
-// Room a frame keeps for its header, manifest entry and trailer beside one
-// unit's positions and values.
-constexpr uint64_t kFrameReserve = 8192;
-// Frame buckets kept from one sync to the next (one per kind of receiver).
-constexpr size_t kSpareBuckets = 2;
-// Elements a device tensor diffs per kernel call (about what its scratch
-// holds: positions, new and old values of a whole chunk).
-constexpr uint64_t kDeviceChunkElements = uint64_t{1} << 25;
-
-using BlockKey = std::tuple<uint64_t, uint64_t, uint64_t, uint64_t>;
-
-BlockKey KeyOf(const DigestBlock& b) { return {b.first, b.count, b.rows, b.row_stride}; }
-DigestBlock BlockOf(const BlockKey& k) {
-  return {std::get<0>(k), std::get<1>(k), std::get<2>(k), std::get<3>(k)};
-}
-
-bool Covers(const DigestBlock& b, uint64_t numel) {
-  return b.first == 0 && b.count == numel && b.rows == 1;
-}
-
-bool InBlock(const DigestBlock& b, uint64_t p) {
-  if (p < b.first) return false;
-  const uint64_t off = p - b.first;
-  if (b.rows == 1) return off < b.count;
-  const uint64_t row = off / b.row_stride;
-  return row < b.rows && off % b.row_stride < b.count;
-}
-
-// Sends one finished frame to each of `ranks` in turn.
-Status SendFrame(Communicator& comm, const std::vector<int>& ranks, bool last,
-                 std::span<const uint8_t> frame, uint64_t* bytes_sent) {
-  for (int r : ranks) {
-    if (Status s = stream::SendMessage(comm, r, MessageType::kFrame, last, frame); !s.ok()) {
-      return Status(s.code(), "receiver " + std::to_string(r) + ": " + s.message());
-    }
-    *bytes_sent += stream::kEnvelopeBytes + frame.size();
-  }
-  return Status::OK();
-}
-
-struct TensorState {
-  std::string name;
-  DType dtype = DType::kU8;
-  std::vector<int64_t> shape;
-  uint64_t numel = 0;
-  uint32_t w = 1;
-  uint64_t unit = 1;              // elements per unit of work
-  std::vector<uint8_t> snapshot;  // the committed state (empty before it)
-  // A device tensor's snapshot and diff (then `snapshot` stays empty).
-  std::unique_ptr<stream::DeviceSource> device;
-  std::vector<uint8_t> dirty;                 // per unit: changed by a failed sync
-  std::vector<uint8_t> changed;               // per unit: changed by the current sync
-  std::map<BlockKey, StateDigest> committed;  // the snapshot's digest per held block
-  std::map<BlockKey, StateDigest> expected;   // at the end of the current sync
-
-  uint64_t units() const { return numel == 0 ? 0 : (numel + unit - 1) / unit; }
-};
-
-struct Peer {
-  int rank = 0;
-  bool need_seed = true;
-  bool partial = false;                                    // holds some of the tensors on purpose
-  std::map<std::string, DigestBlock, std::less<>> blocks;  // held tensors
-  std::string layout;                                      // the held names, one key per set
-};
-
-// Where a tensor's changes and values come from, one unit of work at a
-// time: `changes` fills the unit's changes against the snapshot (positions
-// from the unit's first element, new and old values); `dense` gives the
-// unit's current values (valid until the next call). `whole_digest`, when
-// set, gives the unit's share of the whole tensor's digest (its change
-// since the snapshot, or before one its digest) in place of computing it
-// from the changes.
-struct UnitSource {
-  std::function<Status(uint64_t first, uint64_t count, ChangeSet* out)> changes;
-  std::function<Result<std::span<const uint8_t>>(uint64_t first, uint64_t count)> dense;
-  std::function<Result<StateDigest>(uint64_t first, uint64_t count, bool seed)> whole_digest;
-};
-
-// A tensor by name, dtype and shape, with or without bytes.
-struct TensorMeta {
-  std::string_view name;
-  DType dtype;
-  const std::vector<int64_t>* shape;
-  std::span<const uint8_t> data;  // empty for a sharded model's
-  Placement place;
-};
-
-class Sender final : public StreamSender {
- public:
-  Sender(CommunicatorFactory connect, SenderOptions options)
-      : connect_(std::move(connect)), options_(options) {}
-  Sender(CommunicatorFactory trainer, CommunicatorFactory connect, SenderOptions options)
-      : connect_(std::move(connect)),
-        trainer_connect_(std::move(trainer)),
-        options_(options),
-        sharded_(true) {}
-  ~Sender() override { (void)Land(nullptr); }
-
-  Result<SyncStats> Sync(std::span<const SyncTensor> tensors) override {
-    return Alone([&] { return SyncAlone(tensors); });
-  }
-  Result<SyncStats> SyncShards(std::span<const ModelTensor> model,
-                               std::span<const ShardedTensor> shards) override {
-    return Alone([&] { return SyncShardsAlone(model, shards); });
-  }
-  Result<std::span<const uint8_t>> Snapshot(std::string_view name) const override;
-  uint64_t committed_sync_id() const override { return committed_id_; }
-  void Cancel(std::string_view why) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!cancelled_.ok()) return;
-    cancelled_ = Status::Aborted("the sender was cancelled: " + std::string(why));
-    cancel_requested_.store(true);
-    if (comm_) comm_->Cancel(why);
-    if (trainers_) trainers_->Cancel(why);
-  }
-
- private:
-  // Runs one call, refusing a second thread's while it runs, and any call
-  // once cancelled.
-  template <typename Call>
-  Result<SyncStats> Alone(Call&& call) {
-    if (busy_.exchange(true)) {
-      return Status::FailedPrecondition(
-          "a sync is already running in another thread (one call at a time)");
-    }
-    const Status cancelled = Cancelled();
-    Result<SyncStats> r = cancelled.ok() ? call() : Result<SyncStats>(cancelled);
-    busy_.store(false);
-    return r;
-  }
-  Status Cancelled() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return cancelled_;
-  }
-  // Sets or clears a communicator Cancel reaches.
-  Status Keep(std::unique_ptr<Communicator>* slot, std::unique_ptr<Communicator> c) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (c && !cancelled_.ok()) return cancelled_;
-    *slot = std::move(c);
-    return Status::OK();
-  }
-  Result<SyncStats> SyncAlone(std::span<const SyncTensor> tensors);
-  Result<SyncStats> SyncShardsAlone(std::span<const ModelTensor> model,
-                                    std::span<const ShardedTensor> shards);
-
-  // The receivers of one kind (seed or delta) holding one set of tensors:
-  // they take the same frames.
-  struct Group {
-    bool seed = false;
-    std::vector<size_t> members;  // indices into peers_
-    std::set<std::string, std::less<>> holds;
-    std::set<std::string, std::less<>> named;  // tensors its entries named
-    FlushWriter writer;
-    std::vector<uint8_t> bucket;
-    // Device tensors over a communicator that sends device memory: the
-    // frames are built in this device bucket instead (the records frame
-    // that ends the sync still goes through `bucket`).
-    std::unique_ptr<stream::DeviceFrame> device;
-    uint32_t frames = 0;
-    bool open = false;
-    // Its finished frames travel on the flight thread while the next one
-    // fills (a round of one group: its bucket and the flight's are the two
-    // the sender holds).
-    bool overlap = false;
-  };
-
-  // The frame on its way to a group's receivers, sent on a thread of its
-  // own while the caller diffs and encodes the next one. Only that thread
-  // uses the stream communicator until Land returns.
-  struct Flight {
-    std::thread thread;
-    std::vector<uint8_t> frame;                   // in flight, or the idle second bucket
-    std::unique_ptr<stream::DeviceFrame> device;  // the same, in device memory
-    Status status;
-    double seconds = 0;
-    uint64_t bytes = 0;
-  };
-
-  // One sync's state on rank 0, from BeginSync to EndSync.
-  struct Round {
-    uint64_t sync_id = 0;
-    SyncStats stats;
-    std::vector<std::unique_ptr<Group>> groups;
-    std::vector<Group*> group_of;
-    Status streamed;
-    Clock::time_point start;
-    bool device_frames = false;  // every group builds its frames on the device
-  };
-
-  Status CheckModel(std::span<const TensorMeta> tensors, std::vector<TensorState*>* order);
-  // `start`: when the sync call began (its total_s counts from there).
-  Status BeginSync(Round* round, Clock::time_point start);
-  // Records, reports, and the decision; on success `commit` advances the
-  // snapshot, on failure nothing advances.
-  Result<SyncStats> EndSync(Round* round, const std::vector<TensorState*>& order,
-                            const std::function<Status()>& commit);
-  // The snapshot is not known to hold the committed state: the next sync
-  // seeds every receiver.
-  void ForgetSnapshot();
-  Result<SyncStats> SyncShardsAsRank0(std::span<const ModelTensor> model,
-                                      std::span<const ShardedTensor> shards);
-  Status Connect();
-  Status Handshake(uint64_t sync_id);
-  void Drop() {
-    (void)Land(nullptr);
-    (void)Keep(&comm_, nullptr);
-    welcomed_ = false;
-  }
-  Status Begin(Group& g, uint64_t sync_id, bool last, bool verify_all);
-  // Finishes the group's frame and sends it to the group (on the flight
-  // thread when the group overlaps).
-  Status Flush(Group& g, bool last, SyncStats* stats);
-  // Waits for the frame in flight, if any: its send's status, its time and
-  // bytes added to `stats` (when given).
-  Status Land(SyncStats* stats);
-  // Adds one entry to the group's frame through add(g) (false: it did not
-  // fit), finishing and sending the frame and starting the next as needed.
-  template <typename AddFn>
-  Status Add(Group& g, uint64_t sync_id, SyncStats* stats, AddFn&& add);
-  // The device context every tensor lives on, when they all live on one
-  // device: frames can then be built there.
-  stream::DeviceContext* FrameDevice() const;
-  Status StreamTensor(TensorState& t, const UnitSource& src, Round* round);
-  Status SendRecords(Peer& peer, Group& g, uint64_t sync_id, bool verify_all,
-                     const std::vector<TensorState*>& order, SyncStats* stats);
-  // Sharded: this rank's shards checked and diffed, translated to the HF
-  // tensors' coordinates.
-  Status DiffShards(std::span<const ModelTensor> model, std::span<const ShardedTensor> shards,
-                    std::map<std::string, std::vector<stream::TensorChanges>, std::less<>>* mine,
-                    SyncStats* stats);
-  Status ConnectTrainers();
-  // A failure of the trainer group: every rank starts again from a full
-  // send (rank 0 also reseeds every receiver).
-  void LoseTrainers();
-  void CommitShards(std::span<const ShardedTensor> shards);
-
-  CommunicatorFactory connect_;
-  CommunicatorFactory trainer_connect_;
-  SenderOptions options_;
-  bool sharded_ = false;
-  std::unique_ptr<Communicator> trainers_;
-  std::vector<std::vector<uint8_t>> local_snapshots_;  // sharded: this rank's shards
-  bool have_local_ = false;
-  uint64_t local_syncs_ = 0;  // sharded ranks other than 0: syncs taken part in
-  std::vector<uint8_t> scratch_;
-  std::vector<std::vector<uint8_t>> spare_buckets_;  // the last sync's, reused
-  std::vector<std::unique_ptr<stream::DeviceFrame>> spare_device_frames_;
-  void* frame_stream_ = nullptr;  // the stream of the device tensor being streamed
-  Flight flight_;
-  std::unique_ptr<Communicator> comm_;
-  bool welcomed_ = false;
-  std::vector<Peer> peers_;
-  std::map<std::string, TensorState, std::less<>> tensors_;
-  std::map<int, std::unique_ptr<stream::DeviceContext>> devices_;  // by CUDA device
-  bool have_snapshot_ = false;
-  uint64_t bucket_reserve_ = 0;
-  uint64_t next_sync_id_ = 1;
-  uint64_t committed_id_ = 0;
-  DiffOptions diff_;
-  ChangeSet changes_;
-  std::vector<uint64_t> scratch_positions_;
-  // Cancel's state, and the lock under which comm_ and trainers_ are set
-  // and cleared (the calling thread reads them without it).
-  mutable std::mutex mu_;
-  Status cancelled_;
-  std::atomic<bool> cancel_requested_{false};  // cancelled_ set, for formations
-  std::atomic<bool> busy_{false};
-};
+namespace stream_sender {
 
 Status Sender::CheckModel(std::span<const TensorMeta> tensors, std::vector<TensorState*>* order) {
   std::set<std::string_view> seen;
@@ -381,8 +91,6 @@ Status Sender::CheckModel(std::span<const TensorMeta> tensors, std::vector<Tenso
       const uint64_t room = (options_.bucket_bytes - kFrameReserve) / (2 * (8 + t.w));
       t.unit = std::max<uint64_t>(1, room);
       t.dirty.assign(t.units(), 0);
-      // A sharded rank 0 builds its snapshot from what the ranks send.
-      if (sharded_) t.snapshot.assign(t.numel * t.w, 0);
       if (x.place.on_device()) {
         std::unique_ptr<stream::DeviceContext>& ctx = devices_[x.place.cuda_device];
         if (!ctx) {
@@ -522,7 +230,9 @@ Status Sender::Handshake(uint64_t sync_id) {
   for (auto& [name, t] : tensors_) {
     const std::set<BlockKey>& keys = held[name];
     std::erase_if(t.committed, [&](const auto& kv) { return !keys.count(kv.first); });
-    if (!have_snapshot_) continue;
+    // A sharded rank 0 has no copy to digest: a block new to it is
+    // computed whole from the dense values of the seed its receiver takes.
+    if (!have_snapshot_ || sharded_) continue;
     for (const BlockKey& key : keys) {
       if (t.committed.count(key)) continue;
       DS_ASSIGN_OR_RETURN(StateDigest d, t.device ? t.device->SnapshotDigest(BlockOf(key))
@@ -619,22 +329,47 @@ Status Sender::Add(Group& g, uint64_t sync_id, SyncStats* stats, AddFn&& add) {
 }
 
 Status Sender::StreamTensor(TensorState& t, const UnitSource& src, Round* round) {
-  SyncStats* stats = &round->stats;
-  const uint64_t sync_id = round->sync_id;
+  TensorRound tr;
+  BeginTensor(t, &tr);
+  DS_RETURN_IF_ERROR(StreamUnits(t, src, round, &tr, 0, t.units()));
+  EndTensor(t, tr);
+  return Status::OK();
+}
+
+void Sender::BeginTensor(TensorState& t, TensorRound* tr) {
   // The blocks receivers hold of this tensor, and their digests' change
-  // (before the first commit: the digests themselves).
-  std::map<BlockKey, StateDigest> delta;
+  // (or, with no committed digest to start from, the digests themselves).
+  tr->delta.clear();
+  tr->whole.clear();
   for (const Peer& p : peers_) {
     auto it = p.blocks.find(t.name);
-    if (it != p.blocks.end()) delta.emplace(KeyOf(it->second), StateDigest{});
+    if (it == p.blocks.end()) continue;
+    const BlockKey key = KeyOf(it->second);
+    tr->delta.emplace(key, StateDigest{});
+    if (!have_snapshot_ || !t.committed.count(key)) tr->whole.insert(key);
   }
   t.changed.assign(t.units(), 0);
+}
+
+void Sender::EndTensor(TensorState& t, const TensorRound& tr) {
+  // The digest each held block must have at the end of the sync.
+  t.expected.clear();
+  for (const auto& [key, d] : tr.delta) {
+    t.expected[key] = tr.whole.count(key) ? d : t.committed.at(key) + d;
+  }
+}
+
+Status Sender::StreamUnits(TensorState& t, const UnitSource& src, Round* round, TensorRound* tr,
+                           uint64_t u_begin, uint64_t u_end) {
+  SyncStats* stats = &round->stats;
+  const uint64_t sync_id = round->sync_id;
+  std::map<BlockKey, StateDigest>& delta = tr->delta;
   // Frames on the device: the changes stay there, and entries are copied
   // into the device buckets from the diff's outputs and the tensor.
   stream::DeviceSource* dev = round->device_frames ? t.device.get() : nullptr;
   if (dev) frame_stream_ = dev->stream();
   const TensorRange whole{t.name, t.dtype, t.shape, 0, t.numel};
-  for (uint64_t u = 0; u < t.units(); ++u) {
+  for (uint64_t u = u_begin; u < u_end; ++u) {
     const uint64_t first = u * t.unit;
     const uint64_t count = std::min(t.unit, t.numel - first);
     TensorRange range = whole;
@@ -647,6 +382,20 @@ Status Sender::StreamTensor(TensorState& t, const UnitSource& src, Round* round)
         dense_view = v;
       }
       return *dense_view;
+    };
+    // A block whose digest is computed whole takes the unit's share of it
+    // from its dense values.
+    const auto add_whole = [&](const BlockKey& key, StateDigest* d, bool seed) -> Status {
+      if (src.whole_digest && Covers(BlockOf(key), t.numel)) {
+        DS_ASSIGN_OR_RETURN(StateDigest part, src.whole_digest(first, count, seed));
+        *d += part;
+        return Status::OK();
+      }
+      DS_ASSIGN_OR_RETURN(std::span<const uint8_t> xu, dense());
+      DS_ASSIGN_OR_RETURN(StateDigest part,
+                          stream::ComputeBlockPartDigest(xu, t.w, first, BlockOf(key)));
+      *d += part;
+      return Status::OK();
     };
     bool resend = false;  // the whole unit, dense
     changes_.Clear();
@@ -668,7 +417,9 @@ Status Sender::StreamTensor(TensorState& t, const UnitSource& src, Round* round)
       // resent unit's other elements hold what the snapshot holds).
       for (auto& [key, d] : delta) {
         const DigestBlock b = BlockOf(key);
-        if (src.whole_digest && Covers(b, t.numel)) {
+        if (tr->whole.count(key)) {
+          DS_RETURN_IF_ERROR(add_whole(key, &d, true));
+        } else if (src.whole_digest && Covers(b, t.numel)) {
           DS_ASSIGN_OR_RETURN(StateDigest part, src.whole_digest(first, count, false));
           d += part;
         } else if (n == 0) {
@@ -691,17 +442,7 @@ Status Sender::StreamTensor(TensorState& t, const UnitSource& src, Round* round)
       }
     } else {
       t.changed[u] = 1;
-      for (auto& [key, d] : delta) {
-        if (src.whole_digest && Covers(BlockOf(key), t.numel)) {
-          DS_ASSIGN_OR_RETURN(StateDigest part, src.whole_digest(first, count, true));
-          d += part;
-          continue;
-        }
-        DS_ASSIGN_OR_RETURN(std::span<const uint8_t> xu, dense());
-        DS_ASSIGN_OR_RETURN(StateDigest part,
-                            stream::ComputeBlockPartDigest(xu, t.w, first, BlockOf(key)));
-        d += part;
-      }
+      for (auto& [key, d] : delta) DS_RETURN_IF_ERROR(add_whole(key, &d, true));
     }
     stats->diff_s += SecondsSince(t0);
     for (const std::unique_ptr<Group>& gp : round->groups) {
@@ -709,15 +450,19 @@ Status Sender::StreamTensor(TensorState& t, const UnitSource& src, Round* round)
       if (!g.holds.count(t.name)) continue;
       // A seed or a resent unit goes whole (dense); a delta in the
       // encoding asked for, or dense when positions would cost more than
-      // the values.
+      // the values (and the values can be had).
       const bool whole = g.seed || resend;
       if (!whole && n == 0) continue;
       StreamEncoding e = StreamEncoding::kDense;
       if (!whole) {
         const uint64_t pw = t.numel >= (uint64_t{1} << 31) ? 8 : 4;
         e = options_.encoding;
-        if (e == StreamEncoding::kIndices && n * (pw + t.w) >= count * t.w) {
+        if (e == StreamEncoding::kIndices && n * (pw + t.w) >= count * t.w &&
+            (!src.can_dense || src.can_dense(first, count, n))) {
           e = StreamEncoding::kDense;
+        }
+        if (e == StreamEncoding::kDense && src.can_dense && !src.can_dense(first, count, n)) {
+          e = StreamEncoding::kIndices;
         }
       }
       if (dev) {
@@ -748,11 +493,6 @@ Status Sender::StreamTensor(TensorState& t, const UnitSource& src, Round* round)
       if (!g.seed) stats->sent_elements += e == StreamEncoding::kDense ? count : n;
       g.named.insert(t.name);
     }
-  }
-  // The digest each held block must have at the end of the sync.
-  t.expected.clear();
-  for (const auto& [key, d] : delta) {
-    t.expected[key] = have_snapshot_ ? t.committed.at(key) + d : d;
   }
   return Status::OK();
 }
@@ -999,7 +739,10 @@ Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>&
   // a receiver that failed while being seeded still needs its seed, and
   // one seeded now holds the sync's values, which the resend covers.
   for (TensorState* t : order) {
-    for (uint64_t u = 0; u < t->changed.size(); ++u) t->dirty[u] |= t->changed[u];
+    // A sharded sync's changes are resent by the ranks that hold them.
+    if (!sharded_) {
+      for (uint64_t u = 0; u < t->changed.size(); ++u) t->dirty[u] |= t->changed[u];
+    }
     t->changed.clear();
     if (t->device) t->device->Rollback();
   }
@@ -1091,349 +834,11 @@ Result<SyncStats> Sender::SyncAlone(std::span<const SyncTensor> tensors) {
   });
 }
 
-Status Sender::ConnectTrainers() {
-  if (trainers_) return Status::OK();
-  Result<std::unique_ptr<Communicator>> c = Status::OK();
-  {
-    stream_internal::FormationCancel cancel(&cancel_requested_);
-    c = trainer_connect_();
-  }
-  if (!c.ok()) {
-    return Status(c.status().code(), "forming the trainer group: " + c.status().message());
-  }
-  if ((*c)->rank() == 0 && !connect_) {
-    return Status::InvalidArgument("trainer rank 0 needs the stream group's factory");
-  }
-  return Keep(&trainers_, std::move(*c));
-}
-
-Status Sender::DiffShards(
-    std::span<const ModelTensor> model, std::span<const ShardedTensor> shards,
-    std::map<std::string, std::vector<stream::TensorChanges>, std::less<>>* mine,
-    SyncStats* stats) {
-  std::map<std::string_view, const ModelTensor*> by_name;
-  for (const ModelTensor& m : model) by_name[m.name] = &m;
-  if (have_local_ && local_snapshots_.size() != shards.size()) {
-    return Status::InvalidArgument("this rank passed " + std::to_string(shards.size()) +
-                                   " shards; its first sync passed " +
-                                   std::to_string(local_snapshots_.size()));
-  }
-  for (size_t i = 0; i < shards.size(); ++i) {
-    const ShardedTensor& sh = shards[i];
-    DS_RETURN_IF_ERROR(sh.spec.Validate());
-    const std::string what =
-        "shard " + std::to_string(i) + " (of '" +
-        (sh.spec.pieces.empty() ? std::string("?") : sh.spec.pieces[0].hf_name) + "')";
-    const uint64_t w = DTypeSize(sh.spec.dtype);
-    const uint64_t numel = static_cast<uint64_t>(sh.spec.local_numel());
-    if (sh.data.size() != numel * w) {
-      return Status::InvalidArgument(what + ": " + std::to_string(sh.data.size()) +
-                                     " bytes, its spec needs " + std::to_string(numel * w));
-    }
-    for (const ShardPiece& p : sh.spec.pieces) {
-      auto it = by_name.find(p.hf_name);
-      if (it == by_name.end()) {
-        return Status::InvalidArgument(what + ": tensor '" + p.hf_name + "' is not in the model");
-      }
-      if (it->second->dtype != sh.spec.dtype || it->second->shape != p.hf_shape) {
-        return Status::InvalidArgument(what + ": tensor '" + p.hf_name + "' is " +
-                                       std::string(DTypeName(it->second->dtype)) + " " +
-                                       ShapeToString(it->second->shape) + " in the model, " +
-                                       std::string(DTypeName(sh.spec.dtype)) + " " +
-                                       ShapeToString(p.hf_shape) + " in the shard");
-      }
-    }
-    if (have_local_ && local_snapshots_[i].size() != sh.data.size()) {
-      return Status::InvalidArgument(what + ": another size than in the first sync");
-    }
-  }
-  const auto t0 = Clock::now();
-  ChangeSet local;
-  DiffOptions o;
-  o.refresh_snapshot = false;
-  o.keep_old_values = true;
-  for (size_t i = 0; i < shards.size(); ++i) {
-    const ShardedTensor& sh = shards[i];
-    const uint32_t w = static_cast<uint32_t>(DTypeSize(sh.spec.dtype));
-    if (have_local_) {
-      o.elem_size = w;
-      DS_RETURN_IF_ERROR(DiffTensor(sh.data, local_snapshots_[i], o, &local));
-    } else {
-      // Before the first commit every element is sent: rank 0 builds its
-      // copy of the model from them.
-      local.Clear();
-      local.numel = sh.data.size() / w;
-      local.elem_size = w;
-      local.wide = local.numel >= (uint64_t{1} << 32);
-      for (uint64_t k = 0; k < local.numel; ++k) {
-        if (local.wide) {
-          local.pos64.push_back(k);
-        } else {
-          local.pos32.push_back(static_cast<uint32_t>(k));
-        }
-      }
-      local.new_values.assign(sh.data.begin(), sh.data.end());
-      local.old_values.assign(sh.data.begin(), sh.data.end());
-    }
-    stats->changed += local.count();
-    DS_ASSIGN_OR_RETURN(std::vector<stream::TensorChanges> hf,
-                        stream::TranslateChanges(sh.spec, local));
-    for (stream::TensorChanges& tc : hf) {
-      if (tc.changes.count() == 0) continue;
-      (*mine)[tc.name].push_back(std::move(tc));
-    }
-  }
-  stats->diff_s += SecondsSince(t0);
-  return Status::OK();
-}
-
-void Sender::LoseTrainers() {
-  (void)Keep(&trainers_, nullptr);
-  have_local_ = false;
-  if (sharded_ && connect_) {
-    // Rank 0: its copy is rebuilt from the full send that follows, and every
-    // receiver reseeded from it.
-    Drop();
-    have_snapshot_ = false;
-    for (auto& [name, t] : tensors_) {
-      std::fill(t.snapshot.begin(), t.snapshot.end(), 0);
-      std::fill(t.dirty.begin(), t.dirty.end(), 0);
-      t.committed.clear();
-    }
-  }
-}
-
-void Sender::CommitShards(std::span<const ShardedTensor> shards) {
-  local_snapshots_.resize(shards.size());
-  for (size_t i = 0; i < shards.size(); ++i) {
-    local_snapshots_[i].assign(shards[i].data.begin(), shards[i].data.end());
-  }
-  have_local_ = true;
-}
-
-// Batches of the sharded gather: the model's tensors in name order, cut
-// where their dense bytes pass `budget` (every rank cuts alike).
-std::vector<std::vector<const ModelTensor*>> Batches(std::span<const ModelTensor> model,
-                                                     uint64_t budget) {
-  std::vector<const ModelTensor*> sorted;
-  for (const ModelTensor& m : model) sorted.push_back(&m);
-  std::sort(sorted.begin(), sorted.end(),
-            [](const ModelTensor* a, const ModelTensor* b) { return a->name < b->name; });
-  std::vector<std::vector<const ModelTensor*>> out;
-  uint64_t bytes = 0;
-  for (const ModelTensor* m : sorted) {
-    Result<int64_t> n = ShapeNumel(m->shape);
-    const uint64_t b = (n.ok() ? static_cast<uint64_t>(*n) : 0) * DTypeSize(m->dtype);
-    if (out.empty() || (bytes > 0 && bytes + b > budget)) {
-      out.emplace_back();
-      bytes = 0;
-    }
-    out.back().push_back(m);
-    bytes += b;
-  }
-  return out;
-}
-
-// One batch's tensor list and this rank's changes of them (moved out of
-// `mine`; none when `mine` is null: the rank refuses).
-void BatchInput(const std::vector<const ModelTensor*>& tensors,
-                std::map<std::string, std::vector<stream::TensorChanges>, std::less<>>* mine,
-                std::vector<stream::GatherTensor>* list,
-                std::vector<stream::TensorChanges>* batch) {
-  for (const ModelTensor* m : tensors) {
-    list->push_back({m->name, m->dtype, m->shape});
-    if (mine == nullptr) continue;
-    auto it = mine->find(m->name);
-    if (it == mine->end()) continue;
-    for (stream::TensorChanges& tc : it->second) batch->push_back(std::move(tc));
-  }
-}
-
-Result<SyncStats> Sender::SyncShardsAlone(std::span<const ModelTensor> model,
-                                          std::span<const ShardedTensor> shards) {
-  if (!sharded_) return Status::FailedPrecondition("this sender syncs whole tensors with Sync");
-  DS_RETURN_IF_ERROR(ConnectTrainers());
-  if (trainers_->rank() == 0) return SyncShardsAsRank0(model, shards);
-
-  SyncStats stats;
-  std::map<std::string, std::vector<stream::TensorChanges>, std::less<>> mine;
-  // A rank that cannot diff still takes part, sending nothing, so that the
-  // others are not left waiting; rank 0 fails the sync.
-  Status local = DiffShards(model, shards, &mine, &stats);
-  const auto batches = Batches(model, 4 * options_.bucket_bytes);
-  Status gathered = Status::OK();
-  for (size_t b = 0; b < batches.size() && gathered.ok(); ++b) {
-    std::vector<stream::GatherTensor> list;
-    std::vector<stream::TensorChanges> batch;
-    BatchInput(batches[b], local.ok() ? &mine : nullptr, &list, &batch);
-    Status g = stream::GatherChanges(*trainers_, b, list, batch, local).status();
-    // This rank's own refusal leaves the group usable; anything else not.
-    if (!g.ok() && (local.ok() || trainers_->health().ok() == false)) gathered = g;
-  }
-  uint8_t decision = 0;
-  Status told = gathered.ok() ? trainers_->Broadcast(0, std::span(&decision, 1)) : gathered;
-  ++local_syncs_;
-  if (!told.ok()) {
-    LoseTrainers();
-    return Status(told.code(), "sharded sync: " + told.message());
-  }
-  if (!local.ok()) return local;
-  if (decision != 1) {
-    return Status::Aborted("sharded sync: rank 0 failed the sync (its error says why)");
-  }
-  CommitShards(shards);
-  stats.sync_id = local_syncs_;
-  return stats;
-}
-
-Result<SyncStats> Sender::SyncShardsAsRank0(std::span<const ModelTensor> model,
-                                            std::span<const ShardedTensor> shards) {
-  const Clock::time_point start = Clock::now();
-  std::vector<TensorMeta> metas;
-  for (const ModelTensor& m : model) metas.push_back({m.name, m.dtype, &m.shape, {}, {}});
-  std::vector<TensorState*> order;
-  Status checked = CheckModel(metas, &order);
-  std::map<std::string, std::vector<stream::TensorChanges>, std::less<>> mine;
-  SyncStats local_stats;
-  Status local = checked.ok() ? DiffShards(model, shards, &mine, &local_stats) : checked;
-  Round round;
-  Status begun = local.ok() ? BeginSync(&round, start) : local;
-  round.stats.changed = 0;
-  round.stats.diff_s = local_stats.diff_s;
-  // The gathered changes, kept until the decision: the commit writes them
-  // into the snapshot.
-  std::map<std::string, ChangeSet, std::less<>> kept;
-  const auto batches = Batches(model, 4 * options_.bucket_bytes);
-  Status gathered = Status::OK();
-  for (size_t b = 0; b < batches.size(); ++b) {
-    std::vector<stream::GatherTensor> list;
-    std::vector<stream::TensorChanges> batch;
-    BatchInput(batches[b], local.ok() ? &mine : nullptr, &list, &batch);
-    const auto t0 = Clock::now();
-    Result<std::vector<stream::TensorChanges>> all =
-        stream::GatherChanges(*trainers_, b, list, batch, local);
-    round.stats.diff_s += SecondsSince(t0);
-    if (!all.ok()) {
-      // A refusal (this rank's or another's) fails the sync, but every
-      // batch is still exchanged so that no rank is left waiting.
-      if (gathered.ok()) gathered = all.status();
-      if (!trainers_->health().ok()) break;
-      continue;
-    }
-    if (!gathered.ok()) continue;
-    if (!begun.ok() || !round.streamed.ok()) continue;
-    for (stream::TensorChanges& tc : *all) {
-      TensorState& t = tensors_.find(tc.name)->second;
-      const ChangeSet& cs = tc.changes;
-      // A full send carries every element the contributing ranks hold, so
-      // an element it lacks is held by none of them: the receivers would
-      // get zeros there. Overlaps the gather refuses by itself.
-      if (!have_local_ && cs.count() != t.numel) {
-        uint64_t gap = 0;
-        while (gap < cs.count() && cs.position(gap) == gap) ++gap;
-        round.streamed = Status::InvalidArgument(
-            "sharded sync: tensor '" + t.name + "': element " + std::to_string(gap) + " (of " +
-            std::to_string(t.numel) + ", " + std::to_string(t.numel - cs.count()) +
-            " in all) is held by no trainer rank that contributes (a rank whose shard spec "
-            "has contributes=False sends nothing): every element needs a contributing rank");
-        break;
-      }
-      // The unit's slice of the tensor's changes, positions made relative.
-      const auto slice = [&](uint64_t first, uint64_t count, uint64_t* lo, uint64_t* hi) {
-        uint64_t a = 0, z = cs.count();
-        while (a < z) {  // first position >= first
-          const uint64_t mid = (a + z) / 2;
-          if (cs.position(mid) < first)
-            a = mid + 1;
-          else
-            z = mid;
-        }
-        *lo = a;
-        z = cs.count();
-        while (a < z) {  // first position >= first + count
-          const uint64_t mid = (a + z) / 2;
-          if (cs.position(mid) < first + count)
-            a = mid + 1;
-          else
-            z = mid;
-        }
-        *hi = a;
-      };
-      UnitSource src;
-      src.changes = [&](uint64_t first, uint64_t count, ChangeSet* out) -> Status {
-        uint64_t lo = 0, hi = 0;
-        slice(first, count, &lo, &hi);
-        out->Clear();
-        out->numel = count;
-        out->elem_size = t.w;
-        for (uint64_t k = lo; k < hi; ++k) {
-          const uint64_t p = cs.position(k);
-          // The ranks' snapshots and rank 0's copy hold one committed state.
-          if (std::memcmp(cs.old_values.data() + k * t.w, t.snapshot.data() + p * t.w, t.w) != 0) {
-            return Status::Internal("tensor '" + t.name + "' element " + std::to_string(p) +
-                                    ": a trainer rank's snapshot differs from rank 0's copy of "
-                                    "the committed state");
-          }
-          out->pos32.push_back(static_cast<uint32_t>(p - first));
-        }
-        out->new_values.assign(cs.new_values.begin() + lo * t.w, cs.new_values.begin() + hi * t.w);
-        out->old_values.assign(cs.old_values.begin() + lo * t.w, cs.old_values.begin() + hi * t.w);
-        return Status::OK();
-      };
-      src.dense = [&](uint64_t first, uint64_t count) -> Result<std::span<const uint8_t>> {
-        uint64_t lo = 0, hi = 0;
-        slice(first, count, &lo, &hi);
-        scratch_.assign(t.snapshot.begin() + first * t.w,
-                        t.snapshot.begin() + (first + count) * t.w);
-        for (uint64_t k = lo; k < hi; ++k) {
-          std::memcpy(scratch_.data() + (cs.position(k) - first) * t.w,
-                      cs.new_values.data() + k * t.w, t.w);
-        }
-        return std::span<const uint8_t>(scratch_);
-      };
-      round.streamed = StreamTensor(t, src, &round);
-      if (!round.streamed.ok()) break;
-      kept[tc.name] = std::move(tc.changes);
-    }
-  }
-  if (!gathered.ok() && !trainers_->health().ok()) {
-    // The trainer group is broken for every rank; so is this sync for
-    // every receiver.
-    LoseTrainers();
-    return Status(gathered.code(), "sharded sync: the gather failed: " + gathered.message());
-  }
-  if (!gathered.ok() && round.streamed.ok()) round.streamed = gathered;
-  Result<SyncStats> ended = begun;
-  if (begun.ok()) {
-    if (!local.ok()) round.streamed = local;
-    ended = EndSync(&round, order, [&]() -> Status {
-      for (TensorState* t : order) {
-        auto it = kept.find(t->name);
-        if (it == kept.end()) continue;
-        const ChangeSet& cs = it->second;
-        for (uint64_t k = 0; k < cs.count(); ++k) {
-          std::memcpy(t->snapshot.data() + cs.position(k) * t->w, cs.new_values.data() + k * t->w,
-                      t->w);
-        }
-      }
-      return Status::OK();
-    });
-  }
-  uint8_t decision = ended.ok() ? 1 : 0;
-  if (Status s = trainers_->Broadcast(0, std::span(&decision, 1)); !s.ok()) {
-    // The other ranks may not have the decision, so no rank's snapshot can
-    // be trusted to match the others': all start again from a full send.
-    LoseTrainers();
-    return Status(s.code(), "sharded sync: telling the trainer ranks: " + s.message());
-  }
-  if (!ended.ok()) return ended.status();
-  CommitShards(shards);
-  ended->changed = 0;
-  for (const auto& [name, cs] : kept) ended->changed += cs.count();
-  return ended;
-}
-
 Result<std::span<const uint8_t>> Sender::Snapshot(std::string_view name) const {
+  if (sharded_) {
+    return Status::FailedPrecondition(
+        "a sharded sender holds no whole tensor (each rank keeps its own shards: ShardSnapshot)");
+  }
   auto it = tensors_.find(name);
   if (it == tensors_.end() || !have_snapshot_) {
     return Status::NotFound("no committed state of tensor '" + std::string(name) + "'");
@@ -1442,7 +847,7 @@ Result<std::span<const uint8_t>> Sender::Snapshot(std::string_view name) const {
   return std::span<const uint8_t>(it->second.snapshot);
 }
 
-}  // namespace
+}  // namespace stream_sender
 
 std::string_view StreamEncodingName(StreamEncoding encoding) {
   switch (encoding) {
@@ -1466,24 +871,24 @@ Result<std::unique_ptr<StreamSender>> StreamSender::CreateSharded(CommunicatorFa
                                                                   CommunicatorFactory stream_group,
                                                                   SenderOptions options) {
   if (!trainer_group) return Status::InvalidArgument("StreamSender: no trainer group factory");
-  if (options.bucket_bytes < kMinBucketBytes ||
+  if (options.bucket_bytes < stream_sender::kMinBucketBytes ||
       options.bucket_bytes > stream::kMaxFlushFrameBytes) {
     return Status::InvalidArgument("bucket_bytes " + std::to_string(options.bucket_bytes) +
                                    ": at least 64 KiB and at most 2^40");
   }
   return std::unique_ptr<StreamSender>(
-      new Sender(std::move(trainer_group), std::move(stream_group), options));
+      new stream_sender::Sender(std::move(trainer_group), std::move(stream_group), options));
 }
 
 Result<std::unique_ptr<StreamSender>> StreamSender::Create(CommunicatorFactory connect,
                                                            SenderOptions options) {
   if (!connect) return Status::InvalidArgument("StreamSender: no communicator factory");
-  if (options.bucket_bytes < kMinBucketBytes ||
+  if (options.bucket_bytes < stream_sender::kMinBucketBytes ||
       options.bucket_bytes > stream::kMaxFlushFrameBytes) {
     return Status::InvalidArgument("bucket_bytes " + std::to_string(options.bucket_bytes) +
                                    ": at least 64 KiB and at most 2^40");
   }
-  return std::unique_ptr<StreamSender>(new Sender(std::move(connect), options));
+  return std::unique_ptr<StreamSender>(new stream_sender::Sender(std::move(connect), options));
 }
 
 }  // namespace deltasync

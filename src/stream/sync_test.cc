@@ -557,12 +557,27 @@ TEST_F(SyncTest, FourShardedTrainerRanksKeepThreeReceiversBitExactOverTwentySync
       Status same = rig->Matches(m);
       EXPECT_TRUE(same.ok()) << "sync " << sync_id << ": " << same.ToString();
     }
-    for (const SyncTensor& t : m.tensors) {
-      Result<std::span<const uint8_t>> snap = ranks[0]->Snapshot(t.name);
-      ASSERT_TRUE(snap.ok());
-      EXPECT_TRUE(std::equal(snap->begin(), snap->end(), t.data.begin(), t.data.end()))
-          << "sync " << sync_id << ": rank 0's copy of " << t.name;
+    // Each rank's snapshot holds its own shards as committed, and no rank
+    // holds a whole tensor.
+    for (int r = 0; r < kRanks; ++r) {
+      const std::vector<ShardSpec> specs = RankSpecs(r);
+      for (size_t i = 0; i < specs.size(); ++i) {
+        Result<std::span<const uint8_t>> snap = ranks[r]->ShardSnapshot(i);
+        bool contributes = false;
+        for (const ShardPiece& p : specs[i].pieces) {
+          contributes = contributes || (specs[i].contributes && p.contributes);
+        }
+        if (!contributes) {
+          EXPECT_EQ(snap.status().code(), StatusCode::kNotFound) << "rank " << r << " shard " << i;
+          continue;
+        }
+        ASSERT_TRUE(snap.ok()) << snap.status().ToString();
+        const std::vector<uint8_t> want = Extract(specs[i], m);
+        EXPECT_TRUE(std::equal(snap->begin(), snap->end(), want.begin(), want.end()))
+            << "sync " << sync_id << ": rank " << r << "'s snapshot of shard " << i;
+      }
     }
+    EXPECT_EQ(ranks[0]->Snapshot("a.weight").status().code(), StatusCode::kFailedPrecondition);
   }
   for (ReceiverRig* r : {&whole, &rows, &cols}) r->RequestStop();
   ranks.clear();

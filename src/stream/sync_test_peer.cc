@@ -3,6 +3,7 @@
 //
 //   stream_sync_test_peer receive RENDEZVOUS RANK SIZE OUT_FILE DIE_AT_SYNC TIMEOUT_MS
 //   stream_sync_test_peer send RENDEZVOUS SIZE STEPS TIMEOUT_MS
+//   stream_sync_test_peer shard TRAINER_RENDEZVOUS RANK START STEPS TIMEOUT_MS
 //
 // receive: registers sync_test::Model's tensors whole and takes syncs until
 // the test ends it. After each sync it applied, it writes every tensor's
@@ -14,10 +15,18 @@
 // failed sync up to 5 times; exits 0 once every step is synced, 1 when a
 // step could not be.
 //
+// shard: trainer rank RANK (1 .. 3) of the 4-rank sharded trainer of
+// sync_test::RankSpecs, holding sync_test::ShardedModel(9) after step
+// min(k, STEPS) for k = START .. STEPS + 3 (ShardedModel's Step(3000 + i,
+// 0.05) for i = 1 .. k): one sync a step, as a trainer syncs after each
+// step whatever became of the last one, and three more of the last step's
+// model, which repair any that failed. Exits 0.
+//
 // Exits 2 for bad usage.
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -34,7 +43,9 @@ int Usage() {
   std::fprintf(stderr,
                "usage: stream_sync_test_peer receive RENDEZVOUS RANK SIZE OUT_FILE DIE_AT_SYNC "
                "TIMEOUT_MS\n"
-               "       stream_sync_test_peer send RENDEZVOUS SIZE STEPS TIMEOUT_MS\n");
+               "       stream_sync_test_peer send RENDEZVOUS SIZE STEPS TIMEOUT_MS\n"
+               "       stream_sync_test_peer shard TRAINER_RENDEZVOUS RANK START STEPS "
+               "TIMEOUT_MS\n");
   return 2;
 }
 
@@ -98,13 +109,47 @@ int Send(const Rendezvous& where, int size, int steps, int timeout_ms) {
   return 0;
 }
 
+// Syncs of the last step's model after the last step.
+constexpr int kRepairSyncs = 3;
+
+// The sharded trainer's model after step k (k = 0: as made).
+sync_test::Model ShardedStep(int k) {
+  sync_test::Model m = sync_test::ShardedModel(9);
+  for (int i = 1; i <= k; ++i) m.Step(3000 + i, 0.05);
+  return m;
+}
+
+int Shard(const Rendezvous& trainers, int rank, int start, int steps, int timeout_ms) {
+  const CommunicatorOptions o = comm_test::LoopbackOptions(
+      trainers, rank, 4, std::chrono::milliseconds(timeout_ms), "trainers");
+  Result<std::unique_ptr<StreamSender>> s =
+      StreamSender::CreateSharded([o] { return CreateCommunicator("gloo", o); }, nullptr);
+  if (!s.ok()) return 2;
+  const std::vector<ShardSpec> specs = sync_test::RankSpecs(rank);
+  for (int k = start; k <= steps + kRepairSyncs; ++k) {
+    const sync_test::Model m = ShardedStep(std::min(k, steps));
+    std::vector<ModelTensor> model;
+    for (const SyncTensor& t : m.tensors) model.push_back({t.name, t.dtype, t.shape});
+    std::vector<std::vector<uint8_t>> bytes;
+    std::vector<ShardedTensor> shards;
+    for (const ShardSpec& spec : specs) bytes.push_back(sync_test::Extract(spec, m));
+    for (size_t i = 0; i < specs.size(); ++i) shards.push_back({specs[i], bytes[i]});
+    Result<SyncStats> r = (*s)->SyncShards(model, shards);
+    if (!r.ok()) {
+      std::fprintf(stderr, "stream_sync_test_peer shard: step %d: %s\n", k,
+                   r.status().ToString().c_str());
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 2) return Usage();
   const std::string role = argv[1];
   if ((role == "receive" && argc != 8) || (role == "send" && argc != 6) ||
-      (role != "receive" && role != "send")) {
+      (role == "shard" && argc != 7) || (role != "receive" && role != "send" && role != "shard")) {
     return Usage();
   }
   Result<Rendezvous> where = ParseRendezvous(argv[2]);
@@ -115,6 +160,10 @@ int main(int argc, char** argv) {
   if (role == "receive") {
     return Receive(*where, std::atoi(argv[3]), std::atoi(argv[4]), argv[5],
                    std::strtoull(argv[6], nullptr, 10), std::atoi(argv[7]));
+  }
+  if (role == "shard") {
+    return Shard(*where, std::atoi(argv[3]), std::atoi(argv[4]), std::atoi(argv[5]),
+                 std::atoi(argv[6]));
   }
   return Send(*where, std::atoi(argv[3]), std::atoi(argv[4]), std::atoi(argv[5]));
 }

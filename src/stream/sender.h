@@ -1,0 +1,374 @@
+// The stream's sender, shared by the whole-tensor sender (sync_sender.cc)
+// and the sharded one (sharded_sender.cc): the state of a sync on rank 0,
+// the frames of its receiver groups, and the commit protocol
+// (include/deltasync/stream.h; docs/format.md, "Stream: commit protocol",
+// "Stream: sharded sync").
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "deltasync/diff.h"
+#include "deltasync/shard.h"
+#include "deltasync/stream.h"
+#include "stream/device_path.h"
+#include "stream/frame.h"
+#include "stream/shard_changes.h"
+#include "stream/shard_layout.h"
+#include "stream/state_digest.h"
+#include "stream/sync_messages.h"
+
+namespace deltasync::stream_sender {
+
+using stream::DigestBlock;
+using stream::Envelope;
+using stream::FlushHeader;
+using stream::FlushWriter;
+using stream::FrameKind;
+using stream::MessageType;
+using stream::Positions;
+using stream::Registration;
+using stream::StateDigest;
+using stream::TensorRange;
+using Clock = std::chrono::steady_clock;
+
+constexpr uint64_t kMinBucketBytes = uint64_t{64} << 10;
+// Room a frame keeps for its header, manifest entry and trailer beside one
+// unit's positions and values.
+constexpr uint64_t kFrameReserve = 8192;
+// Frame buckets kept from one sync to the next (one per kind of receiver).
+constexpr size_t kSpareBuckets = 2;
+// Elements a device tensor diffs per kernel call (about what its scratch
+// holds: positions, new and old values of a whole chunk).
+constexpr uint64_t kDeviceChunkElements = uint64_t{1} << 25;
+// A sharded rank's unit of its local tensors: what a failed sync marks
+// dirty and a commit copies (docs/format.md, "Stream: sharded sync").
+constexpr uint64_t kLocalUnit = uint64_t{1} << 20;
+
+using BlockKey = std::tuple<uint64_t, uint64_t, uint64_t, uint64_t>;
+
+inline BlockKey KeyOf(const DigestBlock& b) { return {b.first, b.count, b.rows, b.row_stride}; }
+inline DigestBlock BlockOf(const BlockKey& k) {
+  return {std::get<0>(k), std::get<1>(k), std::get<2>(k), std::get<3>(k)};
+}
+
+inline bool Covers(const DigestBlock& b, uint64_t numel) {
+  return b.first == 0 && b.count == numel && b.rows == 1;
+}
+
+inline bool InBlock(const DigestBlock& b, uint64_t p) {
+  if (p < b.first) return false;
+  const uint64_t off = p - b.first;
+  if (b.rows == 1) return off < b.count;
+  const uint64_t row = off / b.row_stride;
+  return row < b.rows && off % b.row_stride < b.count;
+}
+
+// Sends one finished frame to each of `ranks` in turn.
+inline Status SendFrame(Communicator& comm, const std::vector<int>& ranks, bool last,
+                        std::span<const uint8_t> frame, uint64_t* bytes_sent) {
+  for (int r : ranks) {
+    if (Status s = stream::SendMessage(comm, r, MessageType::kFrame, last, frame); !s.ok()) {
+      return Status(s.code(), "receiver " + std::to_string(r) + ": " + s.message());
+    }
+    *bytes_sent += stream::kEnvelopeBytes + frame.size();
+  }
+  return Status::OK();
+}
+
+struct TensorState {
+  std::string name;
+  DType dtype = DType::kU8;
+  std::vector<int64_t> shape;
+  uint64_t numel = 0;
+  uint32_t w = 1;
+  uint64_t unit = 1;              // elements per unit of work
+  std::vector<uint8_t> snapshot;  // the committed state (empty before it)
+  // A device tensor's snapshot and diff (then `snapshot` stays empty).
+  std::unique_ptr<stream::DeviceSource> device;
+  std::vector<uint8_t> dirty;                 // per unit: changed by a failed sync
+  std::vector<uint8_t> changed;               // per unit: changed by the current sync
+  std::map<BlockKey, StateDigest> committed;  // the snapshot's digest per held block
+  std::map<BlockKey, StateDigest> expected;   // at the end of the current sync
+
+  uint64_t units() const { return numel == 0 ? 0 : (numel + unit - 1) / unit; }
+};
+
+struct Peer {
+  int rank = 0;
+  bool need_seed = true;
+  bool partial = false;                                    // holds some of the tensors on purpose
+  std::map<std::string, DigestBlock, std::less<>> blocks;  // held tensors
+  std::string layout;                                      // the held names, one key per set
+};
+
+// Where a tensor's changes and values come from, one unit of work at a
+// time: `changes` fills the unit's changes against the snapshot (positions
+// from the unit's first element, new and old values); `dense` gives the
+// unit's current values (valid until the next call). `whole_digest`, when
+// set, gives the unit's share of the whole tensor's digest (its change
+// since the snapshot, or before one its digest) in place of computing it
+// from the changes.
+struct UnitSource {
+  std::function<Status(uint64_t first, uint64_t count, ChangeSet* out)> changes;
+  std::function<Result<std::span<const uint8_t>>(uint64_t first, uint64_t count)> dense;
+  std::function<Result<StateDigest>(uint64_t first, uint64_t count, bool seed)> whole_digest;
+  // Whether `dense` can give the unit's values, the unit having `changed`
+  // changes; unset: always. A sharded rank 0 holds no copy of the model:
+  // only a unit whose every element changed, or whose dense values were
+  // gathered, can go dense.
+  std::function<bool(uint64_t first, uint64_t count, uint64_t changed)> can_dense;
+};
+
+// One tensor's part of a sync while its units stream (a sharded sync
+// streams a large tensor over several batches): the change of each held
+// block's digest so far, and the blocks whose digest is computed whole from
+// the dense values instead (before any commit, or a block no receiver held
+// at the last commit).
+struct TensorRound {
+  std::map<BlockKey, StateDigest> delta;
+  std::set<BlockKey> whole;
+};
+
+// A tensor by name, dtype and shape, with or without bytes.
+struct TensorMeta {
+  std::string_view name;
+  DType dtype;
+  const std::vector<int64_t>* shape;
+  std::span<const uint8_t> data;  // empty for a sharded model's
+  Placement place;
+};
+
+class Sender final : public StreamSender {
+ public:
+  Sender(CommunicatorFactory connect, SenderOptions options)
+      : connect_(std::move(connect)), options_(options) {}
+  Sender(CommunicatorFactory trainer, CommunicatorFactory connect, SenderOptions options)
+      : connect_(std::move(connect)),
+        trainer_connect_(std::move(trainer)),
+        options_(options),
+        sharded_(true) {}
+  ~Sender() override { (void)Land(nullptr); }
+
+  Result<SyncStats> Sync(std::span<const SyncTensor> tensors) override {
+    return Alone([&] { return SyncAlone(tensors); });
+  }
+  Result<SyncStats> SyncShards(std::span<const ModelTensor> model,
+                               std::span<const ShardedTensor> shards) override {
+    return Alone([&] { return SyncShardsAlone(model, shards); });
+  }
+  Result<std::span<const uint8_t>> Snapshot(std::string_view name) const override;
+  Result<std::span<const uint8_t>> ShardSnapshot(size_t index) const override;
+  uint64_t committed_sync_id() const override { return committed_id_; }
+  void Cancel(std::string_view why) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!cancelled_.ok()) return;
+    cancelled_ = Status::Aborted("the sender was cancelled: " + std::string(why));
+    cancel_requested_.store(true);
+    if (comm_) comm_->Cancel(why);
+    if (trainers_) trainers_->Cancel(why);
+  }
+
+ private:
+  // Runs one call, refusing a second thread's while it runs, and any call
+  // once cancelled.
+  template <typename Call>
+  Result<SyncStats> Alone(Call&& call) {
+    if (busy_.exchange(true)) {
+      return Status::FailedPrecondition(
+          "a sync is already running in another thread (one call at a time)");
+    }
+    const Status cancelled = Cancelled();
+    Result<SyncStats> r = cancelled.ok() ? call() : Result<SyncStats>(cancelled);
+    busy_.store(false);
+    return r;
+  }
+  Status Cancelled() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cancelled_;
+  }
+  // Sets or clears a communicator Cancel reaches.
+  Status Keep(std::unique_ptr<Communicator>* slot, std::unique_ptr<Communicator> c) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (c && !cancelled_.ok()) return cancelled_;
+    *slot = std::move(c);
+    return Status::OK();
+  }
+  Result<SyncStats> SyncAlone(std::span<const SyncTensor> tensors);
+  Result<SyncStats> SyncShardsAlone(std::span<const ModelTensor> model,
+                                    std::span<const ShardedTensor> shards);
+
+  // The receivers of one kind (seed or delta) holding one set of tensors:
+  // they take the same frames.
+  struct Group {
+    bool seed = false;
+    std::vector<size_t> members;  // indices into peers_
+    std::set<std::string, std::less<>> holds;
+    std::set<std::string, std::less<>> named;  // tensors its entries named
+    FlushWriter writer;
+    std::vector<uint8_t> bucket;
+    // Device tensors over a communicator that sends device memory: the
+    // frames are built in this device bucket instead (the records frame
+    // that ends the sync still goes through `bucket`).
+    std::unique_ptr<stream::DeviceFrame> device;
+    uint32_t frames = 0;
+    bool open = false;
+    // Its finished frames travel on the flight thread while the next one
+    // fills (a round of one group: its bucket and the flight's are the two
+    // the sender holds).
+    bool overlap = false;
+  };
+
+  // The frame on its way to a group's receivers, sent on a thread of its
+  // own while the caller diffs and encodes the next one. Only that thread
+  // uses the stream communicator until Land returns.
+  struct Flight {
+    std::thread thread;
+    std::vector<uint8_t> frame;                   // in flight, or the idle second bucket
+    std::unique_ptr<stream::DeviceFrame> device;  // the same, in device memory
+    Status status;
+    double seconds = 0;
+    uint64_t bytes = 0;
+  };
+
+  // One sync's state on rank 0, from BeginSync to EndSync.
+  struct Round {
+    uint64_t sync_id = 0;
+    SyncStats stats;
+    std::vector<std::unique_ptr<Group>> groups;
+    std::vector<Group*> group_of;
+    Status streamed;
+    Clock::time_point start;
+    bool device_frames = false;  // every group builds its frames on the device
+  };
+
+  Status CheckModel(std::span<const TensorMeta> tensors, std::vector<TensorState*>* order);
+  // `start`: when the sync call began (its total_s counts from there).
+  Status BeginSync(Round* round, Clock::time_point start);
+  // Records, reports, and the decision; on success `commit` advances the
+  // snapshot, on failure nothing advances.
+  Result<SyncStats> EndSync(Round* round, const std::vector<TensorState*>& order,
+                            const std::function<Status()>& commit);
+  // The snapshot is not known to hold the committed state: the next sync
+  // seeds every receiver.
+  void ForgetSnapshot();
+  // Sharded (sharded_sender.cc): this rank's part of a sync, every rank.
+  // The local shards' checks against the model and the first sync's.
+  Status CheckShards(std::span<const ModelTensor> model, std::span<const ShardedTensor> shards);
+  // The layout exchange; on rank 0 its check too. Sets layout_ready_ on
+  // rank 0 when accepted.
+  Status ExchangeShardLayout(std::span<const ModelTensor> model,
+                             std::span<const ShardedTensor> shards, const Status& local);
+  // This rank's changes of `segments` (dirty units resent whole), in the HF
+  // tensors' coordinates, and the local units they cover marked changed.
+  Status DiffSegments(std::span<const ShardedTensor> shards,
+                      std::span<const stream::Segment> segments,
+                      std::vector<stream::TensorChanges>* out, uint64_t* changed);
+  // Rank 0: streams the segments of one batch to the receiver groups.
+  Status StreamSegments(std::span<const stream::Segment> segments,
+                        std::span<stream::TensorChanges> changes,
+                        std::span<const std::span<uint8_t>> dense, Round* round,
+                        std::map<std::string, TensorRound, std::less<>>* rounds);
+  // After rank 0's decision: commits this rank's snapshots or marks the
+  // units the sync covered dirty.
+  void SettleShards(std::span<const ShardedTensor> shards, bool commit);
+  Status Connect();
+  Status Handshake(uint64_t sync_id);
+  void Drop() {
+    (void)Land(nullptr);
+    (void)Keep(&comm_, nullptr);
+    welcomed_ = false;
+  }
+  Status Begin(Group& g, uint64_t sync_id, bool last, bool verify_all);
+  // Finishes the group's frame and sends it to the group (on the flight
+  // thread when the group overlaps).
+  Status Flush(Group& g, bool last, SyncStats* stats);
+  // Waits for the frame in flight, if any: its send's status, its time and
+  // bytes added to `stats` (when given).
+  Status Land(SyncStats* stats);
+  // Adds one entry to the group's frame through add(g) (false: it did not
+  // fit), finishing and sending the frame and starting the next as needed.
+  template <typename AddFn>
+  Status Add(Group& g, uint64_t sync_id, SyncStats* stats, AddFn&& add);
+  // The device context every tensor lives on, when they all live on one
+  // device: frames can then be built there.
+  stream::DeviceContext* FrameDevice() const;
+  Status StreamTensor(TensorState& t, const UnitSource& src, Round* round);
+  // StreamTensor in parts: Begin, the units [u_begin, u_end) (any number of
+  // times, in order, covering every unit once), End.
+  void BeginTensor(TensorState& t, TensorRound* tr);
+  Status StreamUnits(TensorState& t, const UnitSource& src, Round* round, TensorRound* tr,
+                     uint64_t u_begin, uint64_t u_end);
+  void EndTensor(TensorState& t, const TensorRound& tr);
+  Status SendRecords(Peer& peer, Group& g, uint64_t sync_id, bool verify_all,
+                     const std::vector<TensorState*>& order, SyncStats* stats);
+
+  Status ConnectTrainers();
+  // A failure of the trainer group: every rank starts again from a full
+  // send (rank 0 also reseeds every receiver).
+  void LoseTrainers();
+
+  CommunicatorFactory connect_;
+  CommunicatorFactory trainer_connect_;
+  SenderOptions options_;
+  bool sharded_ = false;
+  std::unique_ptr<Communicator> trainers_;
+  // Sharded, every rank: its local tensors' committed snapshots (empty for
+  // one that contributes nothing), their units a failed sync changed
+  // (dirty) and the current sync changed, in units of kLocalUnit elements.
+  struct LocalShard {
+    ShardSpec spec;
+    uint32_t w = 1;
+    uint64_t numel = 0;
+    bool contributes = false;
+    std::vector<uint8_t> snapshot;
+    std::vector<uint8_t> dirty;
+    std::vector<uint8_t> changed;
+  };
+  std::vector<LocalShard> local_;
+  bool have_local_ = false;  // the snapshots hold a committed state
+  // The layout was exchanged (and on rank 0 accepted) on this formation of
+  // the trainer group; rank 0 keeps every rank's contributing pieces.
+  bool layout_ready_ = false;
+  std::vector<std::vector<ShardSpec>> layouts_;
+  std::vector<stream::PiecesByTensor> pieces_;
+  uint64_t local_syncs_ = 0;  // sharded: syncs taken part in
+  std::vector<uint8_t> scratch_;
+  std::vector<std::vector<uint8_t>> spare_buckets_;  // the last sync's, reused
+  std::vector<std::unique_ptr<stream::DeviceFrame>> spare_device_frames_;
+  void* frame_stream_ = nullptr;  // the stream of the device tensor being streamed
+  Flight flight_;
+  std::unique_ptr<Communicator> comm_;
+  bool welcomed_ = false;
+  std::vector<Peer> peers_;
+  std::map<std::string, TensorState, std::less<>> tensors_;
+  std::map<int, std::unique_ptr<stream::DeviceContext>> devices_;  // by CUDA device
+  bool have_snapshot_ = false;
+  uint64_t bucket_reserve_ = 0;
+  uint64_t next_sync_id_ = 1;
+  uint64_t committed_id_ = 0;
+  DiffOptions diff_;
+  ChangeSet changes_;
+  std::vector<uint64_t> scratch_positions_;
+  // Cancel's state, and the lock under which comm_ and trainers_ are set
+  // and cleared (the calling thread reads them without it).
+  mutable std::mutex mu_;
+  Status cancelled_;
+  std::atomic<bool> cancel_requested_{false};  // cancelled_ set, for formations
+  std::atomic<bool> busy_{false};
+};
+
+}  // namespace deltasync::stream_sender
