@@ -8,8 +8,15 @@
 // "Communicator messages (gloo)"): a fixed header, checked before the payload is
 // posted, so that the payload's receive buffer always has the payload's
 // size.
+#include <dirent.h>
+#include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 
+#include <algorithm>
+#include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <exception>
@@ -17,6 +24,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -26,6 +34,7 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/device.h>
+#include <gloo/transport/tcp/address.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
 
@@ -95,6 +104,72 @@ bool DecodeHeader(const uint8_t* in, Header* h) {
   return true;
 }
 
+// Whether two socket addresses name the same host and port.
+bool SameEndpoint(const sockaddr_storage& a, const sockaddr_storage& b) {
+  if (a.ss_family != b.ss_family) return false;
+  if (a.ss_family == AF_INET) {
+    const auto& x = reinterpret_cast<const sockaddr_in&>(a);
+    const auto& y = reinterpret_cast<const sockaddr_in&>(b);
+    return x.sin_port == y.sin_port && x.sin_addr.s_addr == y.sin_addr.s_addr;
+  }
+  if (a.ss_family == AF_INET6) {
+    const auto& x = reinterpret_cast<const sockaddr_in6&>(a);
+    const auto& y = reinterpret_cast<const sockaddr_in6&>(b);
+    return x.sin6_port == y.sin6_port &&
+           std::memcmp(&x.sin6_addr, &y.sin6_addr, sizeof(x.sin6_addr)) == 0;
+  }
+  return false;
+}
+
+// The connections of a formed context, as this process's descriptors. Gloo
+// does not hand them out, so they are found by address: each pair listens
+// on an address of its own and the side that accepts keeps it as its local
+// end, while the side that connects has, as its remote end, the address
+// the peer published for it in the formation's store (its key is the
+// peer's rank; the entries skip the publisher's own rank).
+std::vector<int> FindConnections(::gloo::Context& context, ::gloo::rendezvous::Store& view) {
+  std::vector<sockaddr_storage> local;
+  std::vector<sockaddr_storage> remote;
+  for (int r = 0; r < context.size; ++r) {
+    if (r == context.rank) continue;
+    const auto* self =
+        dynamic_cast<const ::gloo::transport::tcp::Address*>(&context.getPair(r)->address());
+    if (self == nullptr) continue;
+    local.push_back(self->getSockaddr());
+    try {
+      const std::vector<char> all = view.get(std::to_string(r));
+      const size_t n = all.size() / static_cast<size_t>(context.size - 1);
+      const size_t at = static_cast<size_t>(context.rank > r ? context.rank - 1 : context.rank);
+      if (n == 0 || (at + 1) * n > all.size()) continue;
+      const ::gloo::transport::tcp::Address peer(
+          std::vector<char>(all.begin() + at * n, all.begin() + (at + 1) * n));
+      remote.push_back(peer.getSockaddr());
+    } catch (const std::exception&) {
+      // The store no longer has it: that side's socket is not found.
+    }
+  }
+  std::vector<int> found;
+  DIR* d = opendir("/proc/self/fd");
+  if (d == nullptr) return found;
+  while (const dirent* e = readdir(d)) {
+    if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+    const int fd = std::atoi(e->d_name);
+    sockaddr_storage mine = {};
+    sockaddr_storage theirs = {};
+    socklen_t n1 = sizeof(mine);
+    socklen_t n2 = sizeof(theirs);
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&mine), &n1) != 0) continue;
+    if (getpeername(fd, reinterpret_cast<sockaddr*>(&theirs), &n2) != 0) continue;
+    const auto is = [](const std::vector<sockaddr_storage>& set, const sockaddr_storage& a) {
+      return std::any_of(set.begin(), set.end(),
+                         [&](const sockaddr_storage& b) { return SameEndpoint(a, b); });
+    };
+    if (is(local, mine) || is(remote, theirs)) found.push_back(fd);
+  }
+  closedir(d);
+  return found;
+}
+
 // Writing to a socket whose peer has died raises SIGPIPE, whose default
 // action ends the process: Gloo writes with plain writev and expects its
 // user to ignore the signal (Python, say, does at startup). A process
@@ -120,8 +195,16 @@ class GlooCommunicator final : public Communicator {
         received_(options.size, 0) {}
 
   ~GlooCommunicator() override {
+    {
+      std::lock_guard<std::mutex> lock(cancel_mu_);
+      stop_watchdog_ = true;
+      watchdog_cv_.notify_all();
+    }
+    if (watchdog_.joinable()) watchdog_.join();
+    ShutDownConnections();
     // The context's pairs refer to the device; the context goes first.
     context_.reset();
+    for (int fd : connections_) ::close(fd);
     device_.reset();
   }
 
@@ -282,27 +365,50 @@ class GlooCommunicator final : public Communicator {
 
   // Waits for `buf` (its receive when `recv`, else its send) until the
   // deadline, where Cancel can end the wait.
+  //
+  // A wait longer than kWatchSlice (a receiver waiting for the next sync)
+  // is woken by the watchdog every slice, so that it also ends when the
+  // communicator broke by other means than this buffer's own error (Gloo
+  // does not hand a peer's lost connection to every kind of pending
+  // operation), and otherwise goes on waiting.
   Status Await(::gloo::transport::UnboundBuffer* buf, bool recv, const Deadline& deadline,
                std::string_view call, int peer) {
+    const bool watched = deadline.budget() > 2 * kWatchSlice;
     {
       std::lock_guard<std::mutex> lock(cancel_mu_);
       if (!cancelled_.ok())
         return Fail(Status(cancelled_.code(), Where(call, peer) + cancelled_.message()));
       waiting_ = buf;
       waiting_recv_ = recv;
+      waiting_watched_ = watched;
+      if (watched) StartWatchdog();
     }
     bool done = true;
     Status failed;
-    try {
-      done = recv ? buf->waitRecv(nullptr, deadline.remaining())
-                  : buf->waitSend(nullptr, deadline.remaining());
-    } catch (const std::exception& e) {
-      failed = Translate(e, call, peer, deadline);
+    for (;;) {
+      try {
+        done = recv ? buf->waitRecv(nullptr, deadline.remaining())
+                    : buf->waitSend(nullptr, deadline.remaining());
+      } catch (const std::exception& e) {
+        failed = Translate(e, call, peer, deadline);
+      }
+      if (done || !failed.ok()) break;
+      std::lock_guard<std::mutex> lock(cancel_mu_);
+      if (!cancelled_.ok()) break;
+      if (!broken_.ok()) {
+        failed = Status(broken_.code(), Where(call, peer) +
+                                            "the communicator broke while it "
+                                            "waited: " +
+                                            broken_.message());
+        break;
+      }
+      // The watchdog's wake-up: wait on.
     }
     Status cancelled;
     {
       std::lock_guard<std::mutex> lock(cancel_mu_);
       waiting_ = nullptr;
+      waiting_watched_ = false;
       cancelled = cancelled_;
     }
     if (!failed.ok()) return failed;
@@ -313,6 +419,25 @@ class GlooCommunicator final : public Communicator {
     return Status::OK();
   }
 
+  // Needs cancel_mu_. The watchdog wakes a watched wait every kWatchSlice.
+  void StartWatchdog() {
+    if (watchdog_.joinable()) return;
+    watchdog_ = std::thread([this] {
+      std::unique_lock<std::mutex> lock(cancel_mu_);
+      while (!stop_watchdog_) {
+        watchdog_cv_.wait_for(lock, kWatchSlice);
+        if (stop_watchdog_) break;
+        if (waiting_ != nullptr && waiting_watched_) {
+          if (waiting_recv_) {
+            waiting_->abortWaitRecv();
+          } else {
+            waiting_->abortWaitSend();
+          }
+        }
+      }
+    });
+  }
+
   std::string Where(std::string_view call, int peer) const {
     return std::string(call) + " (" + member_ + "): peer rank " + std::to_string(peer) + ": ";
   }
@@ -320,14 +445,38 @@ class GlooCommunicator final : public Communicator {
   // Records the first error and closes every connection, so that no byte
   // lands in a caller's buffer after the call returns and so that the
   // peers' pending and later calls fail at once.
+  //
+  // The connections are closed on a thread of their own, waited for a
+  // little: Gloo's Pair::close holds the pair's lock while it waits for the
+  // device's event loop to tick, and the loop may be waiting for that lock
+  // to handle an event of the same pair (the peer closing it at the same
+  // moment, as every member does when a group breaks at once). The waiting
+  // call must not hang there; the thread keeps the context alive until the
+  // close is done, and no byte reaches a caller's buffer after its call
+  // returns either way (its Gloo buffers are gone, and Gloo writes through
+  // them only while they live).
   Status Fail(Status status) {
     if (broken_.ok()) broken_ = status;
+    ShutDownConnections();
     if (context_) {
-      try {
-        context_->closeConnections();
-      } catch (const std::exception&) {
-        // Already closed or failed: nothing more can arrive either way.
-      }
+      struct Closing {
+        std::mutex mu;
+        std::condition_variable cv;
+        bool done = false;
+      };
+      auto closing = std::make_shared<Closing>();
+      std::thread([ctx = context_, closing] {
+        try {
+          ctx->closeConnections();
+        } catch (const std::exception&) {
+          // Already closed or failed: nothing more can arrive either way.
+        }
+        std::lock_guard<std::mutex> lock(closing->mu);
+        closing->done = true;
+        closing->cv.notify_all();
+      }).detach();
+      std::unique_lock<std::mutex> lock(closing->mu);
+      closing->cv.wait_for(lock, std::chrono::milliseconds(200), [&] { return closing->done; });
     }
     return status;
   }
@@ -520,6 +669,35 @@ class GlooCommunicator final : public Communicator {
   Status cancelled_;
   ::gloo::transport::UnboundBuffer* waiting_ = nullptr;
   bool waiting_recv_ = false;
+  bool waiting_watched_ = false;
+  // Copies of this member's connections (close-on-exec), found once the
+  // group formed; shut down when the member leaves or fails.
+  void HoldConnections(::gloo::rendezvous::Store& view) {
+    for (int fd : FindConnections(*context_, view)) {
+      // Gloo opens its sockets without close-on-exec: a process started
+      // afterwards (a helper, a restarted peer a supervisor spawns) would
+      // otherwise hold the connection open after this member is gone.
+      const int flags = fcntl(fd, F_GETFD);
+      if (flags >= 0) fcntl(fd, F_SETFD, flags | FD_CLOEXEC);
+      const int copy = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+      if (copy >= 0) connections_.push_back(copy);
+    }
+  }
+  // Ends every connection for the peers too, whoever else holds a copy of
+  // its socket (a process forked without exec, say a data loader's worker,
+  // or one started while the group was forming): closing this process's
+  // descriptor alone would then send nothing, and a peer waiting as long
+  // as a training step takes would never notice this member leave.
+  void ShutDownConnections() {
+    for (int fd : connections_) ::shutdown(fd, SHUT_RDWR);
+  }
+  std::vector<int> connections_;
+
+  // Wakes watched waits (Await); started at the first one.
+  static constexpr std::chrono::milliseconds kWatchSlice{500};
+  std::thread watchdog_;
+  std::condition_variable watchdog_cv_;
+  bool stop_watchdog_ = false;
 };
 
 Status GlooCommunicator::Connect(RendezvousStore& store, const Deadline& deadline) {
@@ -540,6 +718,7 @@ Status GlooCommunicator::Connect(RendezvousStore& store, const Deadline& deadlin
     // Bounds each connection's wait, which connectFullMesh makes per peer.
     context_->setTimeout(deadline.remaining());
     context_->connectFullMesh(*view, device_);
+    HoldConnections(*view);
     context_->setTimeout(options_.timeout);
   } catch (const std::exception& e) {
     context_.reset();

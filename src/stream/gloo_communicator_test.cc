@@ -6,6 +6,8 @@
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstring>
@@ -171,6 +173,37 @@ TEST_F(GlooThreads, AutomaticGenerationsCountUpAndEachFormationIsFresh) {
     std::vector<Status> s = OnEveryRank(2, [&](int r) { return c[r]->Barrier(); });
     EXPECT_TRUE(s[0].ok() && s[1].ok()) << s[0].ToString() << s[1].ToString();
   }
+}
+
+// A process forked without exec (a data loader's worker, say) holds copies
+// of every socket its parent had: the member's leaving must still reach its
+// peers, which would otherwise wait on a connection that never closes.
+TEST_F(GlooThreads, AMemberThatLeavesIsNoticedWhileAForkedChildHoldsItsSockets) {
+  auto comms = Form(2);
+  ASSERT_EQ(comms.size(), 2u);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // Only async-signal-safe calls here: the parent has threads.
+    sleep(30);
+    _exit(0);
+  }
+  std::vector<uint8_t> buf(16);
+  Status got;
+  Clock::time_point start;
+  std::thread waiter([&] {
+    start = Clock::now();
+    got = comms[1]->RecvAwaiting(0, buf, 20000ms);
+  });
+  std::this_thread::sleep_for(200ms);
+  comms[0].reset();
+  waiter.join();
+  const auto took = Since(start);
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  EXPECT_EQ(got.code(), StatusCode::kUnavailable) << got.ToString();
+  EXPECT_TRUE(Contains(got, "peer rank 0")) << got.ToString();
+  EXPECT_LT(took, 200ms + kTimeout);
 }
 
 TEST(GlooForm, AMissingMemberIsDeadlineExceededNamingItWithinTheConnectTimeout) {
