@@ -289,7 +289,9 @@ def shard_spec_from_dtensor(name: str, dt: Any) -> ShardSpec:
     local shard holds. ``Shard(d)`` placements split like ``torch.chunk``
     (nested ones too); under ``Replicate`` only the replica at mesh
     coordinate 0 contributes. ``Partial`` placements are refused (reduce
-    them first). Also available as ``ShardSpec.from_dtensor``."""
+    them first), and so is any other kind of shard (``_StridedShard``, as
+    FSDP2 over tensor parallelism makes): describe those with
+    :meth:`ShardSpec.box`. Also available as ``ShardSpec.from_dtensor``."""
     placements = getattr(dt, "placements", None)
     mesh = getattr(dt, "device_mesh", None)
     if placements is None or mesh is None:
@@ -306,7 +308,17 @@ def shard_spec_from_dtensor(name: str, dt: Any) -> ShardSpec:
         if kind == "Replicate":
             contributes = contributes and coord[mesh_dim] == 0
             continue
-        if kind == "Shard" or hasattr(p, "dim") and kind.endswith("Shard"):
+        if kind != "Shard" and kind.endswith("Shard"):
+            # _StridedShard (FSDP2 over TP on a 2-D mesh) and any other kind
+            # of Shard lay elements out otherwise than nested torch.chunk:
+            # read as a plain Shard they would describe elements this rank
+            # does not hold. Never guess.
+            raise UnsupportedError(
+                f"tensor '{name}': a {p!r} placement (deltasync reads Shard and Replicate "
+                "exactly; describe this rank's part with ShardSpec.box(name, dtype, shape, "
+                "offset, extent) instead)"
+            )
+        if kind == "Shard":
             d = int(p.dim)
             if d < 0:
                 d += len(shape)

@@ -325,6 +325,19 @@ def test_shard_spec_from_dtensor_placements():
 
     with pytest.raises(ds.UnsupportedError, match="Partial"):
         ds.ShardSpec.from_dtensor("w", _FakeDTensor(full, [Partial()], _Mesh([2], [0])))
+
+    class _StridedShard(_Shard):  # FSDP2 over TP: not a nested torch.chunk
+        def __init__(self, dim, split_factor):
+            super().__init__(dim)
+            self.split_factor = split_factor
+
+        def __repr__(self):
+            return f"_StridedShard(dim={self.dim}, split_factor={self.split_factor})"
+
+    strided = _FakeDTensor(full, [_Shard(0), _Shard(0)], _Mesh([2, 2], [1, 0]))
+    strided.placements = [_StridedShard(0, 2), _Shard(0)]
+    with pytest.raises(ds.UnsupportedError, match=r"_StridedShard\(dim=0, split_factor=2\)"):
+        ds.ShardSpec.from_dtensor("w", strided)
     with pytest.raises(ds.InvalidArgumentError, match="not a DTensor"):
         ds.ShardSpec.from_dtensor("w", full)
 
