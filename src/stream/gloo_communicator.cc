@@ -716,7 +716,11 @@ Status GlooCommunicator::Connect(RendezvousStore& store, const Deadline& deadlin
   try {
     context_ = std::make_shared<::gloo::rendezvous::Context>(rank(), size());
     // Bounds each connection's wait, which connectFullMesh makes per peer.
-    context_->setTimeout(deadline.remaining());
+    // Gloo waits five times its timeout for a peer to connect to a pair it
+    // listens on (tcp/pair.h, waitUntil): a member that published its
+    // address and died would otherwise hold the formation five times the
+    // connect timeout.
+    context_->setTimeout(std::max(std::chrono::milliseconds(1), deadline.remaining() / 5));
     context_->connectFullMesh(*view, device_);
     HoldConnections(*view);
     context_->setTimeout(options_.timeout);
@@ -725,6 +729,10 @@ Status GlooCommunicator::Connect(RendezvousStore& store, const Deadline& deadlin
     const std::string text = GlooErrorText(e.what());
     const std::optional<int> peer = RankOfMeshKey(waiting_for);
     const std::string who = peer ? "rank " + std::to_string(*peer) : "a member";
+    if (text.find("Connect timeout") != std::string::npos) {
+      return Status::DeadlineExceeded(where + ": " + who + " did not connect within " +
+                                      std::to_string(deadline.budget().count()) + " ms");
+    }
     if (text.find("Wait timeout") != std::string::npos) {
       return Status::DeadlineExceeded(where + ": " + who + " did not join within " +
                                       std::to_string(deadline.budget().count()) + " ms");

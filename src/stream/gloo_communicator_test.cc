@@ -2,8 +2,10 @@
 // checks of one call, and groups of processes (communicator_test_peer) for
 // every operation over both stores, a peer killed with SIGKILL, a silent
 // peer, and a group formed again after a member restarts.
+#include <netinet/in.h>
 #include <signal.h>
 
+#include <gloo/transport/tcp/address.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -16,6 +18,7 @@
 #include <vector>
 
 #include "deltasync/communicator.h"
+#include "stream/communicator_rendezvous.h"
 #include "stream/communicator_test_util.h"
 
 namespace deltasync {
@@ -218,6 +221,39 @@ TEST(GlooForm, AMissingMemberIsDeadlineExceededNamingItWithinTheConnectTimeout) 
   EXPECT_TRUE(Contains(c.status(), "rank 1 did not join within 600 ms")) << c.status().ToString();
   EXPECT_GE(took, 600ms);
   EXPECT_LT(took, 600ms + kSlack);
+}
+
+// A member that published its address and died before connecting (killed
+// during the formation): the formation still ends within the connect
+// timeout, naming it. Rank 1's keys are written by hand with an address
+// nobody listens on, whose port makes rank 0 the side that waits for the
+// connection.
+TEST(GlooForm, AMemberThatPublishedItsAddressAndDiedIsNamedWithinTheConnectTimeout) {
+  comm_test::TempDir dir;
+  CommunicatorOptions o = LoopbackOptions(FileRendezvous(dir.path()), 0, 2, kTimeout);
+  o.connect_timeout = 1000ms;
+  o.generation = 5;
+  Result<std::unique_ptr<stream_internal::RendezvousStore>> store =
+      stream_internal::RendezvousStore::Open(o.rendezvous, 1000ms);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  sockaddr_storage ss = {};
+  auto& in = reinterpret_cast<sockaddr_in&>(ss);
+  in.sin_family = AF_INET;
+  in.sin_port = 0xFFFF;  // Gloo compares ports as stored: the largest listens last
+  in.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const std::vector<char> address = ::gloo::transport::tcp::Address(ss, 0).bytes();
+  const std::string prefix = stream_internal::GenerationPrefix(o.group, 5) + "/";
+  const std::string host = "127.0.0.1";
+  ASSERT_TRUE((*store)->Set(prefix + "rank_1", std::span<const char>(host)).ok());
+  ASSERT_TRUE((*store)->Set(prefix + "1", address).ok());
+  const auto start = Clock::now();
+  Result<std::unique_ptr<Communicator>> c = CreateCommunicator("gloo", o);
+  const auto took = Since(start);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), StatusCode::kDeadlineExceeded) << c.status().ToString();
+  EXPECT_TRUE(Contains(c.status(), "rank 1 did not connect within 1000 ms"))
+      << c.status().ToString();
+  EXPECT_LT(took, 1000ms + kSlack);
 }
 
 TEST(GlooForm, ARankWaitsForRankZerosAnnouncementUpToTheConnectTimeout) {
