@@ -82,6 +82,7 @@
 // detects dead peers.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstddef>
@@ -259,6 +260,22 @@ class Communicator {
                               std::optional<std::chrono::milliseconds> wait) {
     (void)wait;
     return Recv(peer, data);
+  }
+
+  // Takes `data` from `from` as consecutive messages of at most `chunk`
+  // bytes (the last holding the rest) and, when `to` >= 0, sends each on to
+  // `to` as soon as it has it: one link of a chain that passes a message
+  // down a row of ranks. This default passes a chunk on before it takes the
+  // next; a communicator may take the next while it passes one on.
+  virtual Status Relay(int from, int to, std::span<uint8_t> data, size_t chunk) {
+    if (chunk == 0) return Status::InvalidArgument("relay: a chunk of 0 bytes");
+    for (size_t at = 0; at < data.size(); at += chunk) {
+      const std::span<uint8_t> part = data.subspan(at, std::min(chunk, data.size() - at));
+      if (Status s = Recv(from, part); !s.ok()) return s;
+      if (to < 0) continue;
+      if (Status s = Send(to, part); !s.ok()) return s;
+    }
+    return Status::OK();
   }
 
   // Thread-safe; the one method another thread may call while a call is in

@@ -77,15 +77,33 @@ inline bool InBlock(const DigestBlock& b, uint64_t p) {
   return row < b.rows && off % b.row_stride < b.count;
 }
 
-// Sends one finished frame to each of `ranks` in turn.
-inline Status SendFrame(Communicator& comm, const std::vector<int>& ranks, bool last,
-                        std::span<const uint8_t> frame, uint64_t* bytes_sent) {
-  for (int r : ranks) {
-    if (Status s = stream::SendMessage(comm, r, MessageType::kFrame, last, frame); !s.ok()) {
-      return Status(s.code(), "receiver " + std::to_string(r) + ": " + s.message());
-    }
-    *bytes_sent += stream::kEnvelopeBytes + frame.size();
+// "3 -> 5 -> 6": a chain of receivers that pass a sync's frames on.
+inline std::string ChainName(const std::vector<int>& chain) {
+  std::string name;
+  for (size_t i = 0; i < chain.size(); ++i)
+    name += (i > 0 ? " -> " : "") + std::to_string(chain[i]);
+  return name;
+}
+
+// Sends a receiver a frame of its own (one message).
+inline Status SendOwnFrame(Communicator& comm, int rank, bool last, std::span<const uint8_t> frame,
+                           uint64_t* bytes_sent) {
+  if (Status s = stream::SendMessage(comm, rank, MessageType::kFrame, last, frame); !s.ok()) {
+    return Status(s.code(), "receiver " + std::to_string(rank) + ": " + s.message());
   }
+  *bytes_sent += stream::kEnvelopeBytes + frame.size();
+  return Status::OK();
+}
+
+// Sends a frame shared by a chain of receivers to the first of them
+// (`head`), which passes it on (docs/format.md, "Fan-out"): one copy
+// whatever their number.
+inline Status SendSharedFrame(Communicator& comm, int head, std::span<const uint8_t> frame,
+                              uint64_t* bytes_sent) {
+  if (Status s = stream::SendShared(comm, head, frame); !s.ok()) {
+    return Status(s.code(), "receiver " + std::to_string(head) + ": " + s.message());
+  }
+  *bytes_sent += stream::kEnvelopeBytes + frame.size();
   return Status::OK();
 }
 
@@ -295,7 +313,7 @@ class Sender final : public StreamSender {
   Status Begin(Group& g, uint64_t sync_id, bool last, bool verify_all);
   // Finishes the group's frame and sends it to the group (on the flight
   // thread when the group overlaps).
-  Status Flush(Group& g, bool last, SyncStats* stats);
+  Status Flush(Group& g, SyncStats* stats);
   // Waits for the frame in flight, if any: its send's status, its time and
   // bytes added to `stats` (when given).
   Status Land(SyncStats* stats);

@@ -12,6 +12,7 @@ namespace {
 
 constexpr uint8_t kMagic[4] = {'D', 'S', 'S', 'M'};
 constexpr uint8_t kFlagLast = 0x01;
+constexpr uint8_t kFlagEnd = 0x02;
 constexpr uint64_t kMaxFrameBody = uint64_t{1} << 40;
 
 }  // namespace
@@ -22,6 +23,7 @@ std::string_view MessageTypeName(MessageType type) {
     case MessageType::kWelcome: return "welcome";
     case MessageType::kFrame: return "frame";
     case MessageType::kReport: return "report";
+    case MessageType::kRoute: return "route";
   }
   return "unknown";
 }
@@ -30,7 +32,7 @@ std::array<uint8_t, kEnvelopeBytes> EncodeEnvelope(const Envelope& envelope) {
   std::array<uint8_t, kEnvelopeBytes> out{};
   std::memcpy(out.data(), kMagic, 4);
   out[4] = static_cast<uint8_t>(envelope.type);
-  out[5] = envelope.last ? kFlagLast : 0;
+  out[5] = static_cast<uint8_t>((envelope.last ? kFlagLast : 0) | (envelope.end ? kFlagEnd : 0));
   StoreLe<uint64_t>(out.data() + 8, envelope.body_bytes);
   return out;
 }
@@ -40,13 +42,14 @@ Result<Envelope> DecodeEnvelope(std::span<const uint8_t, kEnvelopeBytes> bytes) 
     return Status::Corruption("stream message: not a deltasync stream envelope (bad magic)");
   }
   const uint8_t type = bytes[4];
-  if (type < 1 || type > 4) {
+  if (type < 1 || type > 5) {
     return Status::Corruption("stream message: unknown type " + std::to_string(type));
   }
   Envelope e;
   e.type = static_cast<MessageType>(type);
   const uint8_t flags = bytes[5];
-  if ((flags & ~kFlagLast) != 0 || (flags != 0 && e.type != MessageType::kFrame)) {
+  if ((flags & ~(kFlagLast | kFlagEnd)) != 0 || (flags != 0 && e.type != MessageType::kFrame) ||
+      flags == (kFlagLast | kFlagEnd)) {
     return Status::Corruption("stream message: " + std::string(MessageTypeName(e.type)) +
                               " envelope with flags " + std::to_string(flags));
   }
@@ -54,7 +57,12 @@ Result<Envelope> DecodeEnvelope(std::span<const uint8_t, kEnvelopeBytes> bytes) 
     return Status::Corruption("stream message: nonzero reserved bytes");
   }
   e.last = (flags & kFlagLast) != 0;
+  e.end = (flags & kFlagEnd) != 0;
   e.body_bytes = LoadLe<uint64_t>(bytes.data() + 8);
+  if (e.end && e.body_bytes != 0) {
+    return Status::Corruption("stream message: an end envelope with a body of " +
+                              std::to_string(e.body_bytes) + " bytes");
+  }
   const uint64_t bound = e.type == MessageType::kFrame ? kMaxFrameBody : kMaxControlBodyBytes;
   if (e.body_bytes > bound) {
     return Status::Corruption("stream message: a " + std::string(MessageTypeName(e.type)) +
@@ -69,7 +77,7 @@ namespace {
 Status SendMessageWaiting(Communicator& comm, int peer, MessageType type, bool last,
                           std::span<const uint8_t> body, bool awaiting,
                           std::optional<std::chrono::milliseconds> wait) {
-  const std::array<uint8_t, kEnvelopeBytes> env = EncodeEnvelope({type, last, body.size()});
+  const std::array<uint8_t, kEnvelopeBytes> env = EncodeEnvelope({type, last, false, body.size()});
   DS_RETURN_IF_ERROR(awaiting ? comm.SendAwaiting(peer, env, wait) : comm.Send(peer, env));
   if (!body.empty()) DS_RETURN_IF_ERROR(comm.Send(peer, body));
   return Status::OK();
@@ -136,6 +144,57 @@ Status SendJson(Communicator& comm, int peer, MessageType type, const nlohmann::
 Status SendJsonAwaiting(Communicator& comm, int peer, MessageType type, const nlohmann::json& body,
                         std::optional<std::chrono::milliseconds> wait) {
   return SendMessageWaiting(comm, peer, type, false, JsonBodyBytes(body), true, wait);
+}
+
+Status SendShared(Communicator& comm, int peer, std::span<const uint8_t> frame) {
+  const std::array<uint8_t, kEnvelopeBytes> env =
+      EncodeEnvelope({MessageType::kFrame, false, false, frame.size()});
+  DS_RETURN_IF_ERROR(comm.Send(peer, env));
+  for (size_t at = 0; at < frame.size(); at += kRelayChunkBytes) {
+    DS_RETURN_IF_ERROR(
+        comm.Send(peer, frame.subspan(at, std::min(kRelayChunkBytes, frame.size() - at))));
+  }
+  return Status::OK();
+}
+
+Status SendEnd(Communicator& comm, int peer) {
+  return comm.Send(peer, EncodeEnvelope({MessageType::kFrame, false, true, 0}));
+}
+
+Status RelayShared(Communicator& comm, int from, int to, std::span<uint8_t> into) {
+  return comm.Relay(from, to == 0 ? -1 : to, into, kRelayChunkBytes);
+}
+
+nlohmann::json RouteBody(const Route& route) { return {{"from", route.from}, {"to", route.to}}; }
+
+Result<Route> ParseRoute(const nlohmann::json& body, int self, int size) {
+  Route r;
+  for (const auto& [key, slot] : {std::pair<const char*, int*>{"from", &r.from}, {"to", &r.to}}) {
+    if (!body.contains(key) || !body[key].is_number_integer()) {
+      return Status::Corruption(std::string("stream route: no integer \"") + key + "\"");
+    }
+    const int64_t v = body[key].get<int64_t>();
+    if (v < 0 || v >= size || v == self) {
+      return Status::Corruption(std::string("stream route: \"") + key + "\" is rank " +
+                                std::to_string(v) + ", not another member of the group of " +
+                                std::to_string(size));
+    }
+    *slot = static_cast<int>(v);
+  }
+  if (r.to != 0 && r.to == r.from) {
+    return Status::Corruption("stream route: frames come from and go to rank " +
+                              std::to_string(r.to));
+  }
+  return r;
+}
+
+Result<nlohmann::json> RecvJsonAwaiting(Communicator& comm, int peer, MessageType expected,
+                                        std::optional<std::chrono::milliseconds> wait) {
+  DS_ASSIGN_OR_RETURN(Envelope e, RecvEnvelopeAwaiting(comm, peer, expected, wait));
+  std::vector<uint8_t> bytes(e.body_bytes);
+  if (!bytes.empty()) DS_RETURN_IF_ERROR(comm.Recv(peer, bytes));
+  return ParseJsonBody(bytes, "stream " + std::string(MessageTypeName(expected)) + " from rank " +
+                                  std::to_string(peer));
 }
 
 Result<nlohmann::json> RecvJson(Communicator& comm, int peer, MessageType expected) {

@@ -23,29 +23,53 @@ namespace deltasync::stream {
 inline constexpr size_t kEnvelopeBytes = 16;
 // A body other than a frame's is at most this.
 inline constexpr uint64_t kMaxControlBodyBytes = uint64_t{1} << 24;
-inline constexpr int kStreamProtocol = 2;
+inline constexpr int kStreamProtocol = 3;
+// A shared frame's body travels down a chain of receivers in messages of
+// at most this many bytes (docs/format.md, "Fan-out").
+inline constexpr size_t kRelayChunkBytes = size_t{1} << 20;
 // A JSON body's checksum: xxh3-64 of its text, after it.
 inline constexpr size_t kJsonChecksumBytes = 8;
 
-enum class MessageType : uint8_t { kHello = 1, kWelcome = 2, kFrame = 3, kReport = 4 };
+enum class MessageType : uint8_t { kHello = 1, kWelcome = 2, kFrame = 3, kReport = 4, kRoute = 5 };
 
-// "hello", "welcome", "frame", "report".
+// "hello", "welcome", "frame", "report", "route".
 std::string_view MessageTypeName(MessageType type);
 
 struct Envelope {
   MessageType type = MessageType::kHello;
   bool last = false;  // frames only
+  bool end = false;   // frames only: no more shared frames (no body)
   uint64_t body_bytes = 0;
 };
 
 std::array<uint8_t, kEnvelopeBytes> EncodeEnvelope(const Envelope& envelope);
 // Corruption for a wrong magic, an unknown type, a flag that is not a
-// frame's `last`, nonzero zero bytes, or a body past its type's bound.
+// frame's `last` or `end`, an `end` with a body or with `last`, nonzero
+// zero bytes, or a body past its type's bound.
 Result<Envelope> DecodeEnvelope(std::span<const uint8_t, kEnvelopeBytes> bytes);
 
 // Sends an envelope and, when `body` is not empty, the body.
 Status SendMessage(Communicator& comm, int peer, MessageType type, bool last,
                    std::span<const uint8_t> body);
+// A shared frame (docs/format.md, "Fan-out"): its envelope, then its body
+// in relay chunks; SendEnd sends the envelope that ends a sync's shared
+// frames.
+Status SendShared(Communicator& comm, int peer, std::span<const uint8_t> frame);
+Status SendEnd(Communicator& comm, int peer);
+// Takes a shared frame's body of `into.size()` bytes from `from`, passing
+// each chunk on to `to` (0: none) as it comes.
+Status RelayShared(Communicator& comm, int from, int to, std::span<uint8_t> into);
+
+// Where a sync's shared frames come from and go to (a `route`).
+struct Route {
+  int from = 0;
+  int to = 0;
+};
+nlohmann::json RouteBody(const Route& route);
+// Corruption naming the field for a malformed route, or one naming a rank
+// outside the group of `size` (or this receiver's own, `self`).
+Result<Route> ParseRoute(const nlohmann::json& body, int self, int size);
+
 // Takes an envelope from `peer` and checks it is of type `expected`
 // (InvalidArgument naming both otherwise); the body is still to be taken.
 Result<Envelope> RecvEnvelope(Communicator& comm, int peer, MessageType expected);
@@ -56,6 +80,8 @@ Result<Envelope> RecvEnvelope(Communicator& comm, int peer, MessageType expected
 // Communicator::SendAwaiting and RecvAwaiting do.
 Status SendJson(Communicator& comm, int peer, MessageType type, const nlohmann::json& body);
 Result<nlohmann::json> RecvJson(Communicator& comm, int peer, MessageType expected);
+Result<nlohmann::json> RecvJsonAwaiting(Communicator& comm, int peer, MessageType expected,
+                                        std::optional<std::chrono::milliseconds> wait);
 Status SendJsonAwaiting(Communicator& comm, int peer, MessageType type, const nlohmann::json& body,
                         std::optional<std::chrono::milliseconds> wait);
 // RecvEnvelope whose wait for the envelope is `wait` (Communicator::RecvAwaiting).

@@ -506,21 +506,47 @@ Result<ReceiveStats> Receiver::ReceiveSyncAlone() {
   stats.partial = options_.partial;
   stats.tensors = dests_.size();
   SyncState sync;
+  // The route opens the sync, which comes when the trainer is done with
+  // its step: it waits as long as the user allows.
+  Result<nlohmann::json> body =
+      stream::RecvJsonAwaiting(*comm_, 0, MessageType::kRoute, options_.sync_wait);
+  stats.wait_s = SecondsSince(start);
+  stop_waiting();
+  Result<stream::Route> route = body.ok() ? stream::ParseRoute(*body, comm_->rank(), comm_->size())
+                                          : Result<stream::Route>(body.status());
+  if (!route.ok()) {
+    // Without it this receiver cannot know where the frames come from.
+    Drop();
+    return Status(route.status().code(), "taking the sync's route: " + route.status().message());
+  }
+  const int from = route->from;
+  const int to = route->to;
+  const auto leave = [&](const Status& s, const std::string& doing) {
+    Drop();
+    return Status(s.code(), doing + ": " + s.message());
+  };
+  // The shared frames come from `from` (passed on to `to`) until an `end`;
+  // then this receiver's own from rank 0, the last flagged so.
+  bool shared = true;
   for (;;) {
-    // The first envelope opens the sync, which comes when the trainer is
-    // done with its step: it waits as long as the user allows.
-    Result<stream::Envelope> env =
-        sync.frames == 0
-            ? stream::RecvEnvelopeAwaiting(*comm_, 0, MessageType::kFrame, options_.sync_wait)
-            : stream::RecvEnvelope(*comm_, 0, MessageType::kFrame);
-    if (sync.frames == 0) {
-      stats.wait_s = SecondsSince(start);
-      stop_waiting();
+    const int source = shared ? from : 0;
+    const std::string taking = "taking the sync's frame " + std::to_string(sync.frames) +
+                               " from rank " + std::to_string(source);
+    Result<stream::Envelope> env = stream::RecvEnvelope(*comm_, source, MessageType::kFrame);
+    if (!env.ok()) return leave(env.status(), taking);
+    if ((!shared && env->end) || (shared && env->last)) {
+      return leave(Status::Corruption(env->end ? "an end of the shared frames among its own"
+                                               : "a last frame among the shared ones"),
+                   taking);
     }
-    if (!env.ok()) {
-      Drop();
-      return Status(env.status().code(), "taking the sync's frame " + std::to_string(sync.frames) +
-                                             ": " + env.status().message());
+    if (shared && to != 0) {
+      if (Status s = comm_->Send(to, stream::EncodeEnvelope(*env)); !s.ok()) {
+        return leave(s, "passing the sync's frames on to rank " + std::to_string(to));
+      }
+    }
+    if (env->end) {
+      shared = false;
+      continue;
     }
     if (env->body_bytes > options_.max_frame_bytes) {
       Drop();
@@ -542,12 +568,9 @@ Result<ReceiveStats> Receiver::ReceiveSyncAlone() {
       bucket_.resize(env->body_bytes);
       into = bucket_;
     }
-    if (s.ok()) s = comm_->Recv(0, into);
-    if (!s.ok()) {
-      Drop();
-      return Status(s.code(), "taking a flush frame: " + s.message());
-    }
-    if (sync.frames > 0) stats.receive_s += SecondsSince(t0);
+    if (s.ok()) s = shared ? stream::RelayShared(*comm_, from, to, into) : comm_->Recv(0, into);
+    if (!s.ok()) return leave(s, "taking a flush frame");
+    stats.receive_s += SecondsSince(t0);
     ++sync.frames;
     stats.bytes += env->body_bytes;
     if (sync.refused.ok()) {

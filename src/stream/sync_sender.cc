@@ -265,7 +265,7 @@ Status Sender::Begin(Group& g, uint64_t sync_id, bool last, bool verify_all) {
   return Status::OK();
 }
 
-Status Sender::Flush(Group& g, bool last, SyncStats* stats) {
+Status Sender::Flush(Group& g, SyncStats* stats) {
   const auto t0 = Clock::now();
   DS_RETURN_IF_ERROR(g.device ? g.device->Finish() : g.writer.Finish());
   stats->encode_s += SecondsSince(t0);
@@ -273,13 +273,14 @@ Status Sender::Flush(Group& g, bool last, SyncStats* stats) {
   ++g.frames;
   ++stats->frames;
   if (g.device) ++stats->device_frames;
-  std::vector<int> ranks;
-  for (size_t m : g.members) ranks.push_back(peers_[m].rank);
+  // Frames shared by the group go to its first member, which passes
+  // them on; only its records frame is a receiver's own.
+  const int head = peers_[g.members.front()].rank;
   if (!g.overlap) {
     const auto t1 = Clock::now();
-    Status s = SendFrame(*comm_, ranks, last,
-                         g.device ? g.device->frame() : std::span<const uint8_t>(g.bucket),
-                         &stats->bytes_sent);
+    Status s = SendSharedFrame(*comm_, head,
+                               g.device ? g.device->frame() : std::span<const uint8_t>(g.bucket),
+                               &stats->bytes_sent);
     stats->transfer_s += SecondsSince(t1);
     return s;
   }
@@ -290,11 +291,11 @@ Status Sender::Flush(Group& g, bool last, SyncStats* stats) {
   } else {
     std::swap(g.bucket, flight_.frame);
   }
-  flight_.thread = std::thread([this, ranks = std::move(ranks), last, device] {
+  flight_.thread = std::thread([this, head, device] {
     const auto t1 = Clock::now();
-    flight_.status = SendFrame(
-        *comm_, ranks, last,
-        device ? flight_.device->frame() : std::span<const uint8_t>(flight_.frame), &flight_.bytes);
+    flight_.status = SendSharedFrame(
+        *comm_, head, device ? flight_.device->frame() : std::span<const uint8_t>(flight_.frame),
+        &flight_.bytes);
     flight_.seconds = SecondsSince(t1);
   });
   return Status::OK();
@@ -322,7 +323,7 @@ Status Sender::Add(Group& g, uint64_t sync_id, SyncStats* stats, AddFn&& add) {
     if (!fit.ok()) return fit.status();
     if (*fit) return Status::OK();
     if ((g.device ? g.device->entry_count() : g.writer.entry_count()) == 0) break;
-    DS_RETURN_IF_ERROR(Flush(g, false, stats));
+    DS_RETURN_IF_ERROR(Flush(g, stats));
   }
   return Status::Internal("a unit of work does not fit an empty frame of " +
                           std::to_string(options_.bucket_bytes) + " bytes");
@@ -518,7 +519,7 @@ Status Sender::SendRecords(Peer& peer, Group& g, uint64_t sync_id, bool verify_a
     ++own;
     ++stats->frames;
     const auto t1 = Clock::now();
-    Status s = SendFrame(*comm_, {peer.rank}, last, g.bucket, &stats->bytes_sent);
+    Status s = SendOwnFrame(*comm_, peer.rank, last, g.bucket, &stats->bytes_sent);
     stats->transfer_s += SecondsSince(t1);
     return s;
   };
@@ -582,6 +583,26 @@ Status Sender::BeginSync(Round* round, Clock::time_point start) {
     g->members.push_back(i);
     round->group_of[i] = g;
     stats.seeded += seed ? 1 : 0;
+  }
+  // Each group's members take its shared frames down a chain in rank
+  // order; every receiver learns its place first.
+  std::vector<stream::Route> routes(peers_.size());
+  for (const std::unique_ptr<Group>& g : round->groups) {
+    for (size_t j = 0; j < g->members.size(); ++j) {
+      stream::Route& route = routes[g->members[j]];
+      route.from = j == 0 ? 0 : peers_[g->members[j - 1]].rank;
+      route.to = j + 1 < g->members.size() ? peers_[g->members[j + 1]].rank : 0;
+    }
+  }
+  for (size_t i = 0; i < peers_.size(); ++i) {
+    const int rank = peers_[i].rank;
+    if (Status s =
+            stream::SendJson(*comm_, rank, MessageType::kRoute, stream::RouteBody(routes[i]));
+        !s.ok()) {
+      Drop();
+      return Status(s.code(), "sync " + std::to_string(round->sync_id) + ": receiver " +
+                                  std::to_string(rank) + ": " + s.message());
+    }
   }
   // One group sends a frame while it fills the next, in a second bucket.
   if (round->groups.size() == 1) {
@@ -650,9 +671,16 @@ Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>&
   SyncStats& stats = round->stats;
   Status& streamed = round->streamed;
   for (const std::unique_ptr<Group>& g : round->groups) {
-    if (streamed.ok() && g->open) streamed = Flush(*g, false, &stats);
+    if (streamed.ok() && g->open) streamed = Flush(*g, &stats);
   }
   if (Status landed = Land(&stats); streamed.ok()) streamed = landed;
+  for (const std::unique_ptr<Group>& g : round->groups) {
+    if (!streamed.ok()) break;
+    const int head = peers_[g->members.front()].rank;
+    if (Status s = stream::SendEnd(*comm_, head); !s.ok()) {
+      streamed = Status(s.code(), "receiver " + std::to_string(head) + ": " + s.message());
+    }
+  }
   for (size_t i = 0; i < peers_.size() && streamed.ok(); ++i) {
     streamed = SendRecords(peers_[i], *round->group_of[i], round->sync_id, stats.verify_all, order,
                            &stats);
@@ -761,6 +789,21 @@ Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>&
         "next sync)";
   }
   for (const std::string& f : failures) msg += "; " + f;
+  if (!comm_) {
+    // The connection the sender lost may be to a receiver whose successor
+    // died: it left the group when it could not pass the frames on.
+    std::string chains;
+    for (const std::unique_ptr<Group>& g : round->groups) {
+      if (g->members.size() < 2) continue;
+      std::vector<int> chain;
+      for (size_t m : g->members) chain.push_back(peers_[m].rank);
+      chains += (chains.empty() ? "" : ", ") + ChainName(chain);
+    }
+    if (!chains.empty()) {
+      msg += " (receivers passed this sync's frames on: " + chains +
+             "; one that lost the next in its chain leaves the group too)";
+    }
+  }
   return Status(code == StatusCode::kOk ? StatusCode::kAborted : code, msg);
 }
 
