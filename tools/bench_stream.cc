@@ -35,6 +35,11 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 using nlohmann::json;
 
+// A sync's shared frames travel down a chain of receivers in chunks of this
+// size (docs/format.md, "Fan-out"); the chain broadcast measured beside it
+// uses the same.
+constexpr size_t kRelayChunk = size_t{1} << 20;
+
 double Gib(uint64_t b) { return static_cast<double>(b) / (1u << 30); }
 double Mib(uint64_t b) { return static_cast<double>(b) / (1u << 20); }
 
@@ -58,81 +63,111 @@ int Shell(const std::string& command) {
   return WIFEXITED(rc) ? WEXITSTATUS(rc) : 1;
 }
 
-// The shaped links (StreamBenchNet): the sender stays in the host's
-// namespace at the sender address, every receiver runs in the run's
-// namespace at the receiver address, and tc shapes both ends of the veth
-// pair. Made once and removed at the end; a run removes only what it made.
-class ShapedLink {
+// The shaped network (StreamBenchNet): a switch, the sender's uplink from
+// the host's namespace, and a namespace and uplink per receiver, made once
+// for the most receivers a run takes and removed at the end; a run removes
+// only what it made.
+class ShapedNet {
  public:
-  ~ShapedLink() { Remove(); }
+  ~ShapedNet() { Remove(); }
   const StreamBenchNet& net() const { return net_; }
   // Empty when made; otherwise why not.
-  std::string Make() {
-    // A /30 that no other run (nor anything else) has on this host.
+  std::string Make(int receivers) {
+    // A /24 that no other run (nor anything else) has on this host.
     const int64_t pid = ::getpid();
     for (int attempt = 0;; ++attempt) {
-      if (attempt == 64) return "no free /30 in 10.77.0.0/16 for the veth pair";
+      if (attempt == 64) return "no free /24 in 10.77.0.0/16 for the switch";
       net_ = StreamBenchNetFor(pid, attempt);
-      if (Shell("ip -o -4 addr show to " + net_.sender_address + "/" +
-                std::to_string(net_.prefix_length) + " | grep -q .") != 0) {
-        break;
-      }
+      if (Shell("ip -o -4 addr show to " + net_.subnet + "0/24 | grep -q .") != 0) break;
     }
-    const std::string add_ns = "ip netns add " + net_.ns;
-    if (Shell(add_ns) != 0) {
-      return "'" + add_ns + "' failed (this needs root and iproute2; a killed run's namespace?)";
-    }
-    made_ns_ = true;
-    const std::string add_veth =
-        "ip link add " + net_.host_veth + " type veth peer name " + net_.ns_veth;
-    if (Shell(add_veth) != 0) {
-      Remove();
-      return "'" + add_veth + "' failed";
-    }
-    made_veth_ = true;
-    const std::string ns = "ip netns exec " + net_.ns + " ";
+    const std::string sw = "ip -n " + net_.ns + " ";
     const std::string prefix = "/" + std::to_string(net_.prefix_length);
-    const std::vector<std::string> steps = {
-        "ip link set " + net_.ns_veth + " netns " + net_.ns,
+    std::vector<std::string> steps = {
+        "ip netns add " + net_.ns,
+        sw + "link set lo up",
+        sw + "link add br0 type bridge",
+        sw + "link set br0 up",
+        "ip link add " + net_.host_veth + " type veth peer name s0 netns " + net_.ns,
         "ip addr add " + net_.sender_address + prefix + " dev " + net_.host_veth,
         "ip link set " + net_.host_veth + " up",
-        ns + "ip addr add " + net_.receiver_address + prefix + " dev " + net_.ns_veth,
-        ns + "ip link set " + net_.ns_veth + " up",
-        ns + "ip link set lo up",
+        sw + "link set s0 master br0",
+        sw + "link set s0 up",
     };
+    for (int i = 1; i <= receivers; ++i) {
+      const std::string ns = net_.ReceiverNs(i);
+      const std::string port = "r" + std::to_string(i);
+      for (const std::string& step : {
+               "ip netns add " + ns,
+               "ip -n " + ns + " link set lo up",
+               sw + "link add " + port + " type veth peer name uplink netns " + ns,
+               sw + "link set " + port + " master br0",
+               sw + "link set " + port + " up",
+               "ip -n " + ns + " addr add " + net_.ReceiverAddress(i) + prefix + " dev uplink",
+               "ip -n " + ns + " link set uplink up",
+           }) {
+        steps.push_back(step);
+      }
+    }
     for (const std::string& step : steps) {
+      if (step.rfind("ip netns add ", 0) == 0) {
+        if (Shell(step) != 0) {
+          Remove();
+          return "'" + step + "' failed (this needs root and iproute2; a killed run's namespace?)";
+        }
+        made_.push_back(step.substr(13));
+        continue;
+      }
       if (Shell(step) != 0) {
         Remove();
         return "'" + step + "' failed";
       }
     }
+    receivers_ = receivers;
     return "";
   }
-  // Token-bucket shaping of both directions at `gbit`; 0 removes it.
+  // Token-bucket shaping of every uplink, both directions, at `gbit`; 0
+  // removes it.
   bool Shape(double gbit) {
-    const std::string ns = "ip netns exec " + net_.ns + " ";
-    Shell("tc qdisc del dev " + net_.host_veth + " root");
-    Shell(ns + "tc qdisc del dev " + net_.ns_veth + " root");
-    if (gbit <= 0) return true;
+    // Each uplink's two ends: (namespace, interface); "" the host's.
+    std::vector<std::pair<std::string, std::string>> ends = {{"", net_.host_veth}, {net_.ns, "s0"}};
+    for (int i = 1; i <= receivers_; ++i) {
+      ends.push_back({net_.ns, "r" + std::to_string(i)});
+      ends.push_back({net_.ReceiverNs(i), "uplink"});
+    }
     // A burst of 10 ms at the rate keeps tbf from under-running it.
     const uint64_t burst =
         std::max<uint64_t>(64 << 10, static_cast<uint64_t>(gbit * 1e9 / 8 / 100));
     std::ostringstream q;
     q << "root tbf rate " << gbit << "gbit burst " << burst << " latency 100ms";
-    return Shell("tc qdisc add dev " + net_.host_veth + " " + q.str()) == 0 &&
-           Shell(ns + "tc qdisc add dev " + net_.ns_veth + " " + q.str()) == 0;
+    bool ok = true;
+    for (const auto& [ns, dev] : ends) {
+      const std::string tc = ns.empty() ? "tc " : "tc -n " + ns + " ";
+      Shell(tc + "qdisc del dev " + dev + " root");
+      if (gbit > 0) ok = Shell(tc + "qdisc add dev " + dev + " " + q.str()) == 0 && ok;
+    }
+    return ok;
+  }
+  // The bytes the sender's uplink has sent so far.
+  uint64_t SenderUplinkBytes() const {
+    uint64_t n = 0;
+    std::ifstream in("/sys/class/net/" + net_.host_veth + "/statistics/tx_bytes");
+    in >> n;
+    return n;
   }
 
  private:
-  // Deleting either end of a veth pair deletes both, wherever the other is.
+  // Deleting a namespace deletes the veths in it, and with each its other
+  // end, wherever that is.
   void Remove() {
-    if (made_veth_) Shell("ip link del " + net_.host_veth);
-    if (made_ns_) Shell("ip netns del " + net_.ns);
-    made_veth_ = made_ns_ = false;
+    for (auto it = made_.rbegin(); it != made_.rend(); ++it) Shell("ip netns del " + *it);
+    Shell("ip link del " + net_.host_veth);
+    made_.clear();
+    receivers_ = 0;
   }
 
   StreamBenchNet net_;
-  bool made_ns_ = false, made_veth_ = false;
+  std::vector<std::string> made_;  // namespaces this run made
+  int receivers_ = 0;
 };
 
 struct Link {
@@ -142,9 +177,10 @@ struct Link {
 
 struct Run {
   int receivers = 0;
-  std::string what;  // "full" or an encoding
+  std::string what;  // "full", "tree" or an encoding
   double seconds = 0;
-  SyncStats stats;  // delta syncs
+  uint64_t uplink_bytes = 0;  // what left the sender's uplink (shaped links)
+  SyncStats stats;            // delta syncs
   double seed_s = 0;
   double peer_apply_s = 0, peer_verify_s = 0, peer_receive_s = 0;
   uint64_t peer_peak_beyond_weights = 0;
@@ -187,10 +223,12 @@ class Bench {
     return Status::OK();
   }
 
-  Status RunLink(const Link& link, ShapedLink* shaped) {
+  Status RunLink(const Link& link, ShapedNet* shaped) {
     for (int n : c_.receivers) {
-      DS_ASSIGN_OR_RETURN(Run full, RunFull(link, shaped, n));
-      runs_[link.name].push_back(full);
+      for (const char* how : {"full", "tree"}) {
+        DS_ASSIGN_OR_RETURN(Run full, RunFull(link, shaped, n, how));
+        runs_[link.name].push_back(full);
+      }
       for (StreamEncoding e : c_.encodings) {
         DS_ASSIGN_OR_RETURN(Run r, RunDelta(link, shaped, n, e));
         runs_[link.name].push_back(r);
@@ -224,7 +262,7 @@ class Bench {
                     int syncs, std::vector<std::unique_ptr<Child>>* peers) {
     for (int r = 1; r <= n; ++r) {
       std::vector<std::string> argv;
-      if (link.gbit > 0) argv = {"ip", "netns", "exec", net_.ns};
+      if (link.gbit > 0) argv = {"ip", "netns", "exec", net_.ReceiverNs(r)};
       const CommunicatorOptions o = Options(link, group, n + 1);
       std::ostringstream scale;
       scale.precision(17);
@@ -240,7 +278,7 @@ class Bench {
                                    std::string("--size"),
                                    std::to_string(n + 1),
                                    std::string("--hostname"),
-                                   link.gbit > 0 ? net_.receiver_address : "127.0.0.1",
+                                   link.gbit > 0 ? net_.ReceiverAddress(r) : "127.0.0.1",
                                    std::string("--preset"),
                                    c_.preset,
                                    std::string("--scale"),
@@ -260,33 +298,49 @@ class Bench {
     return Status::OK();
   }
 
-  Result<Run> RunFull(const Link& link, ShapedLink* shaped, int n) {
+  // The weights to every receiver: `how` "full" down a chain of the
+  // receivers in the stream's relay chunks (each passes each chunk on as it
+  // takes it, as a sync's shared frames go), "tree" by the communicator's
+  // broadcast (a binomial tree: its root sends log2 of the group's size
+  // copies).
+  Result<Run> RunFull(const Link& link, ShapedNet* shaped, int n, const std::string& how) {
     const std::string group =
-        "full-" + std::to_string(static_cast<int>(link.gbit)) + "-" + std::to_string(n);
+        how + "-" + std::to_string(static_cast<int>(link.gbit)) + "-" + std::to_string(n);
     std::vector<std::unique_ptr<Child>> peers;
-    DS_RETURN_IF_ERROR(StartPeers(link, group, n, "broadcast", 1, &peers));
+    DS_RETURN_IF_ERROR(StartPeers(link, group, n, how == "full" ? "chain" : "tree", 1, &peers));
     DS_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> comm,
                         CreateCommunicator("gloo", Options(link, group, n + 1)));
     DS_RETURN_IF_ERROR(comm->Barrier());
     if (shaped != nullptr && !shaped->Shape(link.gbit)) return Status::Internal("tc failed");
+    const uint64_t up0 = shaped != nullptr ? shaped->SenderUplinkBytes() : 0;
     const auto t0 = Clock::now();
     for (const SyncTensor& t : new_) {
       // The root's span is only read (Communicator::Broadcast): the weights
       // go out as they lie, with no copy in the timed loop.
       std::span<uint8_t> weights(const_cast<uint8_t*>(t.data.data()), t.data.size());
-      DS_RETURN_IF_ERROR(comm->Broadcast(0, weights));
+      if (how == "tree") {
+        DS_RETURN_IF_ERROR(comm->Broadcast(0, weights));
+        continue;
+      }
+      for (size_t at = 0; at < weights.size(); at += kRelayChunk) {
+        DS_RETURN_IF_ERROR(
+            comm->Send(1, weights.subspan(at, std::min(kRelayChunk, weights.size() - at))));
+      }
     }
     DS_RETURN_IF_ERROR(comm->Barrier());
     Run run;
     run.receivers = n;
-    run.what = "full";
+    run.what = how;
     run.seconds = SecondsSince(t0);
-    if (shaped != nullptr) shaped->Shape(0);
+    if (shaped != nullptr) {
+      run.uplink_bytes = shaped->SenderUplinkBytes() - up0;
+      shaped->Shape(0);
+    }
     for (auto& p : peers) DS_RETURN_IF_ERROR(p->Wait().status());
     return run;
   }
 
-  Result<Run> RunDelta(const Link& link, ShapedLink* shaped, int n, StreamEncoding e) {
+  Result<Run> RunDelta(const Link& link, ShapedNet* shaped, int n, StreamEncoding e) {
     const std::string group = std::string(StreamEncodingName(e)) + "-" +
                               std::to_string(static_cast<int>(link.gbit)) + "-" + std::to_string(n);
     std::vector<std::unique_ptr<Child>> peers;
@@ -304,10 +358,14 @@ class Bench {
     DS_ASSIGN_OR_RETURN(SyncStats seed, sender->Sync(old_));
     run.seed_s = seed.total_s;
     if (shaped != nullptr && !shaped->Shape(link.gbit)) return Status::Internal("tc failed");
+    const uint64_t up0 = shaped != nullptr ? shaped->SenderUplinkBytes() : 0;
     const auto t0 = Clock::now();
     DS_ASSIGN_OR_RETURN(run.stats, sender->Sync(new_));
     run.seconds = SecondsSince(t0);
-    if (shaped != nullptr) shaped->Shape(0);
+    if (shaped != nullptr) {
+      run.uplink_bytes = shaped->SenderUplinkBytes() - up0;
+      shaped->Shape(0);
+    }
     sender.reset();
     for (auto& p : peers) {
       DS_ASSIGN_OR_RETURN(json j, p->Wait());
@@ -376,6 +434,7 @@ json Bench::Report() const {
     json rows = json::array();
     for (const Run& r : runs_.at(link.name)) {
       json row = {{"receivers", r.receivers}, {"what", r.what}, {"seconds", r.seconds}};
+      if (link.gbit > 0) row["sender_uplink_bytes"] = r.uplink_bytes;
       if (r.what != "full") {
         const double bound = read_s_ + (bps > 0 ? r.stats.bytes_sent / bps : 0);
         row["bound_s"] = bound;
@@ -410,24 +469,33 @@ void Bench::Print() const {
     const double bps = LinkBytesPerSecond(link.name);
     std::printf("\n%s (to 1 receiver: %.2f GB/s at best, full broadcast %.2f GB/s)\n",
                 link.name.c_str(), bps / 1e9, FullBytesPerSecond(link.name) / 1e9);
-    std::printf("%4s %-8s %8s %7s %8s %7s %7s %7s %7s %7s %7s %8s %8s %9s %9s\n", "recv", "sync",
-                "time s", "x full", "bound s", "x bound", "diff", "encode", "send", "report",
-                "commit", "rx apply", "rx vrfy", "sent MiB", "rx +mem MiB");
+    std::printf("%4s %-8s %8s %7s %8s %7s %7s %7s %7s %7s %7s %8s %8s %9s %9s %9s\n", "recv",
+                "sync", "time s", "x full", "bound s", "x bound", "diff", "encode", "send",
+                "report", "commit", "rx apply", "rx vrfy", "sent MiB", "rx +mem MiB", "up MiB");
+    const bool counted = link.gbit > 0;
+    const auto up = [&](const Run& r) {
+      if (!counted) return std::string("-");
+      char text[32];
+      std::snprintf(text, sizeof(text), "%.1f", Mib(r.uplink_bytes));
+      return std::string(text);
+    };
     double full_s = 0;
     for (const Run& r : runs_.at(link.name)) {
-      if (r.what == "full") {
-        full_s = r.seconds;
-        std::printf("%4d %-8s %8.3f %7s\n", r.receivers, "full", r.seconds, "1.00");
+      if (r.what == "full" || r.what == "tree") {
+        if (r.what == "full") full_s = r.seconds;
+        std::printf("%4d %-8s %8.3f %7.3f %8s %7s %7s %7s %7s %7s %7s %8s %8s %9s %9s %9s\n",
+                    r.receivers, r.what.c_str(), r.seconds, r.seconds / full_s, "", "", "", "", "",
+                    "", "", "", "", "", "", up(r).c_str());
         continue;
       }
       const double bound = read_s_ + (bps > 0 ? r.stats.bytes_sent / bps : 0);
       std::printf(
           "%4d %-8s %8.3f %7.3f %8.3f %7.2f %7.3f %7.3f %7.3f %7.3f %7.3f %8.3f %8.3f "
-          "%9.1f %9.1f\n",
+          "%9.1f %9.1f %9s\n",
           r.receivers, r.what.c_str(), r.seconds, r.seconds / full_s, bound, r.seconds / bound,
           r.stats.diff_s, r.stats.encode_s, r.stats.transfer_s, r.stats.report_s, r.stats.commit_s,
-          r.peer_apply_s, r.peer_verify_s, Mib(r.stats.bytes_sent),
-          Mib(r.peer_peak_beyond_weights));
+          r.peer_apply_s, r.peer_verify_s, Mib(r.stats.bytes_sent), Mib(r.peer_peak_beyond_weights),
+          up(r).c_str());
     }
   }
   std::printf(
@@ -452,13 +520,10 @@ StreamBenchNet StreamBenchNetFor(int64_t pid, int attempt) {
   StreamBenchNet net;
   net.ns = "dsbench-" + id;
   net.host_veth = "dsb" + id + "-0";
-  net.ns_veth = "dsb" + id + "-1";
-  // 16384 /30s in 10.77.0.0/16: .1 the sender, .2 the receivers.
-  const uint64_t subnet = (static_cast<uint64_t>(pid) + static_cast<uint64_t>(attempt)) % 16384;
-  const uint64_t host = subnet * 4;
-  const std::string prefix = "10.77." + std::to_string(host / 256) + ".";
-  net.sender_address = prefix + std::to_string(host % 256 + 1);
-  net.receiver_address = prefix + std::to_string(host % 256 + 2);
+  // 256 /24s in 10.77.0.0/16: .1 the sender, .10 + i receiver i.
+  const uint64_t k = (static_cast<uint64_t>(pid) + static_cast<uint64_t>(attempt)) % 256;
+  net.subnet = "10.77." + std::to_string(k) + ".";
+  net.sender_address = net.subnet + "1";
   return net;
 }
 
@@ -474,16 +539,17 @@ int RunStreamBench(const StreamBenchConfig& config, bool json_out) {
   fs::create_directories(dir, ec);
   Bench bench(config, dir);
   if (Status s = bench.Prepare(); !s.ok()) return Fail(s);
-  std::unique_ptr<ShapedLink> shaped;
+  std::unique_ptr<ShapedNet> shaped;
   std::vector<Link> links = {{"loopback", 0}};
   if (!config.shaped_gbit.empty()) {
-    shaped = std::make_unique<ShapedLink>();
-    const std::string why = geteuid() == 0 ? shaped->Make() : "not root";
+    shaped = std::make_unique<ShapedNet>();
+    const int most = *std::max_element(config.receivers.begin(), config.receivers.end());
+    const std::string why = geteuid() == 0 ? shaped->Make(most) : "not root";
     if (why.empty()) {
       bench.SetNet(shaped->net());
       for (double g : config.shaped_gbit) {
         std::ostringstream name;
-        name << g << " Gbit/s veth";
+        name << g << " Gbit/s uplinks";
         links.push_back({name.str(), g});
       }
     } else {
@@ -506,9 +572,10 @@ int RunStreamBench(const StreamBenchConfig& config, bool json_out) {
 }
 
 // bench-stream-peer --rendezvous SPEC --group G --rank R --size N --hostname H
-//   --preset P --scale S --mode stream|broadcast --syncs K --timeout-ms T
+//   --preset P --scale S --mode stream|tree|chain --syncs K --timeout-ms T
 // Holds the preset's tensors (zeros), takes K syncs (stream) or K
-// broadcasts of every tensor (broadcast), and prints one JSON object: its
+// broadcasts of every tensor (tree: the communicator's; chain: passed on
+// down the ranks in relay chunks), and prints one JSON object: its
 // per-sync figures, its peak resident set and its weights' bytes.
 int RunStreamBenchPeer(const std::vector<std::string>& args) {
   std::map<std::string, std::string> a;
@@ -544,13 +611,18 @@ int RunStreamBenchPeer(const std::vector<std::string>& args) {
   const int syncs = std::atoi(a["--syncs"].c_str());
   json out;
   out["syncs"] = json::array();
-  if (a["--mode"] == "broadcast") {
+  if (a["--mode"] == "tree" || a["--mode"] == "chain") {
+    const bool tree = a["--mode"] == "tree";
     Result<std::unique_ptr<Communicator>> comm = CreateCommunicator("gloo", o);
     if (!comm.ok()) return Fail(comm.status());
+    // Down the chain in rank order: from the rank before, to the one after.
+    const int next = o.rank + 1 < o.size ? o.rank + 1 : -1;
     for (int k = 0; k < syncs; ++k) {
       if (Status s = (*comm)->Barrier(); !s.ok()) return Fail(s);
       for (std::vector<uint8_t>& b : bufs) {
-        if (Status s = (*comm)->Broadcast(0, b); !s.ok()) return Fail(s);
+        Status s =
+            tree ? (*comm)->Broadcast(0, b) : (*comm)->Relay(o.rank - 1, next, b, kRelayChunk);
+        if (!s.ok()) return Fail(s);
       }
       if (Status s = (*comm)->Barrier(); !s.ok()) return Fail(s);
       out["syncs"].push_back(json::object());

@@ -1,6 +1,7 @@
 // `deltasync bench --stream`: the online transport measured against a full
 // broadcast of the same weights over the same communicator, with receivers
-// as processes of their own, on loopback and over veth links shaped with tc.
+// as processes of their own, on loopback and over a switch whose hosts each
+// have an uplink shaped with tc.
 #pragma once
 
 #include <chrono>
@@ -29,17 +30,27 @@ struct StreamBenchConfig {
   std::string workdir;  // empty: a temp dir under /tmp
 };
 
-// The network namespace, veth pair and addresses of one run's shaped links,
-// unique to the run so that two runs on one host never touch each other's:
-// the names carry the pid ("dsbench-<pid>", veths "dsb<pid>-0" on the host
-// and "dsb<pid>-1" in the namespace, within the 15 characters of an
-// interface name for any pid below 10^8), and the two addresses are a /30
+// The shaped network of one run, as hosts on a switch: the switch is a
+// bridge in a network namespace of its own ("dsbench-<pid>"), each receiver
+// a namespace of its own ("dsbench-<pid>-r<i>"), and every host (the sender,
+// which stays in the host's namespace, and each receiver) reaches the
+// switch through an uplink of its own, a veth pair shaped at both ends as a
+// NIC is. Only the sender's uplink has a name in the host's namespace
+// ("dsb<pid>-0", within the 15 characters of an interface name for any pid
+// below 10^8); the others live in the namespaces. The addresses are a /24
 // of 10.77.0.0/16 picked from the pid and `attempt` (the next attempt takes
-// the next /30, for when another run's holds this one).
+// the next, for when another run's holds this one): .1 the sender, .10 + i
+// receiver i. Unique to the run, so two runs on one host never touch each
+// other's.
 struct StreamBenchNet {
-  std::string ns, host_veth, ns_veth;
-  std::string sender_address, receiver_address;  // without the prefix length
-  int prefix_length = 30;
+  std::string ns;              // the switch's namespace
+  std::string host_veth;       // the sender's end of its uplink
+  std::string sender_address;  // without the prefix length
+  int prefix_length = 24;
+  std::string subnet;  // "10.77.K." the addresses' first three parts
+  // Receiver i's (from 1) namespace and address.
+  std::string ReceiverNs(int i) const { return ns + "-r" + std::to_string(i); }
+  std::string ReceiverAddress(int i) const { return subnet + std::to_string(10 + i); }
 };
 StreamBenchNet StreamBenchNetFor(int64_t pid, int attempt = 0);
 

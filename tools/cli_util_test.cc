@@ -31,13 +31,11 @@ TEST(CliUtil, StreamBenchNetNamesAreTheRunsOwnAndFitInterfaceNames) {
     const StreamBenchNet net = StreamBenchNetFor(pid);
     const std::string id = std::to_string(pid);
     EXPECT_EQ(net.ns, "dsbench-" + id);
+    EXPECT_EQ(net.ReceiverNs(3), "dsbench-" + id + "-r3");
     EXPECT_NE(net.host_veth.find(id), std::string::npos) << net.host_veth;
-    EXPECT_NE(net.ns_veth.find(id), std::string::npos) << net.ns_veth;
-    EXPECT_NE(net.host_veth, net.ns_veth);
     // IFNAMSIZ is 16 with the terminating NUL.
     EXPECT_LE(net.host_veth.size(), 15u) << net.host_veth;
-    EXPECT_LE(net.ns_veth.size(), 15u) << net.ns_veth;
-    for (const std::string& name : {net.ns, net.host_veth, net.ns_veth}) {
+    for (const std::string& name : {net.ns, net.host_veth, net.ReceiverNs(1), net.ReceiverNs(2)}) {
       EXPECT_TRUE(seen.insert(name).second) << name << " is another run's too";
     }
   }
@@ -54,23 +52,27 @@ int HostIndex(const std::string& address) {
   return static_cast<int>(a * 256 + b);
 }
 
-TEST(CliUtil, StreamBenchNetAddressesAreASlash30OfTheirOwn) {
+TEST(CliUtil, StreamBenchNetAddressesAreASlash24OfTheirOwn) {
   std::set<int> subnets;
   for (int64_t pid : {int64_t{100}, int64_t{101}, int64_t{102}, int64_t{4194303}}) {
     for (int attempt : {0, 1}) {
       const StreamBenchNet net = StreamBenchNetFor(pid, attempt);
+      EXPECT_EQ(net.prefix_length, 24);
       const int sender = HostIndex(net.sender_address);
-      const int receiver = HostIndex(net.receiver_address);
       ASSERT_GE(sender, 0) << net.sender_address;
-      ASSERT_GE(receiver, 0) << net.receiver_address;
-      EXPECT_EQ(net.prefix_length, 30);
-      // Usable hosts .1 and .2 of one /30.
-      EXPECT_EQ(sender % 4, 1) << net.sender_address;
-      EXPECT_EQ(receiver, sender + 1) << net.receiver_address;
-      subnets.insert(sender / 4);
+      EXPECT_EQ(sender % 256, 1) << net.sender_address;
+      std::set<int> hosts = {sender};
+      for (int i = 1; i <= 64; ++i) {
+        const int receiver = HostIndex(net.ReceiverAddress(i));
+        ASSERT_GE(receiver, 0) << net.ReceiverAddress(i);
+        EXPECT_EQ(receiver / 256, sender / 256) << net.ReceiverAddress(i);  // one /24
+        EXPECT_TRUE(hosts.insert(receiver).second) << net.ReceiverAddress(i);
+        EXPECT_LT(receiver % 256, 255);  // not the broadcast address
+      }
+      subnets.insert(sender / 256);
     }
   }
-  // Neighbouring pids and the next attempt take other /30s (pid + attempt
+  // Neighbouring pids and the next attempt take other /24s (pid + attempt
   // overlap between neighbours: 100+1 is 101+0).
   EXPECT_GE(subnets.size(), 5u);
   EXPECT_NE(StreamBenchNetFor(100).sender_address, StreamBenchNetFor(101).sender_address);
