@@ -43,21 +43,6 @@ constexpr size_t kRelayChunk = size_t{1} << 20;
 double Gib(uint64_t b) { return static_cast<double>(b) / (1u << 30); }
 double Mib(uint64_t b) { return static_cast<double>(b) / (1u << 20); }
 
-// A field of /proc/self/status ("VmHWM", "VmRSS"), in bytes.
-uint64_t OwnMemory(const char* field) {
-  uint64_t kib = 0;
-  if (FILE* f = std::fopen("/proc/self/status", "r")) {
-    char line[256];
-    const std::string format = std::string(field) + ": %llu kB";
-    while (std::fgets(line, sizeof(line), f) != nullptr) {
-      unsigned long long v = 0;
-      if (std::sscanf(line, format.c_str(), &v) == 1) kib = v;
-    }
-    std::fclose(f);
-  }
-  return kib * 1024;
-}
-
 int Shell(const std::string& command) {
   const int rc = std::system((command + " >/dev/null 2>&1").c_str());
   return WIFEXITED(rc) ? WEXITSTATUS(rc) : 1;

@@ -9,6 +9,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -91,5 +93,20 @@ struct ScratchDir {
     if (owned && !path.empty()) std::filesystem::remove_all(path, ec);
   }
 };
+
+// A field of /proc/self/status ("VmHWM", "VmRSS"), in bytes.
+inline uint64_t OwnMemory(const char* field) {
+  uint64_t kib = 0;
+  if (FILE* f = std::fopen("/proc/self/status", "r")) {
+    char line[256];
+    const std::string format = std::string(field) + ": %llu kB";
+    while (std::fgets(line, sizeof(line), f) != nullptr) {
+      unsigned long long v = 0;
+      if (std::sscanf(line, format.c_str(), &v) == 1) kib = v;
+    }
+    std::fclose(f);
+  }
+  return kib * 1024;
+}
 
 }  // namespace deltasync::cli

@@ -22,6 +22,7 @@
 #include "bench_e2e.h"
 #include "bench_gpu.h"
 #include "bench_runner.h"
+#include "bench_sharded.h"
 #include "bench_stream.h"
 #include "cli_util.h"
 
@@ -198,6 +199,7 @@ void PrintReport(const BenchConfig& config, const BenchResult& r) {
 
 void RegisterBench(CLI::App& app, CommandFn* run) {
   RegisterHiddenCommand(app, "bench-stream-peer", RunStreamBenchPeer, run);
+  RegisterHiddenCommand(app, "bench-sharded-trainer", RunShardedBenchTrainer, run);
   RegisterHiddenCommand(app, "bench-gpu-nccl-peer", RunGpuNcclPeer, run);
   struct Opts {
     std::string preset = "qwen2.5-0.5b";
@@ -218,6 +220,8 @@ void RegisterBench(CLI::App& app, CommandFn* run) {
     std::string sizes = "1GiB,8GiB";
     double density = 0.015;
     std::string receivers = "1,2,4", links = "10,1", bucket = "16MiB";
+    bool sharded = false;
+    std::string trainer_ranks = "1,2,4";
   };
   auto opts = std::make_shared<Opts>();
   CLI::App* cmd = app.add_subcommand(
@@ -254,7 +258,16 @@ void RegisterBench(CLI::App& app, CommandFn* run) {
                 "pinned memory, scatter, checksums) against a device copy, a PCIe read and the "
                 "torch ops trainers use (through --python), then stream syncs with the tensor "
                 "on the device against the same in host memory, on one GPU");
-  cmd->add_option("--sizes", opts->sizes, "--gpu: tensor sizes in BF16 bytes, comma-separated")
+  cmd->add_option("--sizes", opts->sizes,
+                  "--gpu: tensor sizes in BF16 bytes, comma-separated; --sharded: model sizes "
+                  "(default 256MiB,512MiB,1GiB,2GiB)")
+      ->capture_default_str();
+  cmd->add_flag("--sharded", opts->sharded,
+                "--stream: a sharded trainer instead (trainer ranks as processes, one receiver, "
+                "loopback): each rank's peak memory beyond its shards and snapshot, and the "
+                "syncs' times, over model sizes (--sizes) and rank counts (--trainer-ranks)");
+  cmd->add_option("--trainer-ranks", opts->trainer_ranks,
+                  "--sharded: trainer rank counts, comma-separated")
       ->capture_default_str();
   cmd->add_option("--density", opts->density, "--gpu: fraction of elements changed per step")
       ->capture_default_str();
@@ -302,6 +315,45 @@ void RegisterBench(CLI::App& app, CommandFn* run) {
         gc.python = cmd->count("--python") > 0 ? opts->python : "python3";
         return RunGpuBench(gc, opts->json);
       }
+      if (opts->sharded) {
+        if (!opts->stream) return Fail("--sharded needs --stream");
+        for (const char* other :
+             {"--threads", "--encodings", "--e2e", "--repeat", "--peer", "--python", "--cold-store",
+              "--keep", "--density", "--bytes", "--receivers", "--links", "--lr", "--warmup-steps",
+              "--seed", "--workdir"}) {
+          if (cmd->count(other) > 0)
+            return Fail(std::string(other) + " does not apply to --sharded");
+        }
+        ShardedBenchConfig hc;
+        hc.preset = opts->preset;
+        if (cmd->count("--sizes") > 0) {
+          hc.sizes.clear();
+          std::stringstream ss(opts->sizes);
+          for (std::string item; std::getline(ss, item, ',');) {
+            Result<uint64_t> bytes = ParseByteSize(item);
+            if (!bytes.ok()) return Fail(bytes.status());
+            if (*bytes < (uint64_t{1} << 20)) return Fail("--sizes: '" + item + "' is below 1MiB");
+            hc.sizes.push_back(*bytes);
+          }
+          if (hc.sizes.empty()) return Fail("--sizes: no size given");
+        }
+        hc.ranks.clear();
+        std::stringstream rs(opts->trainer_ranks);
+        for (std::string item; std::getline(rs, item, ',');) {
+          const int n = std::atoi(item.c_str());
+          if (n < 1 || n > 64) {
+            return Fail("--trainer-ranks: '" + item + "' is not a count in [1, 64]");
+          }
+          hc.ranks.push_back(n);
+        }
+        if (hc.ranks.empty()) return Fail("--trainer-ranks: no count given");
+        Result<uint64_t> bucket = ParseByteSize(opts->bucket);
+        if (!bucket.ok()) return Fail(bucket.status());
+        if (*bucket < (uint64_t{64} << 10)) return Fail("--bucket must be at least 64KiB");
+        hc.bucket_bytes = *bucket;
+        return RunShardedBench(hc, opts->json);
+      }
+      if (cmd->count("--trainer-ranks") > 0) return Fail("--trainer-ranks needs --sharded");
       for (const char* gpu_only : {"--sizes", "--density"}) {
         if (cmd->count(gpu_only) > 0) return Fail(std::string(gpu_only) + " needs --gpu");
       }

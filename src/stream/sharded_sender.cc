@@ -61,9 +61,10 @@ std::vector<std::vector<Segment>> Batches(std::span<const ModelTensor> model, ui
         bytes = 0;
         room = budget / w;
       }
-      // Whole units, at least one, or the tensor's tail.
-      uint64_t take = std::max<uint64_t>(1, room / unit) * unit;
-      take = std::min(take, numel - at);
+      // The rest of the tensor where it fits (a tensor is named once per
+      // batch), otherwise whole units, at least one.
+      uint64_t take = numel - at;
+      if (take > room) take = std::min(take, std::max<uint64_t>(1, room / unit) * unit);
       out.back().push_back({m->name, at, take, w});
       bytes += take * w;
       at += take;

@@ -544,6 +544,63 @@ TEST_F(SyncTest, AReceiverKilledMidSyncFailsItInTimeAndIsReseededOnceRestarted) 
   Finish(sender, {&local});
 }
 
+// A tensor cut into segments across batches whose tail fits the room its
+// first batch has left: each batch names a tensor once (the tail goes with
+// the rest that fits), and the receivers stay bit-exact. With 64 KiB
+// buckets a unit is 2867 BF16 elements and a batch 131072: 130000 elements
+// take 45 units and leave a tail of 985 beside 2057 of room.
+TEST_F(SyncTest, ATensorWhoseTailFitsTheRoomItsBatchLeftSyncsBitExact) {
+  SetUpGroup(1);
+  const std::vector<Model::Spec> specs = {{"big", DType::kBF16, {325, 400}},
+                                          {"next", DType::kBF16, {300, 1000}}};
+  Model m = Model::Make(12, specs);
+  std::vector<ModelTensor> model;
+  for (const SyncTensor& t : m.tensors) model.push_back({t.name, t.dtype, t.shape});
+  constexpr int kRanks = 2;
+  std::vector<std::unique_ptr<StreamSender>> ranks;
+  for (int r = 0; r < kRanks; ++r) {
+    const CommunicatorOptions o = comm_test::LoopbackOptions(comm_test::FileRendezvous(Dir()), r,
+                                                             kRanks, kTimeout, "trainers");
+    SenderOptions so;
+    so.bucket_bytes = 64 << 10;
+    Result<std::unique_ptr<StreamSender>> s = StreamSender::CreateSharded(
+        [o] { return CreateCommunicator("gloo", o); }, r == 0 ? Factory(0) : nullptr, so);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    ranks.push_back(std::move(*s));
+  }
+  ReceiverRig whole(m, Hold::kWhole, Factory(1));
+  whole.Start();
+  for (int step = 0; step < 3; ++step) {
+    if (step > 0) m.Step(700 + step, 0.05);
+    std::vector<Status> results(kRanks);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kRanks; ++r) {
+      threads.emplace_back([&, r] {
+        std::vector<std::vector<uint8_t>> bytes;
+        std::vector<ShardedTensor> shards;
+        for (const SyncTensor& t : m.tensors) {
+          Result<ShardSpec> spec = ShardSpec::Shard(t.name, t.dtype, t.shape, 0, r, kRanks);
+          ASSERT_TRUE(spec.ok()) << spec.status().ToString();
+          bytes.push_back(Extract(*spec, m));
+          shards.push_back({std::move(*spec), {}});
+        }
+        for (size_t i = 0; i < shards.size(); ++i) shards[i].data = bytes[i];
+        Result<SyncStats> got = ranks[r]->SyncShards(model, shards);
+        results[r] = got.ok() ? Status::OK() : got.status();
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    for (int r = 0; r < kRanks; ++r) {
+      EXPECT_TRUE(results[r].ok())
+          << "step " << step << " rank " << r << ": " << results[r].ToString();
+    }
+    EXPECT_TRUE(whole.Matches(m).ok()) << "step " << step << ": " << whole.Matches(m).ToString();
+  }
+  whole.RequestStop();
+  ranks.clear();
+  whole.Stop();
+}
+
 TEST_F(SyncTest, FourShardedTrainerRanksKeepThreeReceiversBitExactOverTwentySyncs) {
   SetUpGroup(3);
   Model m = ShardedModel(9);
