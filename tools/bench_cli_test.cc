@@ -193,6 +193,11 @@ TEST(BenchCliTest, BadArgumentsFailWithOneLine) {
       {"--bytes 4MiB --preset qwen9-000b", "qwen9-000b"},
       {"--bytes 4MiB --preset tiny --encodings sparse,zip", "zip"},
       {"--bytes 4MiB --preset tiny --repeat 0", "--repeat"},
+      {"--sharded", "--sharded needs --stream"},
+      {"--stream --trainer-ranks 2", "--trainer-ranks needs --sharded"},
+      {"--stream --sharded --trainer-ranks 0", "--trainer-ranks: '0'"},
+      {"--stream --sharded --sizes 12KiB", "below 1MiB"},
+      {"--stream --sharded --links 1", "--links does not apply to --sharded"},
   };
   for (const auto& [args, named] : cases) {
     SCOPED_TRACE(args);
@@ -202,6 +207,29 @@ TEST(BenchCliTest, BadArgumentsFailWithOneLine) {
     EXPECT_NE(r.err.find(named), std::string::npos) << r.err;
     EXPECT_TRUE(r.out.empty()) << r.out;
   }
+}
+
+// Two trainer ranks as processes and a receiver: every rank reports its
+// shards (together the model) and a peak beyond its shards and snapshot of
+// a few buckets, not of the model.
+TEST(BenchCliTest, ShardedStreamReportsEachRanksMemoryBeyondItsShards) {
+  CliRun r = RunCli(
+      "bench --stream --sharded --preset tiny --sizes 4MiB --trainer-ranks 2 --bucket 64KiB "
+      "--json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << r.out;
+  ASSERT_EQ(j["rows"].size(), 1u);
+  const nlohmann::json& row = j["rows"][0];
+  ASSERT_EQ(row["ranks"].size(), 2u);
+  uint64_t shards = 0;
+  for (const nlohmann::json& rank : row["ranks"]) {
+    shards += rank["shard_bytes"].get<uint64_t>();
+    EXPECT_GT(rank["seed_s"].get<double>(), 0);
+    EXPECT_GT(rank["delta_s"].get<double>(), 0);
+    EXPECT_LT(rank["beyond_shards_and_snapshot_bytes"].get<uint64_t>(), uint64_t{64} << 20);
+  }
+  EXPECT_EQ(shards, row["model_bytes"].get<uint64_t>());
 }
 
 TEST(BenchCliTest, ByteSizesAcceptUnits) {
