@@ -227,7 +227,8 @@ TEST(BenchCliTest, ShardedStreamReportsEachRanksMemoryBeyondItsShards) {
     shards += rank["shard_bytes"].get<uint64_t>();
     EXPECT_GT(rank["seed_s"].get<double>(), 0);
     EXPECT_GT(rank["delta_s"].get<double>(), 0);
-    EXPECT_LT(rank["beyond_shards_and_snapshot_bytes"].get<uint64_t>(), uint64_t{64} << 20);
+    EXPECT_LT(rank["seed_beyond_shards_and_snapshot_bytes"].get<uint64_t>(), uint64_t{64} << 20);
+    EXPECT_LT(rank["delta_beyond_shards_and_snapshot_bytes"].get<uint64_t>(), uint64_t{64} << 20);
   }
   EXPECT_EQ(shards, row["model_bytes"].get<uint64_t>());
 }

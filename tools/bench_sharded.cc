@@ -66,7 +66,9 @@ CommunicatorOptions Loopback(const std::string& rendezvous, const std::string& g
 struct RankReport {
   int rank = 0;
   uint64_t shard_bytes = 0;
-  uint64_t beyond = 0;  // peak resident beyond the shards and the snapshot
+  // Peak resident beyond the shards and the snapshot, in the seed and in
+  // the delta.
+  uint64_t seed_beyond = 0, delta_beyond = 0;
   double seed_s = 0, delta_s = 0;
 };
 
@@ -123,7 +125,8 @@ Result<Row> RunOne(const ShardedBenchConfig& c, const std::string& dir, uint64_t
     RankReport rep;
     rep.rank = r;
     rep.shard_bytes = j["shard_bytes"].get<uint64_t>();
-    rep.beyond = j["beyond_bytes"].get<uint64_t>();
+    rep.seed_beyond = j["seed_beyond_bytes"].get<uint64_t>();
+    rep.delta_beyond = j["delta_beyond_bytes"].get<uint64_t>();
     rep.seed_s = j["seed_s"].get<double>();
     rep.delta_s = j["delta_s"].get<double>();
     row.reports.push_back(rep);
@@ -159,7 +162,8 @@ int RunShardedBench(const ShardedBenchConfig& config, bool json_out) {
       for (const RankReport& p : r.reports) {
         ranks.push_back({{"rank", p.rank},
                          {"shard_bytes", p.shard_bytes},
-                         {"beyond_shards_and_snapshot_bytes", p.beyond},
+                         {"seed_beyond_shards_and_snapshot_bytes", p.seed_beyond},
+                         {"delta_beyond_shards_and_snapshot_bytes", p.delta_beyond},
                          {"seed_s", p.seed_s},
                          {"delta_s", p.delta_s}});
       }
@@ -173,20 +177,28 @@ int RunShardedBench(const ShardedBenchConfig& config, bool json_out) {
       "their rows of every tensor, one receiver, gloo on loopback; a seed, then a delta of 1.7%% "
       "of the elements\n",
       config.preset.c_str(), FormatBytes(config.bucket_bytes).c_str());
-  std::printf("%6s %5s %10s %8s %8s %14s %16s\n", "ranks", "GiB", "shard MiB", "seed s", "delta s",
-              "rank 0 +MiB", "others +MiB max");
+  std::printf("%6s %5s %10s %8s %8s %13s %13s %13s %13s\n", "ranks", "GiB", "shard MiB", "seed s",
+              "delta s", "r0 seed +MiB", "r0 delta +MiB", "others seed", "others delta");
   for (const Row& r : rows) {
-    uint64_t others = 0;
-    for (size_t i = 1; i < r.reports.size(); ++i) others = std::max(others, r.reports[i].beyond);
-    char others_text[32] = "-";
-    if (r.reports.size() > 1) std::snprintf(others_text, sizeof(others_text), "%.1f", Mib(others));
-    std::printf("%6d %5.2f %10.1f %8.3f %8.3f %14.1f %16s\n", r.ranks, Gib(r.model_bytes),
-                Mib(r.reports[0].shard_bytes), r.reports[0].seed_s, r.reports[0].delta_s,
-                Mib(r.reports[0].beyond), others_text);
+    uint64_t seed = 0, delta = 0;
+    for (size_t i = 1; i < r.reports.size(); ++i) {
+      seed = std::max(seed, r.reports[i].seed_beyond);
+      delta = std::max(delta, r.reports[i].delta_beyond);
+    }
+    char seed_text[32] = "-", delta_text[32] = "-";
+    if (r.reports.size() > 1) {
+      std::snprintf(seed_text, sizeof(seed_text), "%.1f", Mib(seed));
+      std::snprintf(delta_text, sizeof(delta_text), "%.1f", Mib(delta));
+    }
+    std::printf("%6d %5.2f %10.1f %8.3f %8.3f %13.1f %13.1f %13s %13s\n", r.ranks,
+                Gib(r.model_bytes), Mib(r.reports[0].shard_bytes), r.reports[0].seed_s,
+                r.reports[0].delta_s, Mib(r.reports[0].seed_beyond), Mib(r.reports[0].delta_beyond),
+                seed_text, delta_text);
   }
   std::printf(
       "\n+MiB: peak resident memory beyond the rank's own shards (both states the benchmark "
-      "holds) and its snapshot of them\n");
+      "holds) and its snapshot of them, in the seed and in the delta (others: the largest of "
+      "ranks 1..)\n");
   return 0;
 }
 
@@ -262,15 +274,19 @@ int RunShardedBenchTrainer(const std::vector<std::string>& args) {
     const auto t0 = Clock::now();
     Result<SyncStats> s = (*sender)->SyncShards(model, shards);
     if (!s.ok()) return Fail(s.status());
-    out[state == &before ? "seed_s" : "delta_s"] = SecondsSince(t0);
+    const bool seed = state == &before;
+    out[seed ? "seed_s" : "delta_s"] = SecondsSince(t0);
+    // Each sync's own peak beyond the shards and the snapshot (a copy of
+    // the shards, made by the seed).
+    const uint64_t peak = OwnMemory("VmHWM");
+    out[seed ? "seed_beyond_bytes" : "delta_beyond_bytes"] =
+        peak > floor + shard_bytes ? peak - floor - shard_bytes : 0;
+    std::ofstream reset("/proc/self/clear_refs");
+    reset << "5";
   }
-  const uint64_t peak = OwnMemory("VmHWM");
   out["rank"] = rank;
   out["shard_bytes"] = shard_bytes;
   out["floor_rss_bytes"] = floor;
-  out["peak_rss_bytes"] = peak;
-  // The snapshot is a copy of the shards.
-  out["beyond_bytes"] = peak > floor + shard_bytes ? peak - floor - shard_bytes : 0;
   std::cout << out.dump() << std::endl;
   return 0;
 }

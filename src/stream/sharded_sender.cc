@@ -439,7 +439,7 @@ Result<SyncStats> Sender::SyncShardsAlone(std::span<const ModelTensor> model,
     const std::vector<std::vector<Segment>> batches = Batches(model, options_.bucket_bytes, budget);
     std::map<std::string, TensorRound, std::less<>> rounds;
     std::vector<uint8_t> message;
-    std::vector<std::vector<uint8_t>> dense_buffers;
+    std::vector<uint8_t> dense_buffer;
     std::vector<std::span<uint8_t>> dense_spans;
     uint64_t changed = 0;
     for (size_t b = 0; b < batches.size(); ++b) {
@@ -476,10 +476,15 @@ Result<SyncStats> Sender::SyncShardsAlone(std::span<const ModelTensor> model,
             }
           }
         } else {
-          dense_buffers.resize(segs.size());
-          for (size_t s = 0; s < segs.size(); ++s) {
-            dense_buffers[s].assign(segs[s].count * segs[s].w, 0);
-            dense_spans.push_back(dense_buffers[s]);
+          // One buffer for the batch, its segments side by side: its
+          // capacity stays one batch whatever the batches' cuts.
+          uint64_t total = 0;
+          for (const Segment& seg : segs) total += seg.count * seg.w;
+          dense_buffer.assign(total, 0);
+          uint64_t at = 0;
+          for (const Segment& seg : segs) {
+            dense_spans.push_back(std::span<uint8_t>(dense_buffer).subspan(at, seg.count * seg.w));
+            at += seg.count * seg.w;
           }
           for (int r = 0; r < trainers_->size(); ++r) {
             const std::vector<ShardSpec>& rs = layouts_[r];
