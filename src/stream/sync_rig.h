@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <functional>
 #include <initializer_list>
 #include <memory>
 #include <mutex>
@@ -146,6 +147,27 @@ class SyncTest : public ::testing::Test {
     };
   }
   void SetUpGroup(int receivers) { size_ = receivers + 1; }
+  // The sharded senders of `n` trainer ranks (group "trainers", 64 KiB
+  // buckets; `tune` adjusts each rank's options), rank 0 leading the stream
+  // group; fewer than `n` where one cannot be made (the failure is
+  // recorded).
+  std::vector<std::unique_ptr<StreamSender>> ShardedRanks(
+      int n, const std::function<void(int, SenderOptions*)>& tune) {
+    std::vector<std::unique_ptr<StreamSender>> ranks;
+    for (int r = 0; r < n; ++r) {
+      const CommunicatorOptions o =
+          comm_test::LoopbackOptions(comm_test::FileRendezvous(Dir()), r, n, kTimeout, "trainers");
+      SenderOptions so;
+      so.bucket_bytes = 64 << 10;
+      tune(r, &so);
+      Result<std::unique_ptr<StreamSender>> s = StreamSender::CreateSharded(
+          [o] { return CreateCommunicator("gloo", o); }, r == 0 ? Factory(0) : nullptr, so);
+      EXPECT_TRUE(s.ok()) << s.status().ToString();
+      if (!s.ok()) break;
+      ranks.push_back(std::move(*s));
+    }
+    return ranks;
+  }
   // The rendezvous directory of this test's groups (a fresh one after
   // NewDir).
   std::string Dir() const { return dir_.path() + sub_; }

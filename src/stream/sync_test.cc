@@ -557,17 +557,9 @@ TEST_F(SyncTest, ATensorWhoseTailFitsTheRoomItsBatchLeftSyncsBitExact) {
   std::vector<ModelTensor> model;
   for (const SyncTensor& t : m.tensors) model.push_back({t.name, t.dtype, t.shape});
   constexpr int kRanks = 2;
-  std::vector<std::unique_ptr<StreamSender>> ranks;
-  for (int r = 0; r < kRanks; ++r) {
-    const CommunicatorOptions o = comm_test::LoopbackOptions(comm_test::FileRendezvous(Dir()), r,
-                                                             kRanks, kTimeout, "trainers");
-    SenderOptions so;
-    so.bucket_bytes = 64 << 10;
-    Result<std::unique_ptr<StreamSender>> s = StreamSender::CreateSharded(
-        [o] { return CreateCommunicator("gloo", o); }, r == 0 ? Factory(0) : nullptr, so);
-    ASSERT_TRUE(s.ok()) << s.status().ToString();
-    ranks.push_back(std::move(*s));
-  }
+  std::vector<std::unique_ptr<StreamSender>> ranks =
+      ShardedRanks(kRanks, [](int, SenderOptions*) {});
+  ASSERT_EQ(ranks.size(), static_cast<size_t>(kRanks));
   ReceiverRig whole(m, Hold::kWhole, Factory(1));
   whole.Start();
   for (int step = 0; step < 3; ++step) {
@@ -607,19 +599,12 @@ TEST_F(SyncTest, FourShardedTrainerRanksKeepThreeReceiversBitExactOverTwentySync
   std::vector<ModelTensor> model;
   for (const SyncTensor& t : m.tensors) model.push_back({t.name, t.dtype, t.shape});
   constexpr int kRanks = 4;
-  std::vector<std::unique_ptr<StreamSender>> ranks;
-  for (int r = 0; r < kRanks; ++r) {
-    const CommunicatorOptions o = comm_test::LoopbackOptions(comm_test::FileRendezvous(Dir()), r,
-                                                             kRanks, kTimeout, "trainers");
-    SenderOptions so;
-    so.bucket_bytes = 64 << 10;
-    so.verify_every = 5;
-    so.encoding = static_cast<StreamEncoding>(r % 3);  // only rank 0's counts
-    Result<std::unique_ptr<StreamSender>> s = StreamSender::CreateSharded(
-        [o] { return CreateCommunicator("gloo", o); }, r == 0 ? Factory(0) : nullptr, so);
-    ASSERT_TRUE(s.ok()) << s.status().ToString();
-    ranks.push_back(std::move(*s));
-  }
+  std::vector<std::unique_ptr<StreamSender>> ranks =
+      ShardedRanks(kRanks, [](int r, SenderOptions* so) {
+        so->verify_every = 5;
+        so->encoding = static_cast<StreamEncoding>(r % 3);  // only rank 0's counts
+      });
+  ASSERT_EQ(ranks.size(), static_cast<size_t>(kRanks));
   ReceiverOptions failing;
   failing.apply_hook = [](uint64_t sync_id, std::string_view, uint64_t) {
     return sync_id == 7 ? Status::IOError("injected at sync 7") : Status::OK();
