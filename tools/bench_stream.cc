@@ -420,7 +420,7 @@ json Bench::Report() const {
     for (const Run& r : runs_.at(link.name)) {
       json row = {{"receivers", r.receivers}, {"what", r.what}, {"seconds", r.seconds}};
       if (link.gbit > 0) row["sender_uplink_bytes"] = r.uplink_bytes;
-      if (r.what != "full") {
+      if (r.what != "full" && r.what != "tree") {
         const double bound = read_s_ + (bps > 0 ? r.stats.bytes_sent / bps : 0);
         row["bound_s"] = bound;
         row["bytes_sent"] = r.stats.bytes_sent;
