@@ -48,7 +48,13 @@ int Rejoin(const CommunicatorOptions& options) {
       bool more = true;
       s = ct::CheckRound(round, &more);
       if (!s.ok()) return Fail("rejoin", options.rank, s);
-      if (!more) return 0;
+      if (more) continue;
+      // Leave only once every member is done: a member may still be
+      // finishing its formation with this one (Gloo's two sides of a
+      // connection see it made at different moments), and leaving now would
+      // fail it.
+      s = (*c)->Barrier();
+      return s.ok() ? 0 : Fail("rejoin", options.rank, s);
     }
   }
   return Fail("rejoin", options.rank, Status::Aborted("gave up after 5 formations"));

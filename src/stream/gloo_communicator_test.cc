@@ -463,6 +463,9 @@ TEST_P(GlooRejoin, AGroupIsFormedAgainAfterAMemberIsKilledAndRestarted) {
   round = comm_test::RoundBytes(false, 3);
   Status last = (*c)->Broadcast(0, round);
   EXPECT_TRUE(last.ok()) << last.ToString();
+  // Every member leaves once all are done (communicator_test_peer).
+  Status done = (*c)->Barrier();
+  EXPECT_TRUE(done.ok()) << done.ToString();
   for (const std::optional<int>& code : peers.WaitAll(kPeerLimit)) EXPECT_EQ(code, 0);
 }
 
