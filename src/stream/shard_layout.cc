@@ -389,8 +389,11 @@ void ForEachDenseRun(std::span<const ShardSpec> specs, const PiecesByTensor& pie
   for (size_t s = 0; s < segments.size(); ++s) {
     auto it = pieces.find(segments[s].name);
     if (it == pieces.end()) continue;
-    for (const auto& [i, j] : it->second) {
-      ForEachPieceRun(specs[i].pieces[j], specs[i].local_shape, segments[s].first,
+    for (const auto& ij : it->second) {
+      // A named copy: a lambda cannot capture a structured binding before
+      // C++20 as clang 14 implements it.
+      const size_t i = ij.first;
+      ForEachPieceRun(specs[i].pieces[ij.second], specs[i].local_shape, segments[s].first,
                       segments[s].count, [&](const PieceRun& r) { fn(s, r, i); });
     }
   }

@@ -249,8 +249,9 @@ Status Sender::DiffSegments(std::span<const ShardedTensor> shards,
     };
     std::vector<Run> runs;
     uint64_t numel = 0;
-    for (const auto& [i, j] : it->second) {
-      const ShardPiece& p = local_[i].spec.pieces[j];
+    for (const auto& ij : it->second) {
+      const size_t i = ij.first;  // captured below: not a structured binding (clang 14)
+      const ShardPiece& p = local_[i].spec.pieces[ij.second];
       if (numel == 0) {
         numel = 1;
         for (int64_t d : p.hf_shape) numel *= static_cast<uint64_t>(d);
