@@ -8,7 +8,7 @@
 # is built.
 #
 # ds_optional(<X> DIR <dir> WHAT <text> PROBE <macro>)
-#   <dir> is relative to the source root (src/stream, python, ...). The macro
+#   <dir> is relative to the source root (src/comm, python, ...). The macro
 #   <macro>(<out>) sets <out> to ON when the dependency is found, OFF when
 #   not. It runs inside this function: the imported targets and cache entries
 #   it creates are there for the module, its plain variables are not (the
@@ -135,8 +135,8 @@ macro(ds_probe_python out)
 endmacro()
 
 # The components and the module each belongs to. NCCL and Gloo are the two
-# communicators of one module, the online transport (CONTRIBUTING.md).
+# communicators of one module, comm (CONTRIBUTING.md).
 ds_optional(CUDA DIR src/cuda WHAT "CUDA kernels" PROBE ds_probe_cuda)
-ds_optional(NCCL DIR src/stream WHAT "NCCL communicator (CUDA, NCCL and Gloo)" PROBE ds_probe_nccl)
-ds_optional(GLOO DIR src/stream WHAT "Gloo communicator" PROBE ds_probe_gloo)
+ds_optional(NCCL DIR src/comm WHAT "NCCL communicator (CUDA, NCCL and Gloo)" PROBE ds_probe_nccl)
+ds_optional(GLOO DIR src/comm WHAT "Gloo communicator" PROBE ds_probe_gloo)
 ds_optional(PYTHON DIR python WHAT "Python bindings (pybind11)" PROBE ds_probe_python)

@@ -11,6 +11,7 @@
 // InvalidArgument Validate or its own argument checks give.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -23,6 +24,10 @@ namespace deltasync {
 // Tensors (local or HF) hold at most this many elements, every dimension
 // included: the bound of the stream's flat positions.
 inline constexpr int64_t kMaxShardNumel = int64_t{1} << 56;
+// A tensor's most dimensions and its HF name's most bytes (the stream's
+// frames carry the same limits).
+inline constexpr size_t kMaxShardDims = 16;
+inline constexpr size_t kMaxShardNameBytes = 1024;
 
 // One part of a local tensor that is a part of one HF tensor.
 struct ShardPiece {

@@ -22,6 +22,7 @@
 #include <tuple>
 #include <vector>
 
+#include "core/dtype_code.h"
 #include "core/endian.h"
 #include "deltasync/cuda.h"
 #include "deltasync/dtype.h"
@@ -50,11 +51,8 @@ enum class WireEncoding : uint8_t { kDense = 0, kIndices = 1, kSparse = 2 };
 // "dense", "indices" or "sparse" ("unknown" outside the enum).
 std::string_view WireEncodingName(WireEncoding encoding);
 
-// The dtype's code in a frame (docs/format.md): the safetensors dtypes in
-// their listed order, BOOL = 0 to F64 = 14.
-uint8_t DTypeWireCode(DType dtype);
-// The inverse; nullopt for a code past 14.
-std::optional<DType> DTypeFromWireCode(uint8_t code);
+// The dtype's code in a frame: DTypeWireCode and DTypeFromWireCode in
+// core/dtype_code.h.
 
 struct FlushHeader {
   uint64_t sync_id = 0;      // at least 1

@@ -1,3 +1,8 @@
+// The flush frame's writer, reader and destinations (docs/format.md,
+// "Stream: flush frame"). One file past 800 lines on purpose: every case
+// builds its frames with RawFrame below, a writer of the documented layout
+// independent of FlushWriter, so that a corruption case and the layout it
+// breaks read against one definition.
 #include "stream/frame.h"
 
 #include <gtest/gtest.h>

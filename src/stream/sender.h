@@ -24,10 +24,10 @@
 #include "deltasync/diff.h"
 #include "deltasync/shard.h"
 #include "deltasync/stream.h"
+#include "shard/shard_changes.h"
+#include "shard/shard_layout.h"
 #include "stream/device_path.h"
 #include "stream/frame.h"
-#include "stream/shard_changes.h"
-#include "stream/shard_layout.h"
 #include "stream/state_digest.h"
 #include "stream/sync_messages.h"
 

@@ -8,12 +8,12 @@
 #include <utility>
 #include <vector>
 
+#include "comm/communicator_internal.h"
 #include "deltasync/stream.h"
 #include "deltasync/tensor.h"
 #include "deltasync/timing.h"
-#include "stream/communicator_internal.h"
+#include "shard/shard_gather.h"
 #include "stream/sender.h"
-#include "stream/shard_gather.h"
 
 namespace deltasync::stream_sender {
 

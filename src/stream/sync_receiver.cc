@@ -7,10 +7,10 @@
 #include <set>
 #include <utility>
 
+#include "comm/communicator_internal.h"
 #include "deltasync/stream.h"
 #include "deltasync/tensor.h"
 #include "deltasync/timing.h"
-#include "stream/communicator_internal.h"
 #include "stream/device_path.h"
 #include "stream/frame.h"
 #include "stream/state_digest.h"

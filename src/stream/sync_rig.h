@@ -16,10 +16,10 @@
 #include <thread>
 #include <vector>
 
+#include "comm/communicator_test_util.h"
+#include "comm/fault_communicator.h"
 #include "deltasync/shard.h"
 #include "deltasync/stream.h"
-#include "stream/communicator_test_util.h"
-#include "stream/fault_communicator.h"
 #include "stream/sync_test_util.h"
 
 namespace deltasync::sync_rig {

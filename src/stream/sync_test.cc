@@ -12,11 +12,11 @@
 #include <random>
 #include <thread>
 
+#include "comm/communicator_test_util.h"
+#include "comm/fault_communicator.h"
 #include "deltasync/shard.h"
 #include "deltasync/stream.h"
-#include "stream/communicator_test_util.h"
 #include "stream/device_path.h"
-#include "stream/fault_communicator.h"
 #include "stream/frame.h"
 #include "stream/sync_messages.h"
 #include "stream/sync_rig.h"

@@ -32,7 +32,7 @@
 #include <string>
 #include <string_view>
 
-#include "stream/communicator_test_util.h"
+#include "comm/communicator_test_util.h"
 #include "stream/sync_test_util.h"
 
 namespace {

@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "comm/communicator_test_util.h"
 #include "deltasync/communicator.h"
-#include "stream/communicator_test_util.h"
 #include "tests/gpu/nccl_pair.h"
 
 namespace deltasync {

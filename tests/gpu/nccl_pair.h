@@ -16,9 +16,9 @@
 #include <string>
 #include <vector>
 
+#include "comm/communicator_test_util.h"
 #include "deltasync/communicator.h"
 #include "deltasync/stream.h"
-#include "stream/communicator_test_util.h"
 #include "stream/sync_test_util.h"
 
 namespace deltasync::nccl_pair {

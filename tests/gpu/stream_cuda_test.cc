@@ -18,11 +18,11 @@
 #include <random>
 #include <thread>
 
+#include "comm/communicator_test_util.h"
 #include "deltasync/checksum.h"
 #include "deltasync/cuda.h"
 #include "deltasync/diff.h"
 #include "deltasync/stream.h"
-#include "stream/communicator_test_util.h"
 #include "stream/device_path.h"
 #include "stream/frame.h"
 #include "stream/sync_test_util.h"

@@ -10,10 +10,10 @@
 #include <set>
 #include <thread>
 
+#include "comm/communicator_test_util.h"
 #include "deltasync/communicator.h"
 #include "deltasync/shard.h"
-#include "stream/communicator_test_util.h"
-#include "stream/shard_layout.h"
+#include "shard/shard_layout.h"
 
 namespace deltasync::stream {
 namespace {

@@ -1,6 +1,6 @@
 // A sharded trainer's layout, the runs of its pieces and the dense gather
 // (shard_layout.h; docs/format.md, "Stream: sharded sync").
-#include "stream/shard_layout.h"
+#include "shard/shard_layout.h"
 
 #include <algorithm>
 #include <cstring>

@@ -1,6 +1,6 @@
 // Placements of local tensors (include/deltasync/shard.h) and the
 // translation of their changes into HF flat coordinates
-// (src/stream/shard_changes.h).
+// (src/shard/shard_changes.h).
 #include <algorithm>
 #include <cstring>
 #include <functional>
@@ -11,13 +11,9 @@
 
 #include "core/endian.h"
 #include "deltasync/shard.h"
-#include "stream/frame.h"
-#include "stream/shard_changes.h"
-#include "stream/state_digest.h"
+#include "shard/shard_changes.h"
 
 namespace deltasync {
-
-static_assert(kMaxShardNumel == static_cast<int64_t>(stream::kMaxStreamNumel));
 
 namespace {
 
@@ -38,7 +34,7 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
 // The element count of `shape`, checking rule 1 of "Placements"; `what`
 // names the tensor in messages.
 Status CheckShape(const std::string& what, const std::vector<int64_t>& shape, int64_t* numel) {
-  if (shape.size() > stream::kMaxTensorDims) {
+  if (shape.size() > kMaxShardDims) {
     return Status::InvalidArgument(what + " has " + std::to_string(shape.size()) +
                                    " dimensions, more than 16");
   }
@@ -109,7 +105,7 @@ Status CheckPieceShape(const ShardSpec& spec, size_t i, int64_t* hf_numel) {
   if (p.hf_name.empty()) {
     return Status::InvalidArgument("piece " + std::to_string(i) + ": empty HF tensor name");
   }
-  if (p.hf_name.size() > stream::kMaxTensorNameBytes) {
+  if (p.hf_name.size() > kMaxShardNameBytes) {
     return Status::InvalidArgument("piece " + std::to_string(i) + ": HF tensor name of " +
                                    std::to_string(p.hf_name.size()) + " bytes, more than 1024");
   }

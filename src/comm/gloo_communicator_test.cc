@@ -17,9 +17,9 @@
 #include <thread>
 #include <vector>
 
+#include "comm/communicator_rendezvous.h"
+#include "comm/communicator_test_util.h"
 #include "deltasync/communicator.h"
-#include "stream/communicator_rendezvous.h"
-#include "stream/communicator_test_util.h"
 
 namespace deltasync {
 namespace {

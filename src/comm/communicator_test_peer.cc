@@ -17,7 +17,7 @@
 #include <string>
 #include <thread>
 
-#include "stream/communicator_test_util.h"
+#include "comm/communicator_test_util.h"
 
 namespace {
 

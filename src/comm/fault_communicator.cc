@@ -1,4 +1,4 @@
-#include "stream/fault_communicator.h"
+#include "comm/fault_communicator.h"
 
 #include <algorithm>
 #include <thread>

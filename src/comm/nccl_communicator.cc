@@ -29,8 +29,8 @@
 #include <thread>
 #include <utility>
 
-#include "stream/communicator_internal.h"
-#include "stream/communicator_rendezvous.h"
+#include "comm/communicator_internal.h"
+#include "comm/communicator_rendezvous.h"
 
 namespace deltasync::stream_internal {
 

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "stream/communicator_internal.h"
+#include "comm/communicator_internal.h"
 
 namespace deltasync {
 

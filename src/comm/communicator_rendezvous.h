@@ -13,9 +13,9 @@
 #include <string_view>
 #include <vector>
 
+#include "comm/communicator_internal.h"
 #include "deltasync/communicator.h"
 #include "deltasync/status.h"
-#include "stream/communicator_internal.h"
 
 namespace gloo::rendezvous {
 class Store;

@@ -11,7 +11,7 @@
 #include "deltasync/communicator.h"
 #include "deltasync/dtype.h"
 #include "deltasync/status.h"
-#include "stream/shard_changes.h"
+#include "shard/shard_changes.h"
 
 namespace deltasync::stream {
 

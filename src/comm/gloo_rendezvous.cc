@@ -24,7 +24,7 @@
 #define DS_GLOO_REDIS 0
 #endif
 
-#include "stream/communicator_rendezvous.h"
+#include "comm/communicator_rendezvous.h"
 
 namespace deltasync::stream_internal {
 

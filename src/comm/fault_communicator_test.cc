@@ -1,6 +1,6 @@
 // The fault-injecting wrapper, around gloo groups formed in threads: each
 // fault changes exactly what it says, on exactly the call it names.
-#include "stream/fault_communicator.h"
+#include "comm/fault_communicator.h"
 
 #include <gtest/gtest.h>
 
@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "stream/communicator_test_util.h"
+#include "comm/communicator_test_util.h"
 
 namespace deltasync::stream_internal {
 namespace {

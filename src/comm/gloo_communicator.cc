@@ -38,9 +38,9 @@
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
 
+#include "comm/communicator_internal.h"
+#include "comm/communicator_rendezvous.h"
 #include "core/endian.h"
-#include "stream/communicator_internal.h"
-#include "stream/communicator_rendezvous.h"
 
 namespace deltasync::stream_internal {
 

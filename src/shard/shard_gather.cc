@@ -1,4 +1,4 @@
-#include "stream/shard_gather.h"
+#include "shard/shard_gather.h"
 
 #include <bit>
 #include <cstring>
@@ -8,10 +8,10 @@
 #include <utility>
 #include <vector>
 
+#include "core/dtype_code.h"
 #include "core/endian.h"
 #include "deltasync/checksum.h"
 #include "deltasync/shard.h"
-#include "stream/frame.h"
 
 namespace deltasync::stream {
 

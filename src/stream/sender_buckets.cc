@@ -1,0 +1,279 @@
+// The stream's sender, its buckets (sender.h): a frame begun, filled with
+// a tensor's units and flushed to its receivers (docs/format.md, "Stream:
+// flush frame", "Fan-out"); shared by the whole-tensor and the sharded
+// sender.
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <set>
+#include <thread>
+#include <utility>
+
+#include "core/endian.h"
+#include "deltasync/diff.h"
+#include "deltasync/stream.h"
+#include "deltasync/tensor.h"
+#include "deltasync/timing.h"
+#include "comm/communicator_internal.h"
+#include "stream/sender.h"
+
+namespace deltasync {
+
+namespace stream_sender {
+
+Status Sender::Begin(Group& g, uint64_t sync_id, bool last, bool verify_all) {
+  FlushHeader h;
+  h.sync_id = sync_id;
+  h.flush_index = g.frames;
+  h.kind = g.seed ? FrameKind::kSeed : FrameKind::kDelta;
+  h.last = last;
+  h.verify_all = verify_all;
+  // Reserved once, so that a frame never reallocates (and a small model
+  // does not take a whole bucket).
+  if (g.device) {
+    DS_RETURN_IF_ERROR(g.device->Begin(h, frame_stream_));
+    g.open = true;
+    return Status::OK();
+  }
+  if (g.bucket.capacity() == 0) g.bucket.reserve(bucket_reserve_);
+  DS_RETURN_IF_ERROR(g.writer.Begin(h, options_.bucket_bytes, &g.bucket));
+  g.open = true;
+  return Status::OK();
+}
+
+Status Sender::Flush(Group& g, SyncStats* stats) {
+  const auto t0 = Clock::now();
+  DS_RETURN_IF_ERROR(g.device ? g.device->Finish() : g.writer.Finish());
+  stats->encode_s += SecondsSince(t0);
+  g.open = false;
+  ++g.frames;
+  ++stats->frames;
+  if (g.device) ++stats->device_frames;
+  // Frames shared by the group go to its first member, which passes
+  // them on; only its records frame is a receiver's own.
+  const int head = peers_[g.members.front()].rank;
+  if (!g.overlap) {
+    const auto t1 = Clock::now();
+    Status s = SendSharedFrame(*comm_, head,
+                               g.device ? g.device->frame() : std::span<const uint8_t>(g.bucket),
+                               &stats->bytes_sent);
+    stats->transfer_s += SecondsSince(t1);
+    return s;
+  }
+  DS_RETURN_IF_ERROR(Land(stats));
+  const bool device = g.device != nullptr;
+  if (device) {
+    std::swap(g.device, flight_.device);
+  } else {
+    std::swap(g.bucket, flight_.frame);
+  }
+  flight_.thread = std::thread([this, head, device] {
+    const auto t1 = Clock::now();
+    flight_.status = SendSharedFrame(
+        *comm_, head, device ? flight_.device->frame() : std::span<const uint8_t>(flight_.frame),
+        &flight_.bytes);
+    flight_.seconds = SecondsSince(t1);
+  });
+  return Status::OK();
+}
+
+Status Sender::Land(SyncStats* stats) {
+  if (!flight_.thread.joinable()) return Status::OK();
+  flight_.thread.join();
+  if (stats != nullptr) {
+    stats->transfer_s += flight_.seconds;
+    stats->bytes_sent += flight_.bytes;
+  }
+  flight_.seconds = 0;
+  flight_.bytes = 0;
+  return std::exchange(flight_.status, Status::OK());
+}
+
+template <typename AddFn>
+Status Sender::Add(Group& g, uint64_t sync_id, SyncStats* stats, AddFn&& add) {
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    if (!g.open) DS_RETURN_IF_ERROR(Begin(g, sync_id, false, false));
+    const auto t0 = Clock::now();
+    Result<bool> fit = add(g);
+    stats->encode_s += SecondsSince(t0);
+    if (!fit.ok()) return fit.status();
+    if (*fit) return Status::OK();
+    if ((g.device ? g.device->entry_count() : g.writer.entry_count()) == 0) break;
+    DS_RETURN_IF_ERROR(Flush(g, stats));
+  }
+  return Status::Internal("a unit of work does not fit an empty frame of " +
+                          std::to_string(options_.bucket_bytes) + " bytes");
+}
+
+Status Sender::StreamTensor(TensorState& t, const UnitSource& src, Round* round) {
+  TensorRound tr;
+  BeginTensor(t, &tr);
+  DS_RETURN_IF_ERROR(StreamUnits(t, src, round, &tr, 0, t.units()));
+  EndTensor(t, tr);
+  return Status::OK();
+}
+
+void Sender::BeginTensor(TensorState& t, TensorRound* tr) {
+  // The blocks receivers hold of this tensor, and their digests' change
+  // (or, with no committed digest to start from, the digests themselves).
+  tr->delta.clear();
+  tr->whole.clear();
+  for (const Peer& p : peers_) {
+    auto it = p.blocks.find(t.name);
+    if (it == p.blocks.end()) continue;
+    const BlockKey key = KeyOf(it->second);
+    tr->delta.emplace(key, StateDigest{});
+    if (!have_snapshot_ || !t.committed.count(key)) tr->whole.insert(key);
+  }
+  t.changed.assign(t.units(), 0);
+}
+
+void Sender::EndTensor(TensorState& t, const TensorRound& tr) {
+  // The digest each held block must have at the end of the sync.
+  t.expected.clear();
+  for (const auto& [key, d] : tr.delta) {
+    t.expected[key] = tr.whole.count(key) ? d : t.committed.at(key) + d;
+  }
+}
+
+Status Sender::StreamUnits(TensorState& t, const UnitSource& src, Round* round, TensorRound* tr,
+                           uint64_t u_begin, uint64_t u_end) {
+  SyncStats* stats = &round->stats;
+  const uint64_t sync_id = round->sync_id;
+  std::map<BlockKey, StateDigest>& delta = tr->delta;
+  // Frames on the device: the changes stay there, and entries are copied
+  // into the device buckets from the diff's outputs and the tensor.
+  stream::DeviceSource* dev = round->device_frames ? t.device.get() : nullptr;
+  if (dev) frame_stream_ = dev->stream();
+  const TensorRange whole{t.name, t.dtype, t.shape, 0, t.numel};
+  for (uint64_t u = u_begin; u < u_end; ++u) {
+    const uint64_t first = u * t.unit;
+    const uint64_t count = std::min(t.unit, t.numel - first);
+    TensorRange range = whole;
+    range.first = first;
+    range.count = count;
+    std::optional<std::span<const uint8_t>> dense_view;
+    const auto dense = [&]() -> Result<std::span<const uint8_t>> {
+      if (!dense_view) {
+        DS_ASSIGN_OR_RETURN(std::span<const uint8_t> v, src.dense(first, count));
+        dense_view = v;
+      }
+      return *dense_view;
+    };
+    // A block whose digest is computed whole takes the unit's share of it
+    // from its dense values.
+    const auto add_whole = [&](const BlockKey& key, StateDigest* d, bool seed) -> Status {
+      if (src.whole_digest && Covers(BlockOf(key), t.numel)) {
+        DS_ASSIGN_OR_RETURN(StateDigest part, src.whole_digest(first, count, seed));
+        *d += part;
+        return Status::OK();
+      }
+      DS_ASSIGN_OR_RETURN(std::span<const uint8_t> xu, dense());
+      DS_ASSIGN_OR_RETURN(StateDigest part,
+                          stream::ComputeBlockPartDigest(xu, t.w, first, BlockOf(key)));
+      *d += part;
+      return Status::OK();
+    };
+    bool resend = false;  // the whole unit, dense
+    changes_.Clear();
+    stream::DeviceUnitChanges device_changes;
+    uint64_t n = 0;  // changed elements of the unit
+    const auto t0 = Clock::now();
+    if (have_snapshot_) {
+      if (dev) {
+        DS_ASSIGN_OR_RETURN(device_changes, dev->DeviceChanges(first, count));
+        n = device_changes.count;
+      } else {
+        DS_RETURN_IF_ERROR(src.changes(first, count, &changes_));
+        n = changes_.count();
+      }
+      stats->changed += n;
+      resend = t.dirty[u] != 0;
+      if (resend || n > 0) t.changed[u] = 1;
+      // A block's digest moves by what its changed elements move it (a
+      // resent unit's other elements hold what the snapshot holds).
+      for (auto& [key, d] : delta) {
+        const DigestBlock b = BlockOf(key);
+        if (tr->whole.count(key)) {
+          DS_RETURN_IF_ERROR(add_whole(key, &d, true));
+        } else if (src.whole_digest && Covers(b, t.numel)) {
+          DS_ASSIGN_OR_RETURN(StateDigest part, src.whole_digest(first, count, false));
+          d += part;
+        } else if (n == 0) {
+          continue;
+        } else if (dev) {
+          DS_ASSIGN_OR_RETURN(StateDigest part, dev->BlockDigestChange(device_changes, b));
+          d += part;
+        } else if (Covers(b, t.numel)) {
+          DS_RETURN_IF_ERROR(stream::UpdateStateDigest(
+              &d, Positions::Of(changes_, first), changes_.old_values, changes_.new_values, t.w));
+        } else {
+          for (uint64_t k = 0; k < changes_.count(); ++k) {
+            const uint64_t p = first + changes_.position(k);
+            if (!InBlock(b, p)) continue;
+            d += stream::ElementChangeDigest(
+                p, LoadLeWidth(changes_.old_values.data() + k * t.w, t.w),
+                LoadLeWidth(changes_.new_values.data() + k * t.w, t.w), t.w);
+          }
+        }
+      }
+    } else {
+      t.changed[u] = 1;
+      for (auto& [key, d] : delta) DS_RETURN_IF_ERROR(add_whole(key, &d, true));
+    }
+    stats->diff_s += SecondsSince(t0);
+    for (const std::unique_ptr<Group>& gp : round->groups) {
+      Group& g = *gp;
+      if (!g.holds.count(t.name)) continue;
+      // A seed or a resent unit goes whole (dense); a delta in the
+      // encoding asked for, or dense when positions would cost more than
+      // the values (and the values can be had).
+      const bool whole = g.seed || resend;
+      if (!whole && n == 0) continue;
+      StreamEncoding e = StreamEncoding::kDense;
+      if (!whole) {
+        const uint64_t pw = t.numel >= (uint64_t{1} << 31) ? 8 : 4;
+        e = options_.encoding;
+        if (e == StreamEncoding::kIndices && n * (pw + t.w) >= count * t.w &&
+            (!src.can_dense || src.can_dense(first, count, n))) {
+          e = StreamEncoding::kDense;
+        }
+        if (e == StreamEncoding::kDense && src.can_dense && !src.can_dense(first, count, n)) {
+          e = StreamEncoding::kIndices;
+        }
+      }
+      if (dev) {
+        // BeginSync leaves sparse deltas, compressed on the host, to host
+        // frames.
+        DS_RETURN_IF_ERROR(Add(g, sync_id, stats, [&](Group& gr) -> Result<bool> {
+          if (e == StreamEncoding::kDense) {
+            return gr.device->AddDense(range, dev->current(first), dev->stream());
+          }
+          return gr.device->AddIndices(range, device_changes, dev->stream());
+        }));
+      } else {
+        std::span<const uint8_t> xu;
+        if (e == StreamEncoding::kDense) {
+          DS_ASSIGN_OR_RETURN(xu, dense());
+        }
+        const Positions pos = Positions::Of(changes_, first);
+        DS_RETURN_IF_ERROR(Add(g, sync_id, stats, [&](Group& gr) -> Result<bool> {
+          FlushWriter& w = gr.writer;
+          switch (e) {
+            case StreamEncoding::kDense: return w.AddDense(range, xu);
+            case StreamEncoding::kIndices: return w.AddIndices(range, pos, changes_.new_values);
+            case StreamEncoding::kSparse: return w.AddSparse(range, pos, changes_.new_values);
+          }
+          return Status::Internal("unknown stream encoding");
+        }));
+      }
+      if (!g.seed) stats->sent_elements += e == StreamEncoding::kDense ? count : n;
+      g.named.insert(t.name);
+    }
+  }
+  return Status::OK();
+}
+}  // namespace stream_sender
+
+}  // namespace deltasync
