@@ -270,7 +270,8 @@ int RunShardedBenchTrainer(const std::vector<std::string>& args) {
   json out;
   for (const auto* state : {&before, &after}) {
     std::vector<ShardedTensor> shards;
-    for (size_t i = 0; i < shard_specs.size(); ++i) shards.push_back({shard_specs[i], (*state)[i]});
+    for (size_t i = 0; i < shard_specs.size(); ++i)
+      shards.push_back({shard_specs[i], (*state)[i], {}});
     const auto t0 = Clock::now();
     Result<SyncStats> s = (*sender)->SyncShards(model, shards);
     if (!s.ok()) return Fail(s.status());

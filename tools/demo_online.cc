@@ -134,7 +134,7 @@ Status TrainerRank(const Shared& sh, int rank,
     const std::vector<TensorView> weights = trainer->Weights();
     std::vector<ShardedTensor> shards;
     for (size_t i = 0; i < specs.size(); ++i) {
-      shards.push_back({specs[i], ShardBytes(specs[i], weights[i].bytes)});
+      shards.push_back({specs[i], ShardBytes(specs[i], weights[i].bytes), {}});
     }
     Result<SyncStats> got = sender->SyncShards(model, shards);
     if (on_step) {

@@ -117,11 +117,15 @@ struct ModelTensor {
 
 // One of a trainer rank's local tensors: where its elements lie in the HF
 // tensors (include/deltasync/shard.h), and its bytes (spec.local_shape of
-// spec.dtype, row-major, host memory: a sharded trainer's tensors are
-// synced from host memory).
+// spec.dtype, row-major, contiguous) in the memory `place` says. A shard in
+// device memory is diffed on its device against its snapshot there (or in
+// pinned host memory: SenderOptions::pinned_snapshot), and only its changes
+// (a seed: its values) come to the host for the gather. Every sync passes
+// the same placements.
 struct ShardedTensor {
   ShardSpec spec;
   std::span<const uint8_t> data;
+  Placement place;
 };
 
 struct SenderOptions {
@@ -139,6 +143,11 @@ struct SenderOptions {
   // the communicator sends device memory (SyncStats::device_frames); false:
   // on the host always (two buckets of device memory fewer).
   bool device_frames = true;
+  // A device tensor's snapshot in pinned host memory rather than device
+  // memory: no device memory for it, and the diff reads it over the bus
+  // (as fast as the bus reads it; a device snapshot is faster, and holds
+  // a copy of the tensor in device memory).
+  bool pinned_snapshot = false;
 };
 
 // What one sync did, split by phase (seconds).

@@ -99,7 +99,9 @@ class StreamSender(Closing):
     digests). For a sharded trainer, every trainer rank builds a sender with
     ``trainers`` (the trainer ranks' group) and calls :meth:`sync_shards`;
     trainer rank 0 is also ``group``'s rank 0, the other trainer ranks pass
-    ``group=None``.
+    ``group=None``. ``pinned_snapshot``: keep a CUDA tensor's snapshot in
+    pinned host memory instead of device memory (no device memory for it;
+    the diff reads it over the bus).
     """
 
     def __init__(
@@ -111,12 +113,13 @@ class StreamSender(Closing):
         bucket_bytes: int = 16 << 20,
         verify_every: int = 0,
         zstd_level: int = 1,
+        pinned_snapshot: bool = False,
     ) -> None:
         if group is None and trainers is None:
             raise InvalidArgumentError("StreamSender: needs a group")
         self._impl = _deltasync.StreamSender(
             group, trainers, encoding, bucket_bytes,
-            verify_every, zstd_level,
+            verify_every, zstd_level, bool(pinned_snapshot),
         )
 
     def sync(self, tensors: Any) -> dict:
@@ -143,7 +146,8 @@ class StreamSender(Closing):
         """One trainer rank's part of a sharded sync (every trainer rank calls
         it). ``model`` is the whole model: ``{name: (dtype, shape)}`` or
         (name, dtype, shape) triples, the same on every rank; ``shards`` are
-        this rank's (ShardSpec, local tensor) pairs (host memory)."""
+        this rank's (ShardSpec, local tensor) pairs (host or CUDA tensors; a
+        CUDA shard is diffed on its GPU)."""
         if isinstance(model, Mapping):
             entries = [(n, d, list(s)) for n, (d, s) in model.items()]
         else:

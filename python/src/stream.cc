@@ -273,8 +273,9 @@ py::dict ReceiveDict(const ReceiveStats& s) {
 class PySender {
  public:
   PySender(const py::object& group, const py::object& trainers, const std::string& encoding,
-           uint64_t bucket_bytes, uint32_t verify_every, int zstd_level) {
+           uint64_t bucket_bytes, uint32_t verify_every, int zstd_level, bool pinned_snapshot) {
     SenderOptions so;
+    so.pinned_snapshot = pinned_snapshot;
     so.encoding = Take(ParseStreamEncoding(encoding));
     so.bucket_bytes = bucket_bytes;
     so.verify_every = verify_every;
@@ -320,14 +321,13 @@ class PySender {
     std::vector<ShardedTensor> s;
     for (const auto& [spec, t] : shards) {
       Check(t.Validate());
-      Check(RequireHost(t, "a sharded sync"));
       if (spec.dtype != t.ParsedDType() || spec.local_shape != t.shape) {
         Raise(Status::InvalidArgument("tensor '" + t.name + "': " + t.dtype + " " +
                                       ShapeText(t.shape) + ", but its shard spec says " +
                                       std::string(DTypeName(spec.dtype)) + " " +
                                       ShapeText(spec.local_shape)));
       }
-      s.push_back({spec, t.bytes()});
+      s.push_back({spec, t.bytes(), t.place()});
     }
     Result<SyncStats> r = Status::OK();
     {
@@ -575,9 +575,9 @@ void BindStream(py::module_& m) {
 
   py::class_<PySender>(m, "StreamSender")
       .def(py::init<const py::object&, const py::object&, const std::string&, uint64_t, uint32_t,
-                    int>(),
+                    int, bool>(),
            py::arg("group"), py::arg("trainers"), py::arg("encoding"), py::arg("bucket_bytes"),
-           py::arg("verify_every"), py::arg("zstd_level"))
+           py::arg("verify_every"), py::arg("zstd_level"), py::arg("pinned_snapshot") = false)
       .def("sync", &PySender::Sync)
       .def("sync_shards", &PySender::SyncShards)
       .def("snapshot", &PySender::Snapshot)

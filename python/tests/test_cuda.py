@@ -178,3 +178,112 @@ def test_device_tensors_over_nccl_between_two_processes(tmp_path, how):
         pytest.skip("this build has no nccl communicator")
     init = "file://" + str(tmp_path / "pg_init")
     mp.spawn(_nccl_pair_worker, args=(how, init, str(tmp_path / "rv"), 3), nprocs=2, join=True)
+
+
+# A sharded trainer whose shards live on the GPU: name -> (shape, dtype,
+# how the two ranks split it: a dim, or None for a replica rank 0 sends).
+CUDA_SHARDS = {
+    "emb": ((256, 96), torch.bfloat16, 0),
+    "proj": ((64, 80), torch.float32, 1),
+    "norm": ((96,), torch.float32, None),
+}
+CUDA_SHARD_SYNCS = 4
+
+
+def _cuda_shard_full(k):
+    """The whole model after step k, the same on every rank: each step
+    changes a strided few elements, one to NaN and one to -0.0."""
+    g = torch.Generator().manual_seed(11)
+    out = {n: torch.randn(s, generator=g).to(d) for n, (s, d, _) in CUDA_SHARDS.items()}
+    out["count"] = torch.arange(5, dtype=torch.int64)
+    for j in range(1, k + 1):
+        for name in CUDA_SHARDS:
+            flat = out[name].view(-1)
+            flat[j::37] += 1
+            flat[(7 * j) % flat.numel()] = float("nan")
+            flat[(11 * j) % flat.numel()] = -0.0
+        out["count"][j % 5] += j
+    return out
+
+
+def _cuda_shard_worker(rank, how, snapshot, init, rendezvous_dir, stream_rv):
+    # Two trainer ranks on one GPU over NCCL: a host id of their own each,
+    # as in _nccl_pair_worker.
+    import os
+
+    os.environ["NCCL_HOSTID"] = f"deltasync-test-rank{rank}"
+    os.environ["NCCL_SOCKET_IFNAME"] = "lo"
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    if how == "torch":
+        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=2)
+        trainers = ds.TorchGroup(timeout_s=60)
+    else:
+        trainers = ds.Group("file:" + rendezvous_dir, rank, 2, backend="nccl", timeout_s=60)
+    try:
+        model = {n: (dtype_name_of(d), list(s)) for n, (s, d, _) in CUDA_SHARDS.items()}
+        model["count"] = ("I64", [5])
+        group = ds.Group(stream_rv, 0, 2, timeout_s=60) if rank == 0 else None
+        with ds.StreamSender(group, trainers=trainers,
+                             pinned_snapshot=snapshot == "pinned") as tx:
+            for k in range(CUDA_SHARD_SYNCS):
+                full = _cuda_shard_full(k)
+                shards = []
+                for name, (shape, _, dim) in CUDA_SHARDS.items():
+                    dt = model[name][0]
+                    if dim is None:
+                        spec = ds.ShardSpec.replicate(name, dt, list(shape), rank == 0)
+                        local = full[name]
+                    else:
+                        spec = ds.ShardSpec.shard(name, dt, list(shape), dim, rank, 2)
+                        local = full[name].chunk(2, dim)[rank]
+                    shards.append((spec, local.contiguous().cuda()))
+                # A host shard beside the device ones.
+                shards.append((ds.ShardSpec.replicate("count", "I64", [5], rank == 0),
+                               full["count"]))
+                stats = tx.sync_shards(model, shards)
+                assert stats["sync_id"] >= 1, stats
+    finally:
+        if how == "torch":
+            dist.destroy_process_group()
+
+
+def dtype_name_of(dtype):
+    return {torch.bfloat16: "BF16", torch.float32: "F32"}[dtype]
+
+
+@cuda
+@pytest.mark.parametrize("how,snapshot", [("group", "device"), ("torch", "pinned")],
+                         ids=["deltasync-nccl-device-snapshot", "torch-nccl-pinned-snapshot"])
+def test_cuda_shards_of_two_trainer_ranks_sync_bit_exact(tmp_path, how, snapshot):
+    if how == "group" and "nccl" not in ds.built_communicators():
+        pytest.skip("this build has no nccl communicator")
+    stream_rv = "file:" + str(tmp_path / "stream")
+    got = {n: torch.zeros(s, dtype=d) for n, (s, d, _) in CUDA_SHARDS.items()}
+    got["count"] = torch.zeros(5, dtype=torch.int64)
+    errors, mismatches = [], []
+
+    def receive():
+        try:
+            with ds.StreamReceiver(ds.Group(stream_rv, 1, 2, timeout_s=120)) as rx:
+                rx.register_all(got)
+                for k in range(CUDA_SHARD_SYNCS):
+                    rx.receive()
+                    want = _cuda_shard_full(k)
+                    for n, t in want.items():
+                        if not torch.equal(bits(got[n]), bits(t)):
+                            mismatches.append((k, n))
+        except BaseException as e:  # reported by the test
+            errors.append(e)
+
+    rx = threading.Thread(target=receive)
+    rx.start()
+    mp.spawn(_cuda_shard_worker,
+             args=(how, snapshot, "file://" + str(tmp_path / "pg"), str(tmp_path / "rv"),
+                   stream_rv),
+             nprocs=2, join=True)
+    rx.join(120)
+    assert not errors, errors
+    assert not mismatches, mismatches

@@ -409,16 +409,31 @@ uint64_t DenseBytes(std::span<const ShardSpec> specs, const PiecesByTensor& piec
   return bytes;
 }
 
+Status PackDense(std::span<const ShardSpec> specs, const PiecesByTensor& pieces,
+                 const LocalReader& read, std::span<const Segment> segments,
+                 std::vector<uint8_t>* out) {
+  out->resize(DenseBytes(specs, pieces, segments));
+  uint8_t* at = out->data();
+  Status status = Status::OK();
+  ForEachDenseRun(specs, pieces, segments, [&](size_t s, const PieceRun& r, size_t i) {
+    if (!status.ok()) return;
+    status = read(i, r.local, r.count, at);
+    at += r.count * segments[s].w;
+  });
+  return status;
+}
+
 void PackDense(std::span<const ShardSpec> specs, const PiecesByTensor& pieces,
                std::span<const std::span<const uint8_t>> data, std::span<const Segment> segments,
                std::vector<uint8_t>* out) {
-  out->resize(DenseBytes(specs, pieces, segments));
-  uint8_t* at = out->data();
-  ForEachDenseRun(specs, pieces, segments, [&](size_t s, const PieceRun& r, size_t i) {
-    const uint32_t w = segments[s].w;
-    std::memcpy(at, data[i].data() + r.local * w, r.count * w);
-    at += r.count * w;
-  });
+  (void)PackDense(
+      specs, pieces,
+      [&](size_t i, uint64_t first, uint64_t count, uint8_t* dst) {
+        const uint64_t elem = DTypeSize(specs[i].dtype);
+        std::memcpy(dst, data[i].data() + first * elem, count * elem);
+        return Status::OK();
+      },
+      segments, out);
 }
 
 void UnpackDense(std::span<const ShardSpec> specs, const PiecesByTensor& pieces,

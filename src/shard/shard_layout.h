@@ -82,9 +82,17 @@ Status CheckLayout(std::span<const LayoutTensor> model,
 // The bytes a rank's dense gather message of `segments` holds.
 uint64_t DenseBytes(std::span<const ShardSpec> specs, const PiecesByTensor& pieces,
                     std::span<const Segment> segments);
-// This rank's dense gather message: the current values (`data[i]`, local
-// tensor i's bytes) of its contributing pieces in `segments`, in the
-// message's order. `out` is resized to DenseBytes.
+// Reads local tensor i's current elements [first, first + count) into
+// `out` (count * its element size bytes).
+using LocalReader = std::function<Status(size_t i, uint64_t first, uint64_t count, uint8_t* out)>;
+// This rank's dense gather message: the current values of its contributing
+// pieces in `segments`, in the message's order, read through `read` (a
+// device shard's come from the device); `out` is resized to DenseBytes.
+// The reader's error, as it is.
+Status PackDense(std::span<const ShardSpec> specs, const PiecesByTensor& pieces,
+                 const LocalReader& read, std::span<const Segment> segments,
+                 std::vector<uint8_t>* out);
+// The same from host memory: `data[i]` is local tensor i's bytes.
 void PackDense(std::span<const ShardSpec> specs, const PiecesByTensor& pieces,
                std::span<const std::span<const uint8_t>> data, std::span<const Segment> segments,
                std::vector<uint8_t>* out);

@@ -31,7 +31,7 @@ Result<std::unique_ptr<DeviceContext>> DeviceContext::Create(int cuda_device) {
   return NotBuilt("CUDA device " + std::to_string(cuda_device));
 }
 Result<std::unique_ptr<DeviceSource>> DeviceSource::Create(DeviceContext&, std::string name, DType,
-                                                           uint64_t, uint64_t, uint64_t) {
+                                                           uint64_t, uint64_t, uint64_t, bool) {
   return NotBuilt("tensor '" + name + "'");
 }
 Result<std::unique_ptr<DeviceFrame>> DeviceFrame::Create(DeviceContext& ctx, uint64_t) {
@@ -197,6 +197,15 @@ class SourceImpl final : public DeviceSource {
     DS_RETURN_IF_ERROR(Reserve(&ctx_.dense, bytes, -1));
     DS_RETURN_IF_ERROR(cuda::CopyBytes(name_, ctx_.dense.data(), current_ + first * w_, bytes,
                                        stream_, /*wait=*/true));
+    return std::span<const uint8_t>(Bytes(ctx_.dense), bytes);
+  }
+
+  Result<std::span<const uint8_t>> Committed(uint64_t first, uint64_t count) override {
+    if (!have_) return Status::FailedPrecondition(Quoted(name_) + ": no committed snapshot");
+    const uint64_t bytes = count * w_;
+    DS_RETURN_IF_ERROR(Reserve(&ctx_.dense, bytes, -1));
+    DS_RETURN_IF_ERROR(cuda::CopyBytes(name_, ctx_.dense.data(), Bytes(snapshot_) + first * w_,
+                                       bytes, stream_, /*wait=*/true));
     return std::span<const uint8_t>(Bytes(ctx_.dense), bytes);
   }
 
@@ -641,17 +650,21 @@ Result<std::unique_ptr<DeviceContext>> DeviceContext::Create(int cuda_device) {
 
 Result<std::unique_ptr<DeviceSource>> DeviceSource::Create(DeviceContext& ctx, std::string name,
                                                            DType dtype, uint64_t numel,
-                                                           uint64_t unit, uint64_t chunk) {
+                                                           uint64_t unit, uint64_t chunk,
+                                                           bool pinned_snapshot) {
   if (unit == 0 || chunk % unit != 0) {
     return Status::InvalidArgument(Quoted(name) + ": a chunk of " + std::to_string(chunk) +
                                    " elements is not a multiple of the unit of " +
                                    std::to_string(unit));
   }
+  const uint64_t bytes = std::max<uint64_t>(numel * DTypeSize(dtype), 1);
   Result<cuda::Buffer> snapshot =
-      cuda::Buffer::Device(std::max<uint64_t>(numel * DTypeSize(dtype), 1), ctx.device());
+      pinned_snapshot ? cuda::Buffer::PinnedHost(bytes) : cuda::Buffer::Device(bytes, ctx.device());
   if (!snapshot.ok()) {
     return Status(snapshot.status().code(),
-                  Quoted(name) + ": its device snapshot: " + snapshot.status().message());
+                  Quoted(name) +
+                      (pinned_snapshot ? ": its pinned snapshot: " : ": its device snapshot: ") +
+                      snapshot.status().message());
   }
   return std::unique_ptr<DeviceSource>(
       new SourceImpl(Impl(ctx), std::move(name), dtype, numel, unit, chunk, std::move(*snapshot)));

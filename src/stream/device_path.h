@@ -64,10 +64,12 @@ struct DeviceUnitChanges {
 class DeviceSource {
  public:
   // `chunk` elements (a multiple of the sender's unit of work, `unit`) are
-  // diffed at a time.
+  // diffed at a time. The snapshot lives in device memory, or with
+  // `pinned_snapshot` in pinned host memory that the diff reads over the
+  // bus (no device memory for it).
   static Result<std::unique_ptr<DeviceSource>> Create(DeviceContext& ctx, std::string name,
                                                       DType dtype, uint64_t numel, uint64_t unit,
-                                                      uint64_t chunk);
+                                                      uint64_t chunk, bool pinned_snapshot = false);
   virtual ~DeviceSource() = default;
 
   // Binds the sync's current values (`bytes`: device memory of `place`).
@@ -98,6 +100,10 @@ class DeviceSource {
   // The current values of the unit, in host memory valid until the next
   // call.
   virtual Result<std::span<const uint8_t>> Dense(uint64_t first, uint64_t count) = 0;
+  // The committed values of [first, first + count), in host memory valid
+  // until the next call to this or Dense; FailedPrecondition before a
+  // commit.
+  virtual Result<std::span<const uint8_t>> Committed(uint64_t first, uint64_t count) = 0;
   // The sync committed: the current values are copied into the snapshot
   // (one device copy: cheaper than logging the diff's writes to undo them).
   // When the copy fails, the snapshot is dropped.

@@ -278,4 +278,3 @@ Result<StateDigest> DigestDestination(const DestinationMap& map, std::span<const
 }
 
 }  // namespace deltasync::stream
-

@@ -555,5 +555,4 @@ std::vector<uint64_t> EntryPositions(const FlushEntry& entry) {
   return positions;
 }
 
-
 }  // namespace deltasync::stream

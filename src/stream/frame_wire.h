@@ -14,7 +14,6 @@
 
 namespace deltasync::stream::frame_wire {
 
-
 constexpr uint8_t kMagic[4] = {'D', 'S', 'F', 'L'};
 constexpr uint8_t kZstdMagic[4] = {0x28, 0xB5, 0x2F, 0xFD};
 constexpr uint16_t kFlagSeed = 1;

@@ -303,6 +303,12 @@ class Sender final : public StreamSender {
   // After rank 0's decision: commits this rank's snapshots or marks the
   // units the sync covered dirty.
   void SettleShards(std::span<const ShardedTensor> shards, bool commit);
+  struct LocalShard;
+  // DiffSegments for a run of a device shard: its changes, or every
+  // element of a dirty unit, through append(hf position, new, old).
+  Status DiffDeviceRun(LocalShard& l, const stream::PieceRun& run,
+                       const std::function<void(uint64_t, const uint8_t*, const uint8_t*)>& append,
+                       uint64_t* changed);
   Status Connect();
   Status Handshake(uint64_t sync_id);
   void Drop() {
@@ -324,6 +330,9 @@ class Sender final : public StreamSender {
   // The device context every tensor lives on, when they all live on one
   // device: frames can then be built there.
   stream::DeviceContext* FrameDevice() const;
+  // The context of `cuda_device`, made at its first use; an error names
+  // `what`.
+  Result<stream::DeviceContext*> DeviceFor(int cuda_device, const std::string& what);
   Status StreamTensor(TensorState& t, const UnitSource& src, Round* round);
   // StreamTensor in parts: Begin, the units [u_begin, u_end) (any number of
   // times, in order, covering every unit once), End.
@@ -352,11 +361,21 @@ class Sender final : public StreamSender {
     uint32_t w = 1;
     uint64_t numel = 0;
     bool contributes = false;
-    std::vector<uint8_t> snapshot;
+    std::vector<uint8_t> snapshot;  // host shards
+    // A device shard: its snapshot (device or pinned memory) and its diff.
+    std::unique_ptr<stream::DeviceSource> device;
+    Placement place;
     std::vector<uint8_t> dirty;
     std::vector<uint8_t> changed;
   };
   std::vector<LocalShard> local_;
+  stream::PiecesByTensor my_pieces_;  // local_'s contributing pieces
+  // The device shard diffed last in this sync (its chunk in the scratch).
+  stream::DeviceSource* last_diffed_ = nullptr;
+  ChangeSet device_part_;               // a device unit's changes
+  std::vector<uint8_t> dense_scratch_;  // a dirty device unit's values
+  // A device shard's snapshot was lost to a failed copy: every sync fails.
+  Status device_broken_ = Status::OK();
   bool have_local_ = false;  // the snapshots hold a committed state
   // The layout was exchanged (and on rank 0 accepted) on this formation of
   // the trainer group; rank 0 keeps every rank's contributing pieces.

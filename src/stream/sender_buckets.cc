@@ -10,12 +10,12 @@
 #include <thread>
 #include <utility>
 
+#include "comm/communicator_internal.h"
 #include "core/endian.h"
 #include "deltasync/diff.h"
 #include "deltasync/stream.h"
 #include "deltasync/tensor.h"
 #include "deltasync/timing.h"
-#include "comm/communicator_internal.h"
 #include "stream/sender.h"
 
 namespace deltasync {

@@ -3,6 +3,7 @@
 // and for a seed the current values, cross rank 0 one batch at a time.
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -179,6 +180,14 @@ Status Sender::CheckShards(std::span<const ModelTensor> model,
                                        ShapeToString(p.hf_shape) + " in the shard");
       }
     }
+    if (!local_.empty() && local_[i].place.cuda_device != sh.place.cuda_device) {
+      const auto where = [](const Placement& p) {
+        return p.on_device() ? "on CUDA device " + std::to_string(p.cuda_device)
+                             : std::string("in host memory");
+      };
+      return Status::InvalidArgument(what + ": " + where(sh.place) + ", the first sync had it " +
+                                     where(local_[i].place));
+    }
     if (!local_.empty()) {
       const ShardSpec& was = local_[i].spec;
       if (was.dtype != sh.spec.dtype || was.local_shape != sh.spec.local_shape ||
@@ -190,21 +199,44 @@ Status Sender::CheckShards(std::span<const ModelTensor> model,
     }
   }
   if (local_.empty()) {
+    // Built aside, so that a refused first sync leaves none behind.
+    std::vector<LocalShard> fresh;
     for (const ShardedTensor& sh : shards) {
       LocalShard l;
       l.spec = sh.spec;
       l.w = static_cast<uint32_t>(DTypeSize(sh.spec.dtype));
       l.numel = static_cast<uint64_t>(sh.spec.local_numel());
+      l.place = sh.place;
       for (const ShardPiece& p : sh.spec.pieces) {
         l.contributes = l.contributes || (sh.spec.contributes && p.contributes);
       }
       const uint64_t units = (l.numel + kLocalUnit - 1) / kLocalUnit;
       l.dirty.assign(units, 0);
       l.changed.assign(units, 0);
-      local_.push_back(std::move(l));
+      if (sh.place.on_device() && l.contributes) {
+        const std::string what =
+            "shard " + std::to_string(fresh.size()) + " (of '" + sh.spec.pieces[0].hf_name + "')";
+        DS_ASSIGN_OR_RETURN(stream::DeviceContext * ctx, DeviceFor(sh.place.cuda_device, what));
+        const uint64_t chunk =
+            kLocalUnit * std::max<uint64_t>(1, kDeviceChunkElements / kLocalUnit);
+        DS_ASSIGN_OR_RETURN(
+            l.device, stream::DeviceSource::Create(*ctx, what, sh.spec.dtype, l.numel, kLocalUnit,
+                                                   chunk, options_.pinned_snapshot));
+      }
+      fresh.push_back(std::move(l));
     }
+    std::vector<ShardSpec> specs;
+    for (const LocalShard& l : fresh) specs.push_back(l.spec);
+    my_pieces_ = stream::ContributingPieces(specs);
+    local_ = std::move(fresh);
   }
-  return Status::OK();
+  // A device shard's memory must be where its placement says, every sync.
+  last_diffed_ = nullptr;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    if (local_[i].device)
+      DS_RETURN_IF_ERROR(local_[i].device->Begin(shards[i].data, shards[i].place));
+  }
+  return device_broken_;
 }
 
 Status Sender::ExchangeShardLayout(std::span<const ModelTensor> model,
@@ -231,9 +263,7 @@ Status Sender::DiffSegments(std::span<const ShardedTensor> shards,
                             uint64_t* changed) {
   out->clear();
   if (!have_local_) return Status::OK();  // before the first commit: a seed
-  std::vector<ShardSpec> specs;
-  for (const LocalShard& l : local_) specs.push_back(l.spec);
-  const stream::PiecesByTensor pieces = stream::ContributingPieces(specs);
+  const stream::PiecesByTensor& pieces = my_pieces_;
   DiffOptions o;
   o.refresh_snapshot = false;
   o.keep_old_values = true;
@@ -281,6 +311,10 @@ Status Sender::DiffSegments(std::span<const ShardedTensor> shards,
     };
     for (const Run& r : runs) {
       LocalShard& l = local_[r.shard];
+      if (l.device) {
+        DS_RETURN_IF_ERROR(DiffDeviceRun(l, r.run, append, changed));
+        continue;
+      }
       const uint8_t* data = shards[r.shard].data.data();
       // Unit by unit: a dirty unit resends every element of the run in it.
       uint64_t at = r.run.local;
@@ -310,6 +344,54 @@ Status Sender::DiffSegments(std::span<const ShardedTensor> shards,
       }
     }
     if (cs.count() > 0) out->push_back(std::move(tc));
+  }
+  return Status::OK();
+}
+
+Status Sender::DiffDeviceRun(
+    LocalShard& l, const stream::PieceRun& run,
+    const std::function<void(uint64_t, const uint8_t*, const uint8_t*)>& append,
+    uint64_t* changed) {
+  // The device sources of one device share its scratch: the one diffed
+  // last forgets its diffed chunk when another takes the scratch.
+  if (last_diffed_ != nullptr && last_diffed_ != l.device.get()) last_diffed_->Rollback();
+  last_diffed_ = l.device.get();
+  const uint32_t w = l.w;
+  uint64_t at = run.local;
+  const uint64_t end = run.local + run.count;
+  while (at < end) {
+    const uint64_t u = at / kLocalUnit;
+    const uint64_t stop = std::min(end, (u + 1) * kLocalUnit);
+    const uint64_t hf0 = run.hf + (at - run.local);
+    if (l.dirty[u]) {
+      // A failed sync's unit: every element of the run in it, as it is now
+      // and as committed.
+      DS_ASSIGN_OR_RETURN(std::span<const uint8_t> now, l.device->Dense(at, stop - at));
+      dense_scratch_.assign(now.begin(), now.end());
+      DS_ASSIGN_OR_RETURN(std::span<const uint8_t> old, l.device->Committed(at, stop - at));
+      for (uint64_t k = 0; k < stop - at; ++k) {
+        append(hf0 + k, dense_scratch_.data() + k * w, old.data() + k * w);
+      }
+      l.changed[u] = 1;
+      *changed += stop - at;
+    } else {
+      // The unit's changes, diffed on the device (a chunk of units at a
+      // time), of which the run keeps its own.
+      const uint64_t first = u * kLocalUnit;
+      DS_RETURN_IF_ERROR(
+          l.device->Changes(first, std::min(kLocalUnit, l.numel - first), &device_part_));
+      uint64_t n = 0;
+      for (uint64_t k = 0; k < device_part_.count(); ++k) {
+        const uint64_t p = first + device_part_.position(k);
+        if (p < at || p >= stop) continue;
+        append(hf0 + (p - at), device_part_.new_values.data() + k * w,
+               device_part_.old_values.data() + k * w);
+        ++n;
+      }
+      if (n > 0) l.changed[u] = 1;
+      *changed += n;
+    }
+    at = stop;
   }
   return Status::OK();
 }
@@ -366,7 +448,17 @@ void Sender::SettleShards(std::span<const ShardedTensor> shards, bool commit) {
   for (size_t i = 0; i < local_.size(); ++i) {
     LocalShard& l = local_[i];
     if (commit) {
-      if (!have_local_) {
+      if (l.device) {
+        // One device copy of the whole shard: cheaper than logging the
+        // diff's writes to undo them. A copy that fails leaves no snapshot
+        // to diff against: every later sync fails, naming it.
+        if (Status s = l.device->Commit(); !s.ok() && device_broken_.ok()) {
+          device_broken_ = Status(s.code(),
+                                  "a shard's snapshot could not be committed, so this "
+                                  "sender cannot sync again: " +
+                                      s.message());
+        }
+      } else if (!have_local_) {
         // The first commit: the whole of what this rank sends.
         if (l.contributes) l.snapshot.assign(shards[i].data.begin(), shards[i].data.end());
       } else if (l.contributes) {
@@ -380,6 +472,7 @@ void Sender::SettleShards(std::span<const ShardedTensor> shards, bool commit) {
       }
       std::fill(l.dirty.begin(), l.dirty.end(), 0);
     } else {
+      if (l.device) l.device->Rollback();
       for (uint64_t u = 0; u < l.changed.size(); ++u) l.dirty[u] |= l.changed[u];
     }
     std::fill(l.changed.begin(), l.changed.end(), 0);
@@ -462,14 +555,24 @@ Result<SyncStats> Sender::SyncShardsAlone(std::span<const ModelTensor> model,
         const auto t1 = Clock::now();
         std::vector<ShardSpec> specs;
         for (const LocalShard& l : local_) specs.push_back(l.spec);
+        const stream::LocalReader read = [&](size_t i, uint64_t first, uint64_t count,
+                                             uint8_t* out) -> Status {
+          const uint64_t bytes = count * local_[i].w;
+          if (!local_[i].device) {
+            std::memcpy(out, shards[i].data.data() + first * local_[i].w, bytes);
+            return Status::OK();
+          }
+          DS_ASSIGN_OR_RETURN(std::span<const uint8_t> v, local_[i].device->Dense(first, count));
+          std::memcpy(out, v.data(), bytes);
+          return Status::OK();
+        };
         if (!root) {
-          std::vector<std::span<const uint8_t>> data;
-          for (const ShardedTensor& sh : shards) data.push_back(sh.data);
-          const stream::PiecesByTensor pieces = stream::ContributingPieces(specs);
-          if (local.ok()) {
-            PackDense(specs, pieces, data, segs, &message);
-          } else {
-            message.assign(stream::DenseBytes(specs, pieces, segs), 0);
+          Status packed = local;
+          if (packed.ok()) packed = PackDense(specs, my_pieces_, read, segs, &message);
+          if (!packed.ok()) {
+            // Zeros of the message's size: rank 0 fails the sync.
+            message.assign(stream::DenseBytes(specs, my_pieces_, segs), 0);
+            if (local.ok()) local = packed;
           }
           if (!message.empty()) {
             if (Status s = trainers_->Send(0, message); !s.ok()) {
@@ -490,9 +593,9 @@ Result<SyncStats> Sender::SyncShardsAlone(std::span<const ModelTensor> model,
           for (int r = 0; r < trainers_->size(); ++r) {
             const std::vector<ShardSpec>& rs = layouts_[r];
             if (r == 0) {
-              std::vector<std::span<const uint8_t>> data;
-              for (const ShardedTensor& sh : shards) data.push_back(sh.data);
-              PackDense(rs, pieces_[0], data, segs, &message);
+              if (Status s = PackDense(rs, pieces_[0], read, segs, &message); !s.ok()) {
+                if (streamed.ok()) streamed = s;
+              }
             } else {
               message.resize(stream::DenseBytes(rs, pieces_[r], segs));
               if (!message.empty()) {
@@ -558,6 +661,7 @@ Result<std::span<const uint8_t>> Sender::ShardSnapshot(size_t index) const {
   if (index >= local_.size() || !have_local_ || !local_[index].contributes) {
     return Status::NotFound("no committed snapshot of local tensor " + std::to_string(index));
   }
+  if (local_[index].device) return local_[index].device->snapshot();
   return std::span<const uint8_t>(local_[index].snapshot);
 }
 

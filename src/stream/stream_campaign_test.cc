@@ -178,7 +178,7 @@ TEST_F(Campaign, AShardedTrainerRankKilledAtARandomInstant) {
           std::vector<std::vector<uint8_t>> bytes;
           std::vector<ShardedTensor> shards;
           for (const ShardSpec& spec : specs) bytes.push_back(Extract(spec, m));
-          for (size_t i = 0; i < specs.size(); ++i) shards.push_back({specs[i], bytes[i]});
+          for (size_t i = 0; i < specs.size(); ++i) shards.push_back({specs[i], bytes[i], {}});
           Result<SyncStats> got = (*s)->SyncShards(model, shards);
           last[r] = got.ok() ? Status::OK() : got.status();
           history[r] += "  rank " + std::to_string(r) + " step " + std::to_string(k) + " at " +

@@ -430,7 +430,7 @@ TEST_F(SyncTest, ElementsNoContributingRankHoldsAreRefusedNamingTheFirst) {
       if (r == 2) specs[1].contributes = false;
       std::vector<ShardedTensor> shards;
       for (const ShardSpec& spec : specs) bytes[r].push_back(Extract(spec, m));
-      for (size_t i = 0; i < specs.size(); ++i) shards.push_back({specs[i], bytes[r][i]});
+      for (size_t i = 0; i < specs.size(); ++i) shards.push_back({specs[i], bytes[r][i], {}});
       results[r] = StatusOf(ranks[r]->SyncShards(model, shards));
     });
   }
@@ -445,6 +445,57 @@ TEST_F(SyncTest, ElementsNoContributingRankHoldsAreRefusedNamingTheFirst) {
   // still waits to form it.
   rx.receiver->Cancel("the test ends");
   EXPECT_FALSE(got.Get().ok());
+}
+
+// A shard placed on a CUDA device that its memory is not on (here: host
+// memory; FailedPrecondition without a GPU, Unsupported in a build without
+// CUDA, InvalidArgument with one) is refused naming it, every rank's sync
+// fails rather than waits, and the next sync with the shard placed in host
+// memory goes through as a first sync would.
+TEST_F(SyncTest, ADeviceShardThatCannotBeUsedIsRefusedByNameAndLosesNothing) {
+  SetUpGroup(1);
+  Model m = ShardedModel(51);
+  std::vector<ModelTensor> model;
+  for (const SyncTensor& t : m.tensors) model.push_back({t.name, t.dtype, t.shape});
+  constexpr int kRanks = 4;
+  std::vector<std::unique_ptr<StreamSender>> ranks =
+      ShardedRanks(kRanks, [](int, SenderOptions*) {});
+  ASSERT_EQ(ranks.size(), static_cast<size_t>(kRanks));
+  ReceiverRig whole(m, Hold::kWhole, Factory(1));
+  whole.Start();
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    std::vector<std::vector<std::vector<uint8_t>>> bytes(kRanks);
+    std::vector<Status> results(kRanks);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kRanks; ++r) {
+      threads.emplace_back([&, r] {
+        const std::vector<ShardSpec> specs = RankSpecs(r);
+        std::vector<ShardedTensor> shards;
+        for (const ShardSpec& spec : specs) bytes[r].push_back(Extract(spec, m));
+        for (size_t i = 0; i < specs.size(); ++i) shards.push_back({specs[i], bytes[r][i], {}});
+        if (attempt == 0 && r == 1) shards[0].place = Placement::Cuda(0);
+        results[r] = StatusOf(ranks[r]->SyncShards(model, shards));
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    if (attempt == 0) {
+      const StatusCode code = results[1].code();
+      EXPECT_TRUE(code == StatusCode::kFailedPrecondition || code == StatusCode::kUnsupported ||
+                  code == StatusCode::kInvalidArgument)
+          << results[1].ToString();
+      EXPECT_TRUE(Contains(results[1], "shard 0 (of '")) << results[1].ToString();
+      for (int r : {0, 2, 3}) EXPECT_FALSE(results[r].ok()) << r;
+      EXPECT_EQ(ranks[0]->committed_sync_id(), 0u);
+      continue;
+    }
+    for (int r = 0; r < kRanks; ++r)
+      EXPECT_TRUE(results[r].ok()) << r << ": " << results[r].ToString();
+    Status same = whole.Matches(m);
+    EXPECT_TRUE(same.ok()) << same.ToString();
+  }
+  whole.RequestStop();
+  ranks.clear();
+  whole.Stop();
 }
 
 // ---------------------------------------------------------------------------

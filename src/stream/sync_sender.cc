@@ -93,19 +93,12 @@ Status Sender::CheckModel(std::span<const TensorMeta> tensors, std::vector<Tenso
       t.unit = std::max<uint64_t>(1, room);
       t.dirty.assign(t.units(), 0);
       if (x.place.on_device()) {
-        std::unique_ptr<stream::DeviceContext>& ctx = devices_[x.place.cuda_device];
-        if (!ctx) {
-          Result<std::unique_ptr<stream::DeviceContext>> c =
-              stream::DeviceContext::Create(x.place.cuda_device);
-          if (!c.ok()) {
-            devices_.erase(x.place.cuda_device);
-            return Status(c.status().code(), "tensor '" + t.name + "': " + c.status().message());
-          }
-          ctx = std::move(*c);
-        }
+        DS_ASSIGN_OR_RETURN(stream::DeviceContext * ctx,
+                            DeviceFor(x.place.cuda_device, "tensor '" + t.name + "'"));
         const uint64_t chunk = t.unit * std::max<uint64_t>(1, kDeviceChunkElements / t.unit);
         DS_ASSIGN_OR_RETURN(
-            t.device, stream::DeviceSource::Create(*ctx, t.name, t.dtype, t.numel, t.unit, chunk));
+            t.device, stream::DeviceSource::Create(*ctx, t.name, t.dtype, t.numel, t.unit, chunk,
+                                                   options_.pinned_snapshot));
         // Memory that is not where the placement says refuses the model.
         DS_RETURN_IF_ERROR(t.device->Begin(x.data, x.place));
       }
@@ -395,6 +388,19 @@ Status Sender::BeginSync(Round* round, Clock::time_point start) {
     }
   }
   return Status::OK();
+}
+
+Result<stream::DeviceContext*> Sender::DeviceFor(int cuda_device, const std::string& what) {
+  std::unique_ptr<stream::DeviceContext>& ctx = devices_[cuda_device];
+  if (!ctx) {
+    Result<std::unique_ptr<stream::DeviceContext>> c = stream::DeviceContext::Create(cuda_device);
+    if (!c.ok()) {
+      devices_.erase(cuda_device);
+      return Status(c.status().code(), what + ": " + c.status().message());
+    }
+    ctx = std::move(*c);
+  }
+  return ctx.get();
 }
 
 stream::DeviceContext* Sender::FrameDevice() const {

@@ -574,7 +574,7 @@ TEST_F(SyncTest, ATensorWhoseTailFitsTheRoomItsBatchLeftSyncsBitExact) {
           Result<ShardSpec> spec = ShardSpec::Shard(t.name, t.dtype, t.shape, 0, r, kRanks);
           ASSERT_TRUE(spec.ok()) << spec.status().ToString();
           bytes.push_back(Extract(*spec, m));
-          shards.push_back({std::move(*spec), {}});
+          shards.push_back({std::move(*spec), {}, {}});
         }
         for (size_t i = 0; i < shards.size(); ++i) shards[i].data = bytes[i];
         Result<SyncStats> got = ranks[r]->SyncShards(model, shards);
@@ -624,7 +624,7 @@ TEST_F(SyncTest, FourShardedTrainerRanksKeepThreeReceiversBitExactOverTwentySync
         std::vector<ShardedTensor> shards;
         for (const ShardSpec& spec : RankSpecs(r)) bytes[r].push_back(Extract(spec, m));
         const std::vector<ShardSpec> specs = RankSpecs(r);
-        for (size_t i = 0; i < specs.size(); ++i) shards.push_back({specs[i], bytes[r][i]});
+        for (size_t i = 0; i < specs.size(); ++i) shards.push_back({specs[i], bytes[r][i], {}});
         Result<SyncStats> got = ranks[r]->SyncShards(model, shards);
         results[r] = got.ok() ? Status::OK() : got.status();
       });
@@ -707,7 +707,7 @@ TEST_F(SyncTest, AShardedRankWithBadInputFailsTheSyncOnEveryRankAndTheNextSuccee
         for (const ShardSpec& spec : specs) bytes[r].push_back(Extract(spec, m));
         // At step 1, rank 3 passes a shard of the wrong size.
         if (step == 1 && r == 3) bytes[r][0].pop_back();
-        for (size_t i = 0; i < specs.size(); ++i) shards.push_back({specs[i], bytes[r][i]});
+        for (size_t i = 0; i < specs.size(); ++i) shards.push_back({specs[i], bytes[r][i], {}});
         Result<SyncStats> got = ranks[r]->SyncShards(model, shards);
         results[r] = got.ok() ? Status::OK() : got.status();
       });

@@ -133,7 +133,7 @@ int Shard(const Rendezvous& trainers, int rank, int start, int steps, int timeou
     std::vector<std::vector<uint8_t>> bytes;
     std::vector<ShardedTensor> shards;
     for (const ShardSpec& spec : specs) bytes.push_back(sync_test::Extract(spec, m));
-    for (size_t i = 0; i < specs.size(); ++i) shards.push_back({specs[i], bytes[i]});
+    for (size_t i = 0; i < specs.size(); ++i) shards.push_back({specs[i], bytes[i], {}});
     Result<SyncStats> r = (*s)->SyncShards(model, shards);
     if (!r.ok()) {
       std::fprintf(stderr, "stream_sync_test_peer shard: step %d: %s\n", k,
