@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <sstream>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -204,11 +205,17 @@ int RunShardedBench(const ShardedBenchConfig& config, bool json_out) {
 
 // bench-sharded-trainer --stream SPEC --trainers SPEC --rank R --ranks N
 //   --preset P --scale S --bucket BYTES --timeout-ms T
+//   [--group G] [--receivers K] [--hostname H] [--encoding E] [--go-file PATH]
 // Holds rows [R * ceil(rows / N), ...) of every tensor of the preset at
 // `scale` (torch.chunk's split along dim 0) before and after a step, syncs
-// both through a sharded sender (rank 0 also leads the stream group of one
-// receiver), and prints one JSON object: its shards' bytes, its peak
-// resident memory beyond them and its snapshot, and the two syncs' times.
+// both through a sharded sender (rank 0 also leads the stream group G,
+// default "stream", of K receivers, default 1, at address H, default
+// 127.0.0.1; the trainer group
+// stays on loopback), and prints one JSON object: its shards' bytes, its
+// peak resident memory beyond them and its snapshot, the two syncs' times,
+// and rank 0's delta SyncStats. With --go-file, rank 0 makes PATH.seeded
+// after the seed and every rank waits for PATH before the delta (the
+// caller shapes the links in between).
 int RunShardedBenchTrainer(const std::vector<std::string>& args) {
   std::map<std::string, std::string> a;
   for (size_t i = 0; i + 1 < args.size(); i += 2) a[args[i]] = args[i + 1];
@@ -259,11 +266,20 @@ int RunShardedBenchTrainer(const std::vector<std::string>& args) {
   const CommunicatorOptions trainer_o = Loopback(a["--trainers"], "trainers", rank, ranks, timeout);
   CommunicatorFactory stream_factory;
   if (rank == 0) {
-    const CommunicatorOptions o = Loopback(a["--stream"], "stream", 0, 2, timeout);
+    const int receivers = a.count("--receivers") ? std::atoi(a["--receivers"].c_str()) : 1;
+    const std::string group = a.count("--group") ? a["--group"] : "stream";
+    CommunicatorOptions o = Loopback(a["--stream"], group, 0, receivers + 1, timeout);
+    if (a.count("--hostname")) o.hostname = a["--hostname"];
     stream_factory = [o] { return CreateCommunicator("gloo", o); };
   }
   SenderOptions so;
   so.bucket_bytes = std::strtoull(a["--bucket"].c_str(), nullptr, 10);
+  if (a.count("--encoding")) {
+    Result<StreamEncoding> e = ParseStreamEncoding(a["--encoding"]);
+    if (!e.ok()) return Fail(e.status());
+    so.encoding = *e;
+  }
+  const std::string go = a.count("--go-file") ? a["--go-file"] : "";
   Result<std::unique_ptr<StreamSender>> sender = StreamSender::CreateSharded(
       [trainer_o] { return CreateCommunicator("gloo", trainer_o); }, stream_factory, so);
   if (!sender.ok()) return Fail(sender.status());
@@ -272,10 +288,24 @@ int RunShardedBenchTrainer(const std::vector<std::string>& args) {
     std::vector<ShardedTensor> shards;
     for (size_t i = 0; i < shard_specs.size(); ++i)
       shards.push_back({shard_specs[i], (*state)[i], {}});
+    const bool seed = state == &before;
+    if (!seed && !go.empty()) {
+      if (rank == 0) std::ofstream(go + ".seeded") << "1";
+      const auto deadline = Clock::now() + timeout;
+      while (!std::filesystem::exists(go)) {
+        if (Clock::now() > deadline) return Fail("bench-sharded-trainer: no " + go + " in time");
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+    }
     const auto t0 = Clock::now();
     Result<SyncStats> s = (*sender)->SyncShards(model, shards);
     if (!s.ok()) return Fail(s.status());
-    const bool seed = state == &before;
+    if (!seed && rank == 0) {
+      out["delta"] = {{"bytes_sent", s->bytes_sent},    {"diff_s", s->diff_s},
+                      {"encode_s", s->encode_s},        {"transfer_s", s->transfer_s},
+                      {"report_s", s->report_s},        {"commit_s", s->commit_s},
+                      {"buffer_bytes", s->buffer_bytes}};
+    }
     out[seed ? "seed_s" : "delta_s"] = SecondsSince(t0);
     // Each sync's own peak beyond the shards and the snapshot (a copy of
     // the shards, made by the seed).

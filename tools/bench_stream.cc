@@ -162,6 +162,7 @@ struct Link {
 
 struct Run {
   int receivers = 0;
+  int trainer_ranks = 1;
   std::string what;  // "full", "tree" or an encoding
   double seconds = 0;
   uint64_t uplink_bytes = 0;  // what left the sender's uplink (shaped links)
@@ -216,6 +217,11 @@ class Bench {
       }
       for (StreamEncoding e : c_.encodings) {
         DS_ASSIGN_OR_RETURN(Run r, RunDelta(link, shaped, n, e));
+        runs_[link.name].push_back(r);
+      }
+      for (int t : c_.trainer_ranks) {
+        if (t < 2) continue;
+        DS_ASSIGN_OR_RETURN(Run r, RunSharded(link, shaped, n, t));
         runs_[link.name].push_back(r);
       }
     }
@@ -368,6 +374,84 @@ class Bench {
     return run;
   }
 
+  // A sharded trainer of `ranks` processes on the sender's host (the
+  // hidden bench-sharded-trainer command: rows of every tensor of the same
+  // shapes, a step changing 1.7% of the elements), its rank 0 leading the
+  // receivers over the link, an `indices` delta after an unshaped seed.
+  Result<Run> RunSharded(const Link& link, ShapedNet* shaped, int n, int ranks) {
+    const std::string group = "sharded" + std::to_string(ranks) + "-" +
+                              std::to_string(static_cast<int>(link.gbit)) + "-" + std::to_string(n);
+    std::vector<std::unique_ptr<Child>> peers;
+    DS_RETURN_IF_ERROR(StartPeers(link, group, n, "stream", 2, &peers));
+    const CommunicatorOptions o = Options(link, group, n + 1);
+    const std::string go = dir_ + "/go-" + group;
+    std::ostringstream scale;
+    scale.precision(17);
+    scale << scale_;
+    std::vector<std::unique_ptr<Child>> trainers;
+    for (int r = 0; r < ranks; ++r) {
+      auto child = std::make_unique<Child>();
+      DS_RETURN_IF_ERROR(child->Start({SelfPath(),     "bench-sharded-trainer",
+                                       "--stream",     RendezvousSpec(o.rendezvous),
+                                       "--group",      group,
+                                       "--trainers",   "file:" + dir_ + "/rdv-trainers-" + group,
+                                       "--rank",       std::to_string(r),
+                                       "--ranks",      std::to_string(ranks),
+                                       "--preset",     c_.preset,
+                                       "--scale",      scale.str(),
+                                       "--bucket",     std::to_string(c_.bucket_bytes),
+                                       "--timeout-ms", std::to_string(c_.timeout.count()),
+                                       "--receivers",  std::to_string(n),
+                                       "--hostname",   o.hostname,
+                                       "--encoding",   "indices",
+                                       "--go-file",    go},
+                                      dir_ + "/" + group + "-trainer-" + std::to_string(r)));
+      trainers.push_back(std::move(child));
+    }
+    // The seed goes unshaped; the delta waits for the shaping.
+    const auto deadline = Clock::now() + c_.timeout;
+    while (!fs::exists(go + ".seeded")) {
+      if (!trainers[0]->Running() || Clock::now() > deadline) {
+        DS_RETURN_IF_ERROR(trainers[0]->Wait().status());
+        return Status::DeadlineExceeded("the sharded trainer's seed did not end in time");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    if (shaped != nullptr && !shaped->Shape(link.gbit)) return Status::Internal("tc failed");
+    const uint64_t up0 = shaped != nullptr ? shaped->SenderUplinkBytes() : 0;
+    std::ofstream(go) << "1";
+    Run run;
+    run.receivers = n;
+    run.trainer_ranks = ranks;
+    run.what = "indices/" + std::to_string(ranks) + "r";
+    for (int r = 0; r < ranks; ++r) {
+      DS_ASSIGN_OR_RETURN(json j, trainers[r]->Wait());
+      if (r != 0) continue;
+      run.seconds = j["delta_s"].get<double>();
+      run.seed_s = j["seed_s"].get<double>();
+      const json& d = j["delta"];
+      run.stats.bytes_sent = d["bytes_sent"].get<uint64_t>();
+      run.stats.diff_s = d["diff_s"].get<double>();
+      run.stats.encode_s = d["encode_s"].get<double>();
+      run.stats.transfer_s = d["transfer_s"].get<double>();
+      run.stats.report_s = d["report_s"].get<double>();
+      run.stats.commit_s = d["commit_s"].get<double>();
+      run.stats.buffer_bytes = d["buffer_bytes"].get<uint64_t>();
+    }
+    if (shaped != nullptr) {
+      run.uplink_bytes = shaped->SenderUplinkBytes() - up0;
+      shaped->Shape(0);
+    }
+    for (auto& p : peers) {
+      DS_ASSIGN_OR_RETURN(json j, p->Wait());
+      const json& last = j["syncs"].back();
+      run.peer_apply_s = std::max(run.peer_apply_s, last["apply_s"].get<double>());
+      run.peer_verify_s = std::max(run.peer_verify_s, last["verify_s"].get<double>());
+      run.peer_receive_s = std::max(run.peer_receive_s, last["receive_s"].get<double>());
+    }
+    return run;
+  }
+
   // The link's speed: the fastest one receiver was sent bytes in this run,
   // by the full broadcast or by a sync's frames (their send time).
   double LinkBytesPerSecond(const std::string& link) const {
@@ -418,7 +502,10 @@ json Bench::Report() const {
     const double bps = LinkBytesPerSecond(link.name);
     json rows = json::array();
     for (const Run& r : runs_.at(link.name)) {
-      json row = {{"receivers", r.receivers}, {"what", r.what}, {"seconds", r.seconds}};
+      json row = {{"receivers", r.receivers},
+                  {"what", r.what},
+                  {"trainer_ranks", r.trainer_ranks},
+                  {"seconds", r.seconds}};
       if (link.gbit > 0) row["sender_uplink_bytes"] = r.uplink_bytes;
       if (r.what != "full" && r.what != "tree") {
         const double bound = read_s_ + (bps > 0 ? r.stats.bytes_sent / bps : 0);
@@ -454,7 +541,7 @@ void Bench::Print() const {
     const double bps = LinkBytesPerSecond(link.name);
     std::printf("\n%s (to 1 receiver: %.2f GB/s at best, full broadcast %.2f GB/s)\n",
                 link.name.c_str(), bps / 1e9, FullBytesPerSecond(link.name) / 1e9);
-    std::printf("%4s %-8s %8s %7s %8s %7s %7s %7s %7s %7s %7s %8s %8s %9s %9s %9s\n", "recv",
+    std::printf("%4s %-10s %8s %7s %8s %7s %7s %7s %7s %7s %7s %8s %8s %9s %9s %9s\n", "recv",
                 "sync", "time s", "x full", "bound s", "x bound", "diff", "encode", "send",
                 "report", "commit", "rx apply", "rx vrfy", "sent MiB", "rx +mem MiB", "up MiB");
     const bool counted = link.gbit > 0;
@@ -468,14 +555,14 @@ void Bench::Print() const {
     for (const Run& r : runs_.at(link.name)) {
       if (r.what == "full" || r.what == "tree") {
         if (r.what == "full") full_s = r.seconds;
-        std::printf("%4d %-8s %8.3f %7.3f %8s %7s %7s %7s %7s %7s %7s %8s %8s %9s %9s %9s\n",
+        std::printf("%4d %-10s %8.3f %7.3f %8s %7s %7s %7s %7s %7s %7s %8s %8s %9s %9s %9s\n",
                     r.receivers, r.what.c_str(), r.seconds, r.seconds / full_s, "", "", "", "", "",
                     "", "", "", "", "", "", up(r).c_str());
         continue;
       }
       const double bound = read_s_ + (bps > 0 ? r.stats.bytes_sent / bps : 0);
       std::printf(
-          "%4d %-8s %8.3f %7.3f %8.3f %7.2f %7.3f %7.3f %7.3f %7.3f %7.3f %8.3f %8.3f "
+          "%4d %-10s %8.3f %7.3f %8.3f %7.2f %7.3f %7.3f %7.3f %7.3f %7.3f %8.3f %8.3f "
           "%9.1f %9.1f %9s\n",
           r.receivers, r.what.c_str(), r.seconds, r.seconds / full_s, bound, r.seconds / bound,
           r.stats.diff_s, r.stats.encode_s, r.stats.transfer_s, r.stats.report_s, r.stats.commit_s,

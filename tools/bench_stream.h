@@ -26,6 +26,10 @@ struct StreamBenchConfig {
   // Shaped links, in Gbit/s, after loopback; skipped with a message where
   // network namespaces cannot be made.
   std::vector<double> shaped_gbit = {10, 1};
+  // For each count above 1, a sharded trainer of that many ranks (processes
+  // on the sender's host, the trainer group on its loopback) syncs the
+  // same shapes with `indices` beside the whole-tensor rows.
+  std::vector<int> trainer_ranks = {1};
   std::chrono::milliseconds timeout{300000};
   std::string workdir;  // empty: a temp dir under /tmp
 };

@@ -46,17 +46,25 @@ class Child {
     return Status::OK();
   }
   ~Child() {
-    if (pid_ > 0) {
+    if (pid_ > 0 && !reaped_) {
       kill(pid_, SIGKILL);
       int st = 0;
       waitpid(pid_, &st, 0);
     }
   }
+  // Whether the child still runs (one that ended is reaped; Wait reports).
+  bool Running() {
+    if (pid_ <= 0 || reaped_) return false;
+    if (waitpid(pid_, &status_, WNOHANG) != pid_) return true;
+    reaped_ = true;
+    return false;
+  }
   // The child's JSON report (its stdout), or its error.
   Result<nlohmann::json> Wait() {
-    int st = 0;
-    waitpid(pid_, &st, 0);
+    if (!reaped_) waitpid(pid_, &status_, 0);
+    const int st = status_;
     pid_ = -1;
+    reaped_ = false;
     std::ifstream out(stem_ + ".out"), err(stem_ + ".err");
     std::stringstream o, e;
     o << out.rdbuf();
@@ -73,6 +81,8 @@ class Child {
 
  private:
   pid_t pid_ = -1;
+  bool reaped_ = false;
+  int status_ = 0;
   std::string stem_;
 };
 

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -58,6 +59,25 @@ std::string FormatSeconds(double seconds) {
   char buf[64];
   std::snprintf(buf, sizeof(buf), "%.*f s", decimals, seconds);
   return buf;
+}
+
+Result<std::vector<int>> ParseCounts(const std::string& flag, const std::string& text, int most) {
+  std::vector<int> out;
+  size_t at = 0;
+  for (;;) {
+    const size_t comma = text.find(',', at);
+    const std::string item = text.substr(at, comma == std::string::npos ? comma : comma - at);
+    char* end = nullptr;
+    const long n = std::strtol(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || n < 1 || n > most) {
+      return Status::InvalidArgument(flag + ": '" + item + "' is not a count in [1, " +
+                                     std::to_string(most) + "]");
+    }
+    out.push_back(static_cast<int>(n));
+    if (comma == std::string::npos) break;
+    at = comma + 1;
+  }
+  return out;
 }
 
 Result<uint64_t> ParseByteSize(const std::string& text) {

@@ -5,6 +5,7 @@
 #include <functional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "deltasync/status.h"
 #include "deltasync/store.h"
@@ -35,6 +36,11 @@ std::string FormatSeconds(double seconds);
 // Binary (KiB/MiB/GiB/TiB) and decimal (KB/MB/GB/TB) suffixes; InvalidArgument
 // for anything else, for zero-free garbage, or on overflow.
 Result<uint64_t> ParseByteSize(const std::string& text);
+
+// Parses a comma-separated list of counts in [1, most] given to `flag`
+// ("--receivers"): InvalidArgument naming the flag and the bad item, or an
+// empty list.
+Result<std::vector<int>> ParseCounts(const std::string& flag, const std::string& text, int most);
 
 // The help text of an --encoding option, generated from the encodings'
 // descriptors: "dense | indices | xor | overwrite | sparse (default); the

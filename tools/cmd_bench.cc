@@ -267,8 +267,9 @@ void RegisterBench(CLI::App& app, CommandFn* run) {
                 "loopback): each rank's peak memory beyond its shards and snapshot, and the "
                 "syncs' times, over model sizes (--sizes) and rank counts (--trainer-ranks)");
   cmd->add_option("--trainer-ranks", opts->trainer_ranks,
-                  "--sharded: trainer rank counts, comma-separated")
-      ->capture_default_str();
+                  "--stream: trainer rank counts, comma-separated: with --sharded its rows "
+                  "(default 1,2,4); otherwise, for each count above 1, a sharded trainer's "
+                  "indices sync beside the whole-tensor rows (default: none)");
   cmd->add_option("--density", opts->density, "--gpu: fraction of elements changed per step")
       ->capture_default_str();
   cmd->add_option("--receivers", opts->receivers, "--stream: receiver counts, comma-separated")
@@ -337,23 +338,18 @@ void RegisterBench(CLI::App& app, CommandFn* run) {
           }
           if (hc.sizes.empty()) return Fail("--sizes: no size given");
         }
-        hc.ranks.clear();
-        std::stringstream rs(opts->trainer_ranks);
-        for (std::string item; std::getline(rs, item, ',');) {
-          const int n = std::atoi(item.c_str());
-          if (n < 1 || n > 64) {
-            return Fail("--trainer-ranks: '" + item + "' is not a count in [1, 64]");
-          }
-          hc.ranks.push_back(n);
-        }
-        if (hc.ranks.empty()) return Fail("--trainer-ranks: no count given");
+        Result<std::vector<int>> ranks = ParseCounts("--trainer-ranks", opts->trainer_ranks, 64);
+        if (!ranks.ok()) return Fail(ranks.status());
+        hc.ranks = std::move(*ranks);
         Result<uint64_t> bucket = ParseByteSize(opts->bucket);
         if (!bucket.ok()) return Fail(bucket.status());
         if (*bucket < (uint64_t{64} << 10)) return Fail("--bucket must be at least 64KiB");
         hc.bucket_bytes = *bucket;
         return RunShardedBench(hc, opts->json);
       }
-      if (cmd->count("--trainer-ranks") > 0) return Fail("--trainer-ranks needs --sharded");
+      if (cmd->count("--trainer-ranks") > 0 && !opts->stream) {
+        return Fail("--trainer-ranks needs --stream");
+      }
       for (const char* gpu_only : {"--sizes", "--density"}) {
         if (cmd->count(gpu_only) > 0) return Fail(std::string(gpu_only) + " needs --gpu");
       }
@@ -380,14 +376,15 @@ void RegisterBench(CLI::App& app, CommandFn* run) {
         if (opts->warmup_steps < 0) return Fail("--warmup-steps must not be negative");
         sc.warmup_steps = opts->warmup_steps;
         sc.workdir = opts->workdir;
-        sc.receivers.clear();
-        std::stringstream rs(opts->receivers);
-        for (std::string item; std::getline(rs, item, ',');) {
-          const int n = std::atoi(item.c_str());
-          if (n < 1 || n > 64) return Fail("--receivers: '" + item + "' is not a count in [1, 64]");
-          sc.receivers.push_back(n);
+        Result<std::vector<int>> receivers = ParseCounts("--receivers", opts->receivers, 64);
+        if (!receivers.ok()) return Fail(receivers.status());
+        sc.receivers = std::move(*receivers);
+        if (cmd->count("--trainer-ranks") > 0) {
+          Result<std::vector<int>> ranks = ParseCounts("--trainer-ranks", opts->trainer_ranks, 64);
+          if (!ranks.ok()) return Fail(ranks.status());
+          sc.trainer_ranks = std::move(*ranks);
         }
-        if (sc.receivers.empty() || sc.receivers.front() != 1) {
+        if (sc.receivers.front() != 1) {
           return Fail("--receivers must start with 1 (the link's speed is measured with one)");
         }
         sc.shaped_gbit.clear();
