@@ -4,6 +4,10 @@
 //   stream_sync_test_peer receive RENDEZVOUS RANK SIZE OUT_FILE DIE_AT_SYNC TIMEOUT_MS
 //   stream_sync_test_peer send RENDEZVOUS SIZE STEPS TIMEOUT_MS
 //   stream_sync_test_peer shard TRAINER_RENDEZVOUS RANK START STEPS TIMEOUT_MS
+//   stream_sync_test_peer ranks TRAINER_RENDEZVOUS STREAM_RENDEZVOUS RANK RANKS SIZE STEPS
+//                               TIMEOUT_MS
+//   stream_sync_test_peer shard-receive RENDEZVOUS RANK SIZE OUT_FILE DIE_AT_SYNC TIMEOUT_MS
+//                                       STEPS
 //
 // receive: registers sync_test::Model's tensors whole and takes syncs until
 // the test ends it. After each sync it applied, it writes every tensor's
@@ -21,6 +25,16 @@
 // 0.05) for i = 1 .. k): one sync a step, as a trainer syncs after each
 // step whatever became of the last one, and three more of the last step's
 // model, which repair any that failed. Exits 0.
+//
+// ranks: trainer rank RANK of the RANKS-rank (4 or 2) sharded trainer of
+// sync_test::RankSpecs(RANK, RANKS), rank 0 leading the stream group of SIZE
+// members: syncs the model after step k = 0 .. STEPS (as shard makes it),
+// retrying a failed step up to 8 times (every rank learns of a failure, so
+// all retry together); exits 0 once every step is synced, 1 otherwise.
+//
+// shard-receive: as receive, holding the sharded trainer's model whole;
+// after each sync it applied it appends "SYNC_ID K" to OUT_FILE, K the step
+// 0 .. STEPS whose model it now holds bit for bit, or -1 for none.
 //
 // Exits 2 for bad usage.
 #include <signal.h>
@@ -45,7 +59,11 @@ int Usage() {
                "TIMEOUT_MS\n"
                "       stream_sync_test_peer send RENDEZVOUS SIZE STEPS TIMEOUT_MS\n"
                "       stream_sync_test_peer shard TRAINER_RENDEZVOUS RANK START STEPS "
-               "TIMEOUT_MS\n");
+               "TIMEOUT_MS\n"
+               "       stream_sync_test_peer ranks TRAINER_RENDEZVOUS STREAM_RENDEZVOUS RANK RANKS "
+               "SIZE STEPS TIMEOUT_MS\n"
+               "       stream_sync_test_peer shard-receive RENDEZVOUS RANK SIZE OUT_FILE "
+               "DIE_AT_SYNC TIMEOUT_MS STEPS\n");
   return 2;
 }
 
@@ -143,13 +161,88 @@ int Shard(const Rendezvous& trainers, int rank, int start, int steps, int timeou
   return 0;
 }
 
+int Ranks(const Rendezvous& trainers, const Rendezvous& stream, int rank, int ranks, int size,
+          int steps, int timeout_ms) {
+  const CommunicatorOptions o = comm_test::LoopbackOptions(
+      trainers, rank, ranks, std::chrono::milliseconds(timeout_ms), "trainers");
+  const CommunicatorOptions so =
+      comm_test::LoopbackOptions(stream, 0, size, std::chrono::milliseconds(timeout_ms), "sync");
+  CommunicatorFactory lead;
+  if (rank == 0) lead = [so] { return CreateCommunicator("gloo", so); };
+  Result<std::unique_ptr<StreamSender>> s =
+      StreamSender::CreateSharded([o] { return CreateCommunicator("gloo", o); }, lead);
+  if (!s.ok()) return 2;
+  const std::vector<ShardSpec> specs = sync_test::RankSpecs(rank, ranks);
+  for (int k = 0; k <= steps; ++k) {
+    const sync_test::Model m = ShardedStep(k);
+    std::vector<ModelTensor> model;
+    for (const SyncTensor& t : m.tensors) model.push_back({t.name, t.dtype, t.shape});
+    std::vector<std::vector<uint8_t>> bytes;
+    std::vector<ShardedTensor> shards;
+    for (const ShardSpec& spec : specs) bytes.push_back(sync_test::Extract(spec, m));
+    for (size_t i = 0; i < specs.size(); ++i) shards.push_back({specs[i], bytes[i], {}});
+    Status last;
+    for (int attempt = 0; attempt < 8; ++attempt) {
+      Result<SyncStats> r = (*s)->SyncShards(model, shards);
+      last = r.ok() ? Status::OK() : r.status();
+      if (r.ok()) break;
+      std::fprintf(stderr, "stream_sync_test_peer ranks: rank %d step %d: %s\n", rank, k,
+                   last.ToString().c_str());
+    }
+    if (!last.ok()) return 1;
+  }
+  return 0;
+}
+
+int ShardReceive(const Rendezvous& where, int rank, int size, const std::string& out,
+                 uint64_t die_at, int timeout_ms, int steps) {
+  const CommunicatorOptions o =
+      comm_test::LoopbackOptions(where, rank, size, std::chrono::milliseconds(timeout_ms), "sync");
+  ReceiverOptions options;
+  options.apply_hook = [die_at](uint64_t sync_id, std::string_view, uint64_t entry) {
+    if (die_at != 0 && sync_id == die_at && entry == 1) kill(getpid(), SIGKILL);
+    return Status::OK();
+  };
+  Result<std::unique_ptr<StreamReceiver>> r =
+      StreamReceiver::Create([o] { return CreateCommunicator("gloo", o); }, options);
+  if (!r.ok()) return 2;
+  sync_test::Model m = sync_test::ShardedModel(9);
+  // Nothing of the trainer's yet.
+  for (std::vector<uint8_t>& b : m.bytes) std::fill(b.begin(), b.end(), uint8_t{0});
+  for (size_t i = 0; i < m.tensors.size(); ++i) {
+    Status s =
+        (*r)->Register(m.tensors[i].name, m.tensors[i].dtype, m.tensors[i].shape, m.bytes[i]);
+    if (!s.ok()) return 2;
+  }
+  std::vector<sync_test::Model> want;
+  for (int k = 0; k <= steps; ++k) want.push_back(ShardedStep(k));
+  for (;;) {
+    Result<ReceiveStats> got = (*r)->ReceiveSync();
+    if (!got.ok()) {
+      std::fprintf(stderr, "stream_sync_test_peer: %s\n", got.status().ToString().c_str());
+      continue;
+    }
+    int held = -1;
+    for (int k = 0; k <= steps && held < 0; ++k) {
+      if (want[k].bytes == m.bytes) held = k;
+    }
+    FILE* f = std::fopen(out.c_str(), "a");
+    if (f == nullptr) return 1;
+    std::fprintf(f, "%llu %d\n", static_cast<unsigned long long>(got->sync_id), held);
+    std::fclose(f);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 2) return Usage();
   const std::string role = argv[1];
   if ((role == "receive" && argc != 8) || (role == "send" && argc != 6) ||
-      (role == "shard" && argc != 7) || (role != "receive" && role != "send" && role != "shard")) {
+      (role == "shard" && argc != 7) || (role == "ranks" && argc != 9) ||
+      (role == "shard-receive" && argc != 9) ||
+      (role != "receive" && role != "send" && role != "shard" && role != "ranks" &&
+       role != "shard-receive")) {
     return Usage();
   }
   Result<Rendezvous> where = ParseRendezvous(argv[2]);
@@ -160,6 +253,17 @@ int main(int argc, char** argv) {
   if (role == "receive") {
     return Receive(*where, std::atoi(argv[3]), std::atoi(argv[4]), argv[5],
                    std::strtoull(argv[6], nullptr, 10), std::atoi(argv[7]));
+  }
+  if (role == "ranks") {
+    Result<Rendezvous> stream = ParseRendezvous(argv[3]);
+    if (!stream.ok()) return 2;
+    return Ranks(*where, *stream, std::atoi(argv[4]), std::atoi(argv[5]), std::atoi(argv[6]),
+                 std::atoi(argv[7]), std::atoi(argv[8]));
+  }
+  if (role == "shard-receive") {
+    return ShardReceive(*where, std::atoi(argv[3]), std::atoi(argv[4]), argv[5],
+                        std::strtoull(argv[6], nullptr, 10), std::atoi(argv[7]),
+                        std::atoi(argv[8]));
   }
   if (role == "shard") {
     return Shard(*where, std::atoi(argv[3]), std::atoi(argv[4]), std::atoi(argv[5]),

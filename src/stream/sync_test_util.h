@@ -181,6 +181,24 @@ inline std::vector<ShardSpec> RankSpecs(int r) {
   return out;
 }
 
+// The same placements over `ranks` trainer ranks, 4 or 2: with 2, c.weight
+// splits 2000 and 3000, b.bias is sent by rank 1, and q and k are fused
+// and split in 2 with no replicas.
+inline std::vector<ShardSpec> RankSpecs(int r, int ranks) {
+  if (ranks == 4) return RankSpecs(r);
+  std::vector<ShardSpec> out;
+  out.push_back(Spec(ShardSpec::Shard("a.weight", DType::kBF16, {64, 48}, 0, r, 2)));
+  out.push_back(Spec(ShardSpec::ShardSizes("c.weight", DType::kBF16, {5000}, 0, {2000, 3000}, r)));
+  out.push_back(Spec(ShardSpec::Shard("e.weight", DType::kBF16, {24, 37}, 1, r, 2)));
+  out.push_back(Spec(ShardSpec::Replicate("b.bias", DType::kF32, {300}, r == 1)));
+  out.push_back(
+      Spec(ShardSpec::Fused(DType::kBF16, 0,
+                            {Spec(ShardSpec::Shard("q.weight", DType::kBF16, {16, 48}, 0, r, 2)),
+                             Spec(ShardSpec::Shard("k.weight", DType::kBF16, {8, 48}, 0, r, 2))})));
+  if (r == 0) out.push_back(Spec(ShardSpec::Whole("d.empty", DType::kBF16, {0, 4})));
+  return out;
+}
+
 // A local tensor's bytes, read out of the whole tensors element by element.
 inline std::vector<uint8_t> Extract(const ShardSpec& spec, const Model& m) {
   const size_t w = DTypeSize(spec.dtype);
