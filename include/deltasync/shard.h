@@ -108,6 +108,22 @@ struct ShardSpec {
   // `dim`; a part that does not contribute marks its pieces so. Parts with
   // flat ranges only along dim 0 of 1-D tensors.
   static Result<ShardSpec> Fused(DType dtype, int dim, const std::vector<ShardSpec>& parts);
+  // Tensor-parallel rank `tp_rank` of `tp_size`'s part of Megatron's fused
+  // linear_qkv weight, whose rows interleave the heads per query group (for
+  // each group g: its num_heads / num_query_groups query heads, then its
+  // key head, then its value head, head_dim rows each) and which
+  // ColumnParallelLinear splits into equal runs of rows, as the HF q, k and
+  // v projections (`q`: [num_heads * head_dim, hidden], `k` and `v`:
+  // [num_query_groups * head_dim, hidden]). A rank's run may cut a group
+  // (more ranks than query groups). InvalidArgument unless num_heads is a
+  // multiple of num_query_groups and the rows a multiple of tp_size. Not
+  // Fused(Shard(q), Shard(k), Shard(v)): that is vLLM's and SGLang's layout.
+  // Megatron's gate and up (SwiGLU's linear_fc1) are Fused(dtype, 0,
+  // {Shard(gate, ..., 0, tp_rank, tp_size), Shard(up, ...)}).
+  static Result<ShardSpec> MegatronQkv(const std::string& q, const std::string& k,
+                                       const std::string& v, DType dtype, int64_t num_heads,
+                                       int64_t num_query_groups, int64_t head_dim, int64_t hidden,
+                                       int64_t tp_rank, int64_t tp_size);
 
   // OK when the spec satisfies docs/format.md ("Placements", rules 1 to 5):
   // at most 16 dimensions, none negative, at most kMaxShardNumel elements

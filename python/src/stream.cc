@@ -568,7 +568,22 @@ void BindStream(py::module_& m) {
           [](const std::string& dtype, int dim, const std::vector<ShardSpec>& parts) {
             return Named(ShardSpec::Fused(Take(ParseDType(dtype)), dim, parts));
           },
-          "Parts concatenated along `dim` in one local tensor (fused QKV, gate/up).")
+          "Parts concatenated along `dim` in one local tensor (vLLM's fused QKV, gate/up).")
+      .def_static(
+          "megatron_qkv",
+          [](const std::string& q, const std::string& k, const std::string& v,
+             const std::string& dtype, int64_t num_heads, int64_t num_query_groups,
+             int64_t head_dim, int64_t hidden, int64_t tp_rank, int64_t tp_size) {
+            return Named(ShardSpec::MegatronQkv(q, k, v, Take(ParseDType(dtype)), num_heads,
+                                                num_query_groups, head_dim, hidden, tp_rank,
+                                                tp_size));
+          },
+          py::arg("q"), py::arg("k"), py::arg("v"), py::arg("dtype"), py::arg("num_heads"),
+          py::arg("num_query_groups"), py::arg("head_dim"), py::arg("hidden"), py::arg("tp_rank"),
+          py::arg("tp_size"),
+          "Tensor-parallel rank tp_rank's part of Megatron's fused linear_qkv weight (heads "
+          "interleaved per query group: its query heads, its key head, its value head), as the "
+          "HF q, k and v projections.")
       .def(
           "validate", [](const ShardSpec& s) { Check(s.Validate()); },
           "Raises InvalidArgumentError unless the pieces cover the local tensor exactly.");

@@ -263,6 +263,102 @@ def test_sharded_trainer_two_ranks(tmp_path):
         assert torch.equal(bits(got[n]), bits(t)), n
 
 
+def _megatron_rank_weights(hf, heads, groups, head_dim, rank, tp):
+    """A stand-in of how Megatron lays out one tensor-parallel rank's fused
+    weights (NVIDIA/Megatron-LM d98e8a64): linear_qkv's rows interleave
+    each query group's query heads, key head and value head
+    (megatron/core/transformer/attention.py, get_query_key_value_tensors:
+    mixed_qkv.view(..., num_query_groups_per_partition, (heads_per_group + 2)
+    * head_dim) split as [heads_per_group * head_dim, head_dim, head_dim]),
+    and ColumnParallelLinear gives each rank an equal run of them; SwiGLU's
+    linear_fc1 holds the rank's chunk of gate then of up
+    (megatron/core/transformer/mlp.py: glu's torch.chunk(x, 2, dim=-1),
+    apply_swiglu_sharded_factory)."""
+    per_group = heads // groups
+    rows = []
+    for g in range(groups):
+        rows.append(hf["q"][g * per_group * head_dim:(g + 1) * per_group * head_dim])
+        rows.append(hf["k"][g * head_dim:(g + 1) * head_dim])
+        rows.append(hf["v"][g * head_dim:(g + 1) * head_dim])
+    qkv = torch.cat(rows).chunk(tp)[rank].contiguous()
+    fc1 = torch.cat([hf["gate"].chunk(tp)[rank], hf["up"].chunk(tp)[rank]]).contiguous()
+    return qkv, fc1
+
+
+def test_megatron_fused_qkv_and_gate_up_sync_bit_exact(tmp_path):
+    heads, groups, head_dim, hidden, ffn, tp = 8, 4, 4, 6, 10, 2
+    g = torch.Generator().manual_seed(7)
+    hf = {"q": torch.randn(heads * head_dim, hidden, generator=g).to(torch.bfloat16),
+          "k": torch.randn(groups * head_dim, hidden, generator=g).to(torch.bfloat16),
+          "v": torch.randn(groups * head_dim, hidden, generator=g).to(torch.bfloat16),
+          "gate": torch.randn(ffn, hidden, generator=g).to(torch.bfloat16),
+          "up": torch.randn(ffn, hidden, generator=g).to(torch.bfloat16)}
+    # The stand-in splits as Megatron's forward does: each rank's query
+    # groups get their own heads back.
+    per_rank = groups // tp
+    for r in range(tp):
+        qkv, fc1 = _megatron_rank_weights(hf, heads, groups, head_dim, r, tp)
+        view = qkv.view(per_rank, (heads // groups + 2) * head_dim, hidden)
+        q, k, v = torch.split(view, [heads // groups * head_dim, head_dim, head_dim], dim=1)
+        first = r * per_rank
+        assert torch.equal(q.reshape(-1, hidden),
+                           hf["q"][first * heads // groups * head_dim:
+                                   (first + per_rank) * heads // groups * head_dim])
+        kv_rows = slice(first * head_dim, (first + per_rank) * head_dim)
+        assert torch.equal(k.reshape(-1, hidden), hf["k"][kv_rows])
+        assert torch.equal(v.reshape(-1, hidden), hf["v"][kv_rows])
+        gate, up = torch.chunk(fc1, 2, dim=0)
+        assert torch.equal(gate, hf["gate"].chunk(tp)[r])
+        assert torch.equal(up, hf["up"].chunk(tp)[r])
+    # vLLM's layout (q, k and v each split, then concatenated) is another
+    # one where a rank holds several query groups: the spec of the one must
+    # not describe the other.
+    vllm = torch.cat([hf[n].chunk(tp)[0] for n in ("q", "k", "v")])
+    assert not torch.equal(vllm, _megatron_rank_weights(hf, heads, groups, head_dim, 0, tp)[0])
+
+    spec = {n: ("BF16", list(t.shape)) for n, t in hf.items()}
+    got = {n: torch.zeros_like(t) for n, t in hf.items()}
+    errors = []
+    stream = "file:" + str(tmp_path / "stream")
+    trainers = "file:" + str(tmp_path / "trainers")
+
+    def receiver(r):
+        with ds.StreamReceiver(ds.Group(stream, 1, 2, timeout_s=30)) as rx:
+            rx.register_all(got)
+            for _ in range(2):
+                rx.receive()
+
+    def trainer(rank, w):
+        group = ds.Group(stream, 0, 2, timeout_s=30) if rank == 0 else None
+        with ds.StreamSender(group, trainers=ds.Group(trainers, rank, tp, timeout_s=30)) as tx:
+            for k in range(2):
+                if k:
+                    for t in w.values():
+                        t.view(-1)[k::7] += 1
+                qkv, fc1 = _megatron_rank_weights(w, heads, groups, head_dim, rank, tp)
+                shards = [
+                    (ds.ShardSpec.megatron_qkv("q", "k", "v", "BF16", heads, groups, head_dim,
+                                               hidden, rank, tp), qkv),
+                    (ds.ShardSpec.fused("BF16", 0, [
+                        ds.ShardSpec.shard("gate", "BF16", [ffn, hidden], 0, rank, tp),
+                        ds.ShardSpec.shard("up", "BF16", [ffn, hidden], 0, rank, tp)]), fc1)]
+                tx.sync_shards(spec, shards)
+
+    ts = run_receivers(1, receiver, errors)
+    other = {n: t.clone() for n, t in hf.items()}
+    t1 = threading.Thread(target=lambda: _guard(lambda _: trainer(1, other), 1, errors))
+    t1.start()
+    trainer(0, hf)
+    t1.join()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    for n, t in hf.items():
+        assert torch.equal(bits(got[n]), bits(t)), n
+    with pytest.raises(ds.InvalidArgumentError, match="not a multiple of 3 query groups"):
+        ds.ShardSpec.megatron_qkv("q", "k", "v", "BF16", 8, 3, 4, 6, 0, 2)
+
+
 class _Shard:
     def __init__(self, dim):
         self.dim = dim

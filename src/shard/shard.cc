@@ -256,6 +256,66 @@ Result<ShardSpec> ShardSpec::Box(std::string name, DType dtype, std::vector<int6
   return spec;
 }
 
+Result<ShardSpec> ShardSpec::MegatronQkv(const std::string& q, const std::string& k,
+                                         const std::string& v, DType dtype, int64_t num_heads,
+                                         int64_t num_query_groups, int64_t head_dim, int64_t hidden,
+                                         int64_t tp_rank, int64_t tp_size) {
+  const std::string what = "Megatron qkv of " + Quote(q);
+  if (num_heads <= 0 || num_query_groups <= 0 || head_dim <= 0 || hidden <= 0 || tp_size <= 0 ||
+      tp_rank < 0 || tp_rank >= tp_size) {
+    return Status::InvalidArgument(
+        what +
+        ": heads, query groups, head_dim, hidden and tp_size must be positive and tp_rank "
+        "in [0, tp_size); got " +
+        std::to_string(num_heads) + ", " + std::to_string(num_query_groups) + ", " +
+        std::to_string(head_dim) + ", " + std::to_string(hidden) + ", " + std::to_string(tp_size) +
+        ", " + std::to_string(tp_rank));
+  }
+  if (num_heads % num_query_groups != 0) {
+    return Status::InvalidArgument(what + ": " + std::to_string(num_heads) +
+                                   " heads are not a multiple of " +
+                                   std::to_string(num_query_groups) + " query groups");
+  }
+  if (num_heads > kMaxShardNumel / head_dim / 3) {
+    return Status::InvalidArgument(what + ": too many rows");
+  }
+  const int64_t per_group = num_heads / num_query_groups;
+  const int64_t rows = (num_heads + 2 * num_query_groups) * head_dim;
+  if (rows % tp_size != 0) {
+    return Status::InvalidArgument(what + ": " + std::to_string(rows) + " rows do not split into " +
+                                   std::to_string(tp_size) + " equal parts");
+  }
+  const int64_t lo = tp_rank * (rows / tp_size);
+  const int64_t hi = lo + rows / tp_size;
+  const std::vector<int64_t> q_shape = {num_heads * head_dim, hidden};
+  const std::vector<int64_t> kv_shape = {num_query_groups * head_dim, hidden};
+  std::vector<ShardSpec> parts;
+  int64_t at = 0;  // the fused weight's row where the next run starts
+  for (int64_t g = 0; g < num_query_groups && at < hi; ++g) {
+    const struct {
+      const std::string& name;
+      const std::vector<int64_t>& shape;
+      int64_t first;  // the run's first row in the HF tensor
+      int64_t count;
+    } runs[] = {{q, q_shape, g * per_group * head_dim, per_group * head_dim},
+                {k, kv_shape, g * head_dim, head_dim},
+                {v, kv_shape, g * head_dim, head_dim}};
+    for (const auto& run : runs) {
+      const int64_t a = std::max(at, lo);
+      const int64_t b = std::min(at + run.count, hi);
+      if (a < b) {
+        DS_ASSIGN_OR_RETURN(ShardSpec part, Box(run.name, dtype, run.shape,
+                                                {run.first + (a - at), 0}, {b - a, hidden}));
+        parts.push_back(std::move(part));
+      }
+      at += run.count;
+    }
+  }
+  Result<ShardSpec> fused = Fused(dtype, 0, parts);
+  if (!fused.ok()) return fused.status().WithContext(what);
+  return fused;
+}
+
 Result<ShardSpec> ShardSpec::Whole(std::string name, DType dtype, std::vector<int64_t> shape) {
   std::vector<int64_t> zeros(shape.size(), 0);
   return Box(std::move(name), dtype, shape, std::move(zeros), shape);

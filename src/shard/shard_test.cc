@@ -369,6 +369,68 @@ TEST(ShardTranslate, FusedQkvAndGateUpWithTensorParallelism) {
   ExpectCoveredOnce(covered);
 }
 
+// Megatron's fused linear_qkv (megatron/core/transformer/attention.py,
+// get_query_key_value_tensors, NVIDIA/Megatron-LM d98e8a64): the weight's
+// rows hold, per query group, its query heads, then its key head, then its
+// value head; ColumnParallelLinear gives each tensor-parallel rank an equal
+// run of those rows. The expected HF element of every local element comes
+// from that rule directly, not from the spec.
+TEST(ShardTranslate, MegatronQkvInterleavesHeadsPerQueryGroup) {
+  struct Case {
+    int64_t heads, groups, head_dim, hidden, tp;
+  };
+  // Grouped-query attention split on group boundaries, more ranks than
+  // groups (a rank's rows cut a group), multi-head attention.
+  for (const Case c :
+       {Case{8, 2, 4, 6, 2}, Case{8, 2, 4, 6, 4}, Case{8, 2, 2, 3, 8}, Case{4, 4, 3, 5, 2}}) {
+    SCOPED_TRACE(std::to_string(c.heads) + " heads, " + std::to_string(c.groups) + " groups, tp " +
+                 std::to_string(c.tp));
+    const int64_t per_group = c.heads / c.groups;
+    // The fused weight's rows as (tensor, HF row).
+    std::vector<std::pair<std::string, int64_t>> fused_rows;
+    for (int64_t g = 0; g < c.groups; ++g) {
+      for (int64_t r = 0; r < per_group * c.head_dim; ++r) {
+        fused_rows.push_back({"q", g * per_group * c.head_dim + r});
+      }
+      for (int64_t r = 0; r < c.head_dim; ++r) fused_rows.push_back({"k", g * c.head_dim + r});
+      for (int64_t r = 0; r < c.head_dim; ++r) fused_rows.push_back({"v", g * c.head_dim + r});
+    }
+    const int64_t rows = static_cast<int64_t>(fused_rows.size()) / c.tp;
+    std::vector<HfTensor> model = {
+        MakeTensor("q", DType::kBF16, {c.heads * c.head_dim, c.hidden}, 1),
+        MakeTensor("k", DType::kBF16, {c.groups * c.head_dim, c.hidden}, 2),
+        MakeTensor("v", DType::kBF16, {c.groups * c.head_dim, c.hidden}, 3)};
+    for (size_t i = 0; i < model.size(); ++i) MutateRandom(&model[i], 0.4, 60 + i);
+    std::map<std::string, std::vector<int>> covered;
+    for (int64_t r = 0; r < c.tp; ++r) {
+      const ShardSpec spec = Value(ShardSpec::MegatronQkv("q", "k", "v", DType::kBF16, c.heads,
+                                                          c.groups, c.head_dim, c.hidden, r, c.tp));
+      ASSERT_EQ(spec.local_shape, (std::vector<int64_t>{rows, c.hidden}));
+      const std::vector<Mapped> map = ReferenceMap(spec);
+      for (int64_t e = 0; e < rows * c.hidden; ++e) {
+        const auto& [name, hf_row] = fused_rows[r * rows + e / c.hidden];
+        ASSERT_NE(map[e].piece, SIZE_MAX);
+        EXPECT_EQ(spec.pieces[map[e].piece].hf_name, name) << "local element " << e;
+        EXPECT_EQ(map[e].hf, static_cast<uint64_t>(hf_row * c.hidden + e % c.hidden))
+            << "local element " << e;
+      }
+      CheckTranslation(spec, model, &covered);
+    }
+    ExpectCoveredOnce(covered);
+  }
+  const Status odd = ShardSpec::MegatronQkv("q", "k", "v", DType::kBF16, 8, 3, 4, 6, 0, 2).status();
+  EXPECT_EQ(odd.code(), StatusCode::kInvalidArgument) << odd.ToString();
+  EXPECT_NE(odd.message().find("not a multiple of 3 query groups"), std::string::npos)
+      << odd.ToString();
+  const Status uneven =
+      ShardSpec::MegatronQkv("q", "k", "v", DType::kBF16, 8, 2, 4, 6, 0, 5).status();
+  EXPECT_NE(uneven.message().find("48 rows do not split into 5 equal parts"), std::string::npos)
+      << uneven.ToString();
+  const Status rank =
+      ShardSpec::MegatronQkv("q", "k", "v", DType::kBF16, 8, 2, 4, 6, 2, 2).status();
+  EXPECT_EQ(rank.code(), StatusCode::kInvalidArgument) << rank.ToString();
+}
+
 TEST(ShardTranslate, FusedWithReplicatedPart) {
   // Key and value heads replicated over tensor-parallel ranks: rank 1's
   // copy does not contribute, its query shard does.
