@@ -358,20 +358,27 @@ class Bench {
       shaped->Shape(0);
     }
     sender.reset();
+    DS_RETURN_IF_ERROR(ReadPeers(peers, &run));
+    return run;
+  }
+
+  // The receivers' reports of the run's last sync: the slowest phases and
+  // the largest memory beyond the weights.
+  static Status ReadPeers(std::vector<std::unique_ptr<Child>>& peers, Run* run) {
     for (auto& p : peers) {
       DS_ASSIGN_OR_RETURN(json j, p->Wait());
       const json& last = j["syncs"].back();
-      run.peer_apply_s = std::max(run.peer_apply_s, last["apply_s"].get<double>());
-      run.peer_verify_s = std::max(run.peer_verify_s, last["verify_s"].get<double>());
-      run.peer_receive_s = std::max(run.peer_receive_s, last["receive_s"].get<double>());
+      run->peer_apply_s = std::max(run->peer_apply_s, last["apply_s"].get<double>());
+      run->peer_verify_s = std::max(run->peer_verify_s, last["verify_s"].get<double>());
+      run->peer_receive_s = std::max(run->peer_receive_s, last["receive_s"].get<double>());
       // Beyond the process with its weights in place (binary, libraries
       // and the zeroed weights themselves).
       const uint64_t peak = j["peak_rss_bytes"].get<uint64_t>();
       const uint64_t floor = j["floor_rss_bytes"].get<uint64_t>();
-      run.peer_peak_beyond_weights =
-          std::max(run.peer_peak_beyond_weights, peak > floor ? peak - floor : 0);
+      run->peer_peak_beyond_weights =
+          std::max(run->peer_peak_beyond_weights, peak > floor ? peak - floor : 0);
     }
-    return run;
+    return Status::OK();
   }
 
   // A sharded trainer of `ranks` processes on the sender's host (the
@@ -442,13 +449,7 @@ class Bench {
       run.uplink_bytes = shaped->SenderUplinkBytes() - up0;
       shaped->Shape(0);
     }
-    for (auto& p : peers) {
-      DS_ASSIGN_OR_RETURN(json j, p->Wait());
-      const json& last = j["syncs"].back();
-      run.peer_apply_s = std::max(run.peer_apply_s, last["apply_s"].get<double>());
-      run.peer_verify_s = std::max(run.peer_verify_s, last["verify_s"].get<double>());
-      run.peer_receive_s = std::max(run.peer_receive_s, last["receive_s"].get<double>());
-    }
+    DS_RETURN_IF_ERROR(ReadPeers(peers, &run));
     return run;
   }
 

@@ -2,7 +2,6 @@
 processes over a torch.distributed Gloo group, a sharded trainer, and the
 errors bad input gets."""
 
-import os
 import threading
 
 import pytest
@@ -222,10 +221,11 @@ def test_bad_arguments_are_refused_by_name(rendezvous):
         ds.Group(rendezvous, 0, 2, backend="")
 
 
-def test_sharded_trainer_two_ranks(tmp_path):
-    w = model(2)
-    spec = {n: ("BF16" if n == "emb" else ("F32" if n == "norm" else "I64"), list(t.shape))
-            for n, t in w.items()}
+def sync_two_trainer_ranks(tmp_path, w, spec, syncs, shards_of, change):
+    """Two trainer ranks (threads, each with its own copy of ``w``) sync
+    ``syncs`` times to one receiver holding the whole model: before sync k > 0
+    each rank applies ``change(w, k)``, then passes ``shards_of(rank, w)``.
+    Checks the receiver ends bit-exact."""
     got = {n: torch.zeros_like(t) for n, t in w.items()}
     errors = []
     stream = "file:" + str(tmp_path / "stream")
@@ -234,21 +234,16 @@ def test_sharded_trainer_two_ranks(tmp_path):
     def receiver(r):
         with ds.StreamReceiver(ds.Group(stream, 1, 2, timeout_s=30)) as rx:
             rx.register_all(got)
-            for _ in range(3):
+            for _ in range(syncs):
                 rx.receive()
 
     def trainer(rank, w):
         group = ds.Group(stream, 0, 2, timeout_s=30) if rank == 0 else None
         with ds.StreamSender(group, trainers=ds.Group(trainers, rank, 2, timeout_s=30)) as tx:
-            for k in range(3):
+            for k in range(syncs):
                 if k:
-                    step(w, k)
-                shards = [(ds.ShardSpec.shard("emb", "BF16", [96, 32], 1, rank, 2),
-                           w["emb"][:, rank * 16:(rank + 1) * 16].contiguous()),
-                          (ds.ShardSpec.shard("norm", "F32", [32], 0, rank, 2),
-                           w["norm"][rank * 16:(rank + 1) * 16].contiguous()),
-                          (ds.ShardSpec.replicate("count", "I64", [5], rank == 0), w["count"])]
-                tx.sync_shards(spec, shards)
+                    change(w, k)
+                tx.sync_shards(spec, shards_of(rank, w))
 
     ts = run_receivers(1, receiver, errors)
     other = {n: t.clone() for n, t in w.items()}
@@ -262,6 +257,20 @@ def test_sharded_trainer_two_ranks(tmp_path):
     for n, t in w.items():
         assert torch.equal(bits(got[n]), bits(t)), n
 
+
+def test_sharded_trainer_two_ranks(tmp_path):
+    w = model(2)
+    spec = {n: ("BF16" if n == "emb" else ("F32" if n == "norm" else "I64"), list(t.shape))
+            for n, t in w.items()}
+
+    def shards_of(rank, w):
+        return [(ds.ShardSpec.shard("emb", "BF16", [96, 32], 1, rank, 2),
+                 w["emb"][:, rank * 16:(rank + 1) * 16].contiguous()),
+                (ds.ShardSpec.shard("norm", "F32", [32], 0, rank, 2),
+                 w["norm"][rank * 16:(rank + 1) * 16].contiguous()),
+                (ds.ShardSpec.replicate("count", "I64", [5], rank == 0), w["count"])]
+
+    sync_two_trainer_ranks(tmp_path, w, spec, 3, shards_of, step)
 
 def _megatron_rank_weights(hf, heads, groups, head_dim, rank, tp):
     """A stand-in of how Megatron lays out one tensor-parallel rank's fused
@@ -317,44 +326,20 @@ def test_megatron_fused_qkv_and_gate_up_sync_bit_exact(tmp_path):
     assert not torch.equal(vllm, _megatron_rank_weights(hf, heads, groups, head_dim, 0, tp)[0])
 
     spec = {n: ("BF16", list(t.shape)) for n, t in hf.items()}
-    got = {n: torch.zeros_like(t) for n, t in hf.items()}
-    errors = []
-    stream = "file:" + str(tmp_path / "stream")
-    trainers = "file:" + str(tmp_path / "trainers")
 
-    def receiver(r):
-        with ds.StreamReceiver(ds.Group(stream, 1, 2, timeout_s=30)) as rx:
-            rx.register_all(got)
-            for _ in range(2):
-                rx.receive()
+    def shards_of(rank, w):
+        qkv, fc1 = _megatron_rank_weights(w, heads, groups, head_dim, rank, tp)
+        return [(ds.ShardSpec.megatron_qkv("q", "k", "v", "BF16", heads, groups, head_dim,
+                                           hidden, rank, tp), qkv),
+                (ds.ShardSpec.fused("BF16", 0, [
+                    ds.ShardSpec.shard("gate", "BF16", [ffn, hidden], 0, rank, tp),
+                    ds.ShardSpec.shard("up", "BF16", [ffn, hidden], 0, rank, tp)]), fc1)]
 
-    def trainer(rank, w):
-        group = ds.Group(stream, 0, 2, timeout_s=30) if rank == 0 else None
-        with ds.StreamSender(group, trainers=ds.Group(trainers, rank, tp, timeout_s=30)) as tx:
-            for k in range(2):
-                if k:
-                    for t in w.values():
-                        t.view(-1)[k::7] += 1
-                qkv, fc1 = _megatron_rank_weights(w, heads, groups, head_dim, rank, tp)
-                shards = [
-                    (ds.ShardSpec.megatron_qkv("q", "k", "v", "BF16", heads, groups, head_dim,
-                                               hidden, rank, tp), qkv),
-                    (ds.ShardSpec.fused("BF16", 0, [
-                        ds.ShardSpec.shard("gate", "BF16", [ffn, hidden], 0, rank, tp),
-                        ds.ShardSpec.shard("up", "BF16", [ffn, hidden], 0, rank, tp)]), fc1)]
-                tx.sync_shards(spec, shards)
+    def change(w, k):
+        for t in w.values():
+            t.view(-1)[k::7] += 1
 
-    ts = run_receivers(1, receiver, errors)
-    other = {n: t.clone() for n, t in hf.items()}
-    t1 = threading.Thread(target=lambda: _guard(lambda _: trainer(1, other), 1, errors))
-    t1.start()
-    trainer(0, hf)
-    t1.join()
-    for t in ts:
-        t.join()
-    assert not errors, errors
-    for n, t in hf.items():
-        assert torch.equal(bits(got[n]), bits(t)), n
+    sync_two_trainer_ranks(tmp_path, hf, spec, 2, shards_of, change)
     with pytest.raises(ds.InvalidArgumentError, match="not a multiple of 3 query groups"):
         ds.ShardSpec.megatron_qkv("q", "k", "v", "BF16", 8, 3, 4, 6, 0, 2)
 

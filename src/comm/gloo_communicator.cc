@@ -677,6 +677,10 @@ class GlooCommunicator final : public Communicator {
       // Gloo opens its sockets without close-on-exec: a process started
       // afterwards (a helper, a restarted peer a supervisor spawns) would
       // otherwise hold the connection open after this member is gone.
+      // Both: Gloo's own descriptor gets the flag so that an exec'd child
+      // does not inherit it, and the copy (close-on-exec too) is this
+      // member's handle to shut the connection down at the end, which
+      // Gloo's descriptor may no longer be by then (Gloo closes it).
       const int flags = fcntl(fd, F_GETFD);
       if (flags >= 0) fcntl(fd, F_SETFD, flags | FD_CLOEXEC);
       const int copy = fcntl(fd, F_DUPFD_CLOEXEC, 3);

@@ -43,6 +43,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <string>
 #include <string_view>
 
@@ -67,8 +68,14 @@ int Usage() {
   return 2;
 }
 
-int Receive(const Rendezvous& where, int rank, int size, const std::string& out, uint64_t die_at,
-            int timeout_ms) {
+// A receiver of the group "sync" holding `m`'s tensors whole, SIGKILLing
+// itself while applying the second entry of sync `die_at` (0: never); takes
+// syncs for ever, calling after(stats) for each it applied (a failed one,
+// a lost group, is waited out: a new group forms when the sender syncs
+// again, and the test ends this process). 2 when it cannot start; what
+// after returns when not 0.
+int ReceiveForEver(const Rendezvous& where, int rank, int size, uint64_t die_at, int timeout_ms,
+                   sync_test::Model& m, const std::function<int(const ReceiveStats&)>& after) {
   const CommunicatorOptions o =
       comm_test::LoopbackOptions(where, rank, size, std::chrono::milliseconds(timeout_ms), "sync");
   ReceiverOptions options;
@@ -79,7 +86,6 @@ int Receive(const Rendezvous& where, int rank, int size, const std::string& out,
   Result<std::unique_ptr<StreamReceiver>> r =
       StreamReceiver::Create([o] { return CreateCommunicator("gloo", o); }, options);
   if (!r.ok()) return 2;
-  sync_test::Model m = sync_test::Model::Make(0);
   for (size_t i = 0; i < m.tensors.size(); ++i) {
     Status s =
         (*r)->Register(m.tensors[i].name, m.tensors[i].dtype, m.tensors[i].shape, m.bytes[i]);
@@ -88,11 +94,17 @@ int Receive(const Rendezvous& where, int rank, int size, const std::string& out,
   for (;;) {
     Result<ReceiveStats> got = (*r)->ReceiveSync();
     if (!got.ok()) {
-      // A lost group: the sender has gone, or failed a sync; a new one forms
-      // when it syncs again, and the test ends this process otherwise.
       std::fprintf(stderr, "stream_sync_test_peer: %s\n", got.status().ToString().c_str());
       continue;
     }
+    if (const int rc = after(*got); rc != 0) return rc;
+  }
+}
+
+int Receive(const Rendezvous& where, int rank, int size, const std::string& out, uint64_t die_at,
+            int timeout_ms) {
+  sync_test::Model m = sync_test::Model::Make(0);
+  return ReceiveForEver(where, rank, size, die_at, timeout_ms, m, [&](const ReceiveStats&) {
     const std::string tmp = out + ".tmp";
     FILE* f = std::fopen(tmp.c_str(), "wb");
     if (f == nullptr) return 1;
@@ -101,7 +113,8 @@ int Receive(const Rendezvous& where, int rank, int size, const std::string& out,
     }
     std::fclose(f);
     std::rename(tmp.c_str(), out.c_str());
-  }
+    return 0;
+  });
 }
 
 int Send(const Rendezvous& where, int size, int steps, int timeout_ms) {
@@ -196,41 +209,22 @@ int Ranks(const Rendezvous& trainers, const Rendezvous& stream, int rank, int ra
 
 int ShardReceive(const Rendezvous& where, int rank, int size, const std::string& out,
                  uint64_t die_at, int timeout_ms, int steps) {
-  const CommunicatorOptions o =
-      comm_test::LoopbackOptions(where, rank, size, std::chrono::milliseconds(timeout_ms), "sync");
-  ReceiverOptions options;
-  options.apply_hook = [die_at](uint64_t sync_id, std::string_view, uint64_t entry) {
-    if (die_at != 0 && sync_id == die_at && entry == 1) kill(getpid(), SIGKILL);
-    return Status::OK();
-  };
-  Result<std::unique_ptr<StreamReceiver>> r =
-      StreamReceiver::Create([o] { return CreateCommunicator("gloo", o); }, options);
-  if (!r.ok()) return 2;
   sync_test::Model m = sync_test::ShardedModel(9);
   // Nothing of the trainer's yet.
   for (std::vector<uint8_t>& b : m.bytes) std::fill(b.begin(), b.end(), uint8_t{0});
-  for (size_t i = 0; i < m.tensors.size(); ++i) {
-    Status s =
-        (*r)->Register(m.tensors[i].name, m.tensors[i].dtype, m.tensors[i].shape, m.bytes[i]);
-    if (!s.ok()) return 2;
-  }
   std::vector<sync_test::Model> want;
   for (int k = 0; k <= steps; ++k) want.push_back(ShardedStep(k));
-  for (;;) {
-    Result<ReceiveStats> got = (*r)->ReceiveSync();
-    if (!got.ok()) {
-      std::fprintf(stderr, "stream_sync_test_peer: %s\n", got.status().ToString().c_str());
-      continue;
-    }
+  return ReceiveForEver(where, rank, size, die_at, timeout_ms, m, [&](const ReceiveStats& got) {
     int held = -1;
     for (int k = 0; k <= steps && held < 0; ++k) {
       if (want[k].bytes == m.bytes) held = k;
     }
     FILE* f = std::fopen(out.c_str(), "a");
     if (f == nullptr) return 1;
-    std::fprintf(f, "%llu %d\n", static_cast<unsigned long long>(got->sync_id), held);
+    std::fprintf(f, "%llu %d\n", static_cast<unsigned long long>(got.sync_id), held);
     std::fclose(f);
-  }
+    return 0;
+  });
 }
 
 }  // namespace
