@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -304,6 +305,9 @@ class Sender final : public StreamSender {
   // units the sync covered dirty.
   void SettleShards(std::span<const ShardedTensor> shards, bool commit);
   struct LocalShard;
+  // Local device tensor i's current elements [first, first + count) into
+  // `out`, a unit of kLocalUnit elements copied from the device at a time.
+  Status ReadDevice(size_t i, uint64_t first, uint64_t count, uint8_t* out);
   // DiffSegments for a run of a device shard: its changes, or every
   // element of a dirty unit, through append(hf position, new, old).
   Status DiffDeviceRun(LocalShard& l, const stream::PieceRun& run,
@@ -374,6 +378,11 @@ class Sender final : public StreamSender {
   stream::DeviceSource* last_diffed_ = nullptr;
   ChangeSet device_part_;               // a device unit's changes
   std::vector<uint8_t> dense_scratch_;  // a dirty device unit's values
+  // A seed's reads of device shards: the unit last copied to the host (of
+  // local tensor read_cache_shard_, SIZE_MAX: none), valid in one sync.
+  std::vector<uint8_t> read_cache_;
+  uint64_t read_cache_first_ = 0;
+  size_t read_cache_shard_ = SIZE_MAX;
   // A device shard's snapshot was lost to a failed copy: every sync fails.
   Status device_broken_ = Status::OK();
   bool have_local_ = false;  // the snapshots hold a committed state

@@ -232,6 +232,7 @@ Status Sender::CheckShards(std::span<const ModelTensor> model,
   }
   // A device shard's memory must be where its placement says, every sync.
   last_diffed_ = nullptr;
+  read_cache_shard_ = SIZE_MAX;
   for (size_t i = 0; i < shards.size(); ++i) {
     if (local_[i].device)
       DS_RETURN_IF_ERROR(local_[i].device->Begin(shards[i].data, shards[i].place));
@@ -444,6 +445,30 @@ Status Sender::StreamSegments(std::span<const Segment> segments, std::span<Tenso
   return Status::OK();
 }
 
+Status Sender::ReadDevice(size_t i, uint64_t first, uint64_t count, uint8_t* out) {
+  const LocalShard& l = local_[i];
+  uint64_t done = 0;
+  while (done < count) {
+    const uint64_t at = first + done;
+    if (read_cache_shard_ != i || at < read_cache_first_ ||
+        at >= read_cache_first_ + read_cache_.size() / l.w) {
+      // The unit around `at`, in one copy: a column shard's short runs
+      // would otherwise each cost a copy and a wait.
+      read_cache_shard_ = SIZE_MAX;
+      const uint64_t unit_first = at / kLocalUnit * kLocalUnit;
+      DS_ASSIGN_OR_RETURN(std::span<const uint8_t> v,
+                          l.device->Dense(unit_first, std::min(kLocalUnit, l.numel - unit_first)));
+      read_cache_.assign(v.begin(), v.end());
+      read_cache_first_ = unit_first;
+      read_cache_shard_ = i;
+    }
+    const uint64_t n = std::min(count - done, read_cache_first_ + read_cache_.size() / l.w - at);
+    std::memcpy(out + done * l.w, read_cache_.data() + (at - read_cache_first_) * l.w, n * l.w);
+    done += n;
+  }
+  return Status::OK();
+}
+
 void Sender::SettleShards(std::span<const ShardedTensor> shards, bool commit) {
   for (size_t i = 0; i < local_.size(); ++i) {
     LocalShard& l = local_[i];
@@ -562,9 +587,7 @@ Result<SyncStats> Sender::SyncShardsAlone(std::span<const ModelTensor> model,
             std::memcpy(out, shards[i].data.data() + first * local_[i].w, bytes);
             return Status::OK();
           }
-          DS_ASSIGN_OR_RETURN(std::span<const uint8_t> v, local_[i].device->Dense(first, count));
-          std::memcpy(out, v.data(), bytes);
-          return Status::OK();
+          return ReadDevice(i, first, count, out);
         };
         if (!root) {
           Status packed = local;
