@@ -38,8 +38,9 @@ TEST(OnlineDemoTest, BadArgumentsFailWithOneLine) {
 }
 
 TEST(StreamBenchTest, ReportsEachEncodingAgainstTheFullBroadcastAndItsBound) {
-  const auto r =
-      RunCli("bench --stream --preset tiny --bytes 2MiB --receivers 1 --links none --json");
+  const auto r = RunCli(
+      "bench --stream --preset tiny --bytes 2MiB --receivers 1 --links none --trainer-ranks 2 "
+      "--json");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const json j = json::parse(r.out);
   EXPECT_EQ(j["mode"], "stream");
@@ -55,8 +56,11 @@ TEST(StreamBenchTest, ReportsEachEncodingAgainstTheFullBroadcastAndItsBound) {
       EXPECT_GT(run["sender_buffer_bytes"].get<uint64_t>(), 0u);
     }
   }
-  // The full send down the chain, by the binomial tree, then each encoding.
-  EXPECT_EQ(what, (std::vector<std::string>{"full", "tree", "dense", "indices", "sparse"}));
+  // The full send down the chain, by the binomial tree, each encoding, then
+  // the sharded trainer of 2 ranks.
+  EXPECT_EQ(what,
+            (std::vector<std::string>{"full", "tree", "dense", "indices", "sparse", "indices/2r"}));
+  EXPECT_EQ(loop["runs"].back()["trainer_ranks"], 2);
 }
 
 TEST(StreamBenchTest, BadArgumentsFailWithOneLine) {
