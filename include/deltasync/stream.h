@@ -148,6 +148,10 @@ struct SenderOptions {
   // (as fast as the bus reads it; a device snapshot is faster, and holds
   // a copy of the tensor in device memory).
   bool pinned_snapshot = false;
+  // Threads for a host tensor's diff and the commit's copy into the
+  // snapshot (the calling thread is one of them): 0 the cores available,
+  // 1 the calling thread alone; at most 1024.
+  uint32_t threads = 0;
 };
 
 // What one sync did, split by phase (seconds).

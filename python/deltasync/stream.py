@@ -101,7 +101,9 @@ class StreamSender(Closing):
     trainer rank 0 is also ``group``'s rank 0, the other trainer ranks pass
     ``group=None``. ``pinned_snapshot``: keep a CUDA tensor's snapshot in
     pinned host memory instead of device memory (no device memory for it;
-    the diff reads it over the bus).
+    the diff reads it over the bus). ``threads``: threads for a host
+    tensor's diff and the commit's copy (0: the cores available; 1: the
+    calling thread alone).
     """
 
     def __init__(
@@ -114,12 +116,13 @@ class StreamSender(Closing):
         verify_every: int = 0,
         zstd_level: int = 1,
         pinned_snapshot: bool = False,
+        threads: int = 0,
     ) -> None:
         if group is None and trainers is None:
             raise InvalidArgumentError("StreamSender: needs a group")
         self._impl = _deltasync.StreamSender(
             group, trainers, encoding, bucket_bytes,
-            verify_every, zstd_level, bool(pinned_snapshot),
+            verify_every, zstd_level, bool(pinned_snapshot), int(threads),
         )
 
     def sync(self, tensors: Any) -> dict:

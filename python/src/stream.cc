@@ -273,9 +273,11 @@ py::dict ReceiveDict(const ReceiveStats& s) {
 class PySender {
  public:
   PySender(const py::object& group, const py::object& trainers, const std::string& encoding,
-           uint64_t bucket_bytes, uint32_t verify_every, int zstd_level, bool pinned_snapshot) {
+           uint64_t bucket_bytes, uint32_t verify_every, int zstd_level, bool pinned_snapshot,
+           uint32_t threads) {
     SenderOptions so;
     so.pinned_snapshot = pinned_snapshot;
+    so.threads = threads;
     so.encoding = Take(ParseStreamEncoding(encoding));
     so.bucket_bytes = bucket_bytes;
     so.verify_every = verify_every;
@@ -590,9 +592,10 @@ void BindStream(py::module_& m) {
 
   py::class_<PySender>(m, "StreamSender")
       .def(py::init<const py::object&, const py::object&, const std::string&, uint64_t, uint32_t,
-                    int, bool>(),
+                    int, bool, uint32_t>(),
            py::arg("group"), py::arg("trainers"), py::arg("encoding"), py::arg("bucket_bytes"),
-           py::arg("verify_every"), py::arg("zstd_level"), py::arg("pinned_snapshot") = false)
+           py::arg("verify_every"), py::arg("zstd_level"), py::arg("pinned_snapshot") = false,
+           py::arg("threads") = 0)
       .def("sync", &PySender::Sync)
       .def("sync_shards", &PySender::SyncShards)
       .def("snapshot", &PySender::Snapshot)

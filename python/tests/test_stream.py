@@ -208,6 +208,8 @@ def test_bad_arguments_are_refused_by_name(rendezvous):
         ds.StreamSender(ds.Group(rendezvous, 0, 2), encoding="no-such")
     with pytest.raises(ds.InvalidArgumentError, match="bucket_bytes"):
         ds.StreamSender(ds.Group(rendezvous, 0, 2), bucket_bytes=10)
+    with pytest.raises(ds.InvalidArgumentError, match="threads 5000: at most 1024"):
+        ds.StreamSender(ds.Group(rendezvous, 0, 2), threads=5000)
     # A CUDA tensor where this process has no GPU (or this build no CUDA):
     # refused by name before anything is sent.
     arg = _deltasync.TensorArg()

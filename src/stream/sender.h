@@ -58,6 +58,23 @@ constexpr uint64_t kDeviceChunkElements = uint64_t{1} << 25;
 // A sharded rank's unit of its local tensors: what a failed sync marks
 // dirty and a commit copies (docs/format.md, "Stream: sharded sync").
 constexpr uint64_t kLocalUnit = uint64_t{1} << 20;
+// A sync's first host frame is at most this big, each next one twice the
+// last, up to the bucket: the wire starts after the first unit of work,
+// not after a whole bucket's diff (docs/format.md, "Stream: flush frame").
+constexpr uint64_t kFirstFrameBytes = uint64_t{1} << 20;
+// The diff's and the commit's pieces on the sender's threads.
+constexpr uint64_t kParallelDiffBytes = uint64_t{128} << 10;
+constexpr uint64_t kParallelCopyBytes = uint64_t{4} << 20;
+
+// The options' checks, shared by both senders' factories.
+Status CheckOptions(const SenderOptions& options);
+
+// One copy of a commit: `bytes` from `from` to `to`.
+struct Copy {
+  uint8_t* to = nullptr;
+  const uint8_t* from = nullptr;
+  uint64_t bytes = 0;
+};
 
 using BlockKey = std::tuple<uint64_t, uint64_t, uint64_t, uint64_t>;
 
@@ -244,6 +261,9 @@ class Sender final : public StreamSender {
     // that ends the sync still goes through `bucket`).
     std::unique_ptr<stream::DeviceFrame> device;
     uint32_t frames = 0;
+    // A unit of work did not fit a first, small frame: the rest are whole
+    // buckets.
+    bool full_frames = false;
     bool open = false;
     // Its finished frames travel on the flight thread while the next one
     // fills (a round of one group: its bucket and the flight's are the two
@@ -275,6 +295,12 @@ class Sender final : public StreamSender {
   };
 
   Status CheckModel(std::span<const TensorMeta> tensors, std::vector<TensorState*>* order);
+  // The sender's threads (SenderOptions::threads); nullptr for one.
+  ThreadPool* Pool();
+  // The copies, cut into pieces, on the sender's threads.
+  void CopyAll(std::span<const Copy> copies);
+  // A host frame's budget: the ramp of kFirstFrameBytes, then the bucket.
+  uint64_t FrameBudget(const Group& g) const;
   // `start`: when the sync call began (its total_s counts from there).
   Status BeginSync(Round* round, Clock::time_point start);
   // Records, reports, and the decision; on success `commit` advances the
@@ -407,6 +433,8 @@ class Sender final : public StreamSender {
   uint64_t next_sync_id_ = 1;
   uint64_t committed_id_ = 0;
   DiffOptions diff_;
+  std::unique_ptr<ThreadPool> pool_;
+  bool pool_made_ = false;
   ChangeSet changes_;
   std::vector<uint64_t> scratch_positions_;
   // Cancel's state, and the lock under which comm_ and trainers_ are set

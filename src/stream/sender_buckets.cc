@@ -22,6 +22,51 @@ namespace deltasync {
 
 namespace stream_sender {
 
+Status CheckOptions(const SenderOptions& options) {
+  if (options.bucket_bytes < kMinBucketBytes ||
+      options.bucket_bytes > stream::kMaxFlushFrameBytes) {
+    return Status::InvalidArgument("bucket_bytes " + std::to_string(options.bucket_bytes) +
+                                   ": at least 64 KiB and at most 2^40");
+  }
+  if (options.threads > 1024) {
+    return Status::InvalidArgument("threads " + std::to_string(options.threads) +
+                                   ": at most 1024 (0: the cores available)");
+  }
+  return Status::OK();
+}
+
+ThreadPool* Sender::Pool() {
+  if (!pool_made_) {
+    pool_made_ = true;
+    const uint32_t n = options_.threads != 0
+                           ? options_.threads
+                           : std::max<uint32_t>(1, std::thread::hardware_concurrency());
+    // The calling thread is one of them.
+    if (n > 1) pool_ = std::make_unique<ThreadPool>(n - 1);
+  }
+  return pool_.get();
+}
+
+void Sender::CopyAll(std::span<const Copy> copies) {
+  std::vector<Copy> pieces;
+  for (const Copy& c : copies) {
+    for (uint64_t at = 0; at < c.bytes; at += kParallelCopyBytes) {
+      pieces.push_back({c.to + at, c.from + at, std::min(kParallelCopyBytes, c.bytes - at)});
+    }
+  }
+  const auto copy = [&](size_t i) { std::memcpy(pieces[i].to, pieces[i].from, pieces[i].bytes); };
+  if (ThreadPool* pool = Pool()) {
+    pool->ParallelFor(pieces.size(), copy);
+  } else {
+    for (size_t i = 0; i < pieces.size(); ++i) copy(i);
+  }
+}
+
+uint64_t Sender::FrameBudget(const Group& g) const {
+  if (g.full_frames || g.frames >= 32) return options_.bucket_bytes;
+  return std::min(options_.bucket_bytes, kFirstFrameBytes << g.frames);
+}
+
 Status Sender::Begin(Group& g, uint64_t sync_id, bool last, bool verify_all) {
   FlushHeader h;
   h.sync_id = sync_id;
@@ -37,7 +82,7 @@ Status Sender::Begin(Group& g, uint64_t sync_id, bool last, bool verify_all) {
     return Status::OK();
   }
   if (g.bucket.capacity() == 0) g.bucket.reserve(bucket_reserve_);
-  DS_RETURN_IF_ERROR(g.writer.Begin(h, options_.bucket_bytes, &g.bucket));
+  DS_RETURN_IF_ERROR(g.writer.Begin(h, FrameBudget(g), &g.bucket));
   g.open = true;
   return Status::OK();
 }
@@ -92,14 +137,23 @@ Status Sender::Land(SyncStats* stats) {
 
 template <typename AddFn>
 Status Sender::Add(Group& g, uint64_t sync_id, SyncStats* stats, AddFn&& add) {
-  for (int attempt = 0; attempt < 2; ++attempt) {
+  // A full frame is flushed, and a small first frame may give way to a
+  // whole bucket: at most three tries.
+  for (int attempt = 0; attempt < 3; ++attempt) {
     if (!g.open) DS_RETURN_IF_ERROR(Begin(g, sync_id, false, false));
     const auto t0 = Clock::now();
     Result<bool> fit = add(g);
     stats->encode_s += SecondsSince(t0);
     if (!fit.ok()) return fit.status();
     if (*fit) return Status::OK();
-    if ((g.device ? g.device->entry_count() : g.writer.entry_count()) == 0) break;
+    if ((g.device ? g.device->entry_count() : g.writer.entry_count()) == 0) {
+      // A unit bigger than a first, small frame: this frame, and every
+      // later one, takes a whole bucket.
+      if (g.device || g.full_frames || FrameBudget(g) >= options_.bucket_bytes) break;
+      g.full_frames = true;
+      g.open = false;
+      continue;
+    }
     DS_RETURN_IF_ERROR(Flush(g, stats));
   }
   return Status::Internal("a unit of work does not fit an empty frame of " +

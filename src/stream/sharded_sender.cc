@@ -268,6 +268,8 @@ Status Sender::DiffSegments(std::span<const ShardedTensor> shards,
   DiffOptions o;
   o.refresh_snapshot = false;
   o.keep_old_values = true;
+  o.pool = Pool();
+  o.parallel_chunk_bytes = kParallelDiffBytes;
   ChangeSet part;
   for (const Segment& seg : segments) {
     auto it = pieces.find(seg.name);
@@ -470,6 +472,7 @@ Status Sender::ReadDevice(size_t i, uint64_t first, uint64_t count, uint8_t* out
 }
 
 void Sender::SettleShards(std::span<const ShardedTensor> shards, bool commit) {
+  std::vector<Copy> copies;  // host shards' changed units, on the sender's threads
   for (size_t i = 0; i < local_.size(); ++i) {
     LocalShard& l = local_[i];
     if (commit) {
@@ -485,14 +488,17 @@ void Sender::SettleShards(std::span<const ShardedTensor> shards, bool commit) {
         }
       } else if (!have_local_) {
         // The first commit: the whole of what this rank sends.
-        if (l.contributes) l.snapshot.assign(shards[i].data.begin(), shards[i].data.end());
+        if (l.contributes) {
+          l.snapshot.resize(shards[i].data.size());
+          copies.push_back({l.snapshot.data(), shards[i].data.data(), shards[i].data.size()});
+        }
       } else if (l.contributes) {
         for (uint64_t u = 0; u < l.changed.size(); ++u) {
           if (!l.changed[u]) continue;
           const uint64_t first = u * kLocalUnit;
           const uint64_t count = std::min(kLocalUnit, l.numel - first);
-          std::memcpy(l.snapshot.data() + first * l.w, shards[i].data.data() + first * l.w,
-                      count * l.w);
+          copies.push_back(
+              {l.snapshot.data() + first * l.w, shards[i].data.data() + first * l.w, count * l.w});
         }
       }
       std::fill(l.dirty.begin(), l.dirty.end(), 0);
@@ -502,6 +508,7 @@ void Sender::SettleShards(std::span<const ShardedTensor> shards, bool commit) {
     }
     std::fill(l.changed.begin(), l.changed.end(), 0);
   }
+  CopyAll(copies);
   if (commit) have_local_ = true;
 }
 

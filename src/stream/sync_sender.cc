@@ -583,6 +583,8 @@ Result<SyncStats> Sender::SyncAlone(std::span<const SyncTensor> tensors) {
   DS_RETURN_IF_ERROR(BeginSync(&round, start));
   diff_.refresh_snapshot = false;
   diff_.keep_old_values = true;
+  diff_.pool = Pool();
+  diff_.parallel_chunk_bytes = kParallelDiffBytes;
   for (TensorState* t : order) {
     const std::span<const uint8_t> x = data.at(t->name);
     UnitSource src;
@@ -610,6 +612,8 @@ Result<SyncStats> Sender::SyncAlone(std::span<const SyncTensor> tensors) {
     if (!round.streamed.ok()) break;
   }
   return EndSync(&round, order, [&]() -> Status {
+    // The changed units of host tensors, copied on the sender's threads.
+    std::vector<Copy> copies;
     for (TensorState* t : order) {
       if (t->device) {
         DS_RETURN_IF_ERROR(t->device->Commit());
@@ -617,16 +621,19 @@ Result<SyncStats> Sender::SyncAlone(std::span<const SyncTensor> tensors) {
       }
       const std::span<const uint8_t> x = data.at(t->name);
       if (t->snapshot.empty()) {
-        t->snapshot.assign(x.begin(), x.end());
+        t->snapshot.resize(x.size());
+        copies.push_back({t->snapshot.data(), x.data(), x.size()});
         continue;
       }
       for (uint64_t u = 0; u < t->changed.size(); ++u) {
         if (!t->changed[u]) continue;
         const uint64_t first = u * t->unit;
         const uint64_t count = std::min(t->unit, t->numel - first);
-        std::memcpy(t->snapshot.data() + first * t->w, x.data() + first * t->w, count * t->w);
+        copies.push_back(
+            {t->snapshot.data() + first * t->w, x.data() + first * t->w, count * t->w});
       }
     }
+    CopyAll(copies);
     return Status::OK();
   });
 }
@@ -668,11 +675,7 @@ Result<std::unique_ptr<StreamSender>> StreamSender::CreateSharded(CommunicatorFa
                                                                   CommunicatorFactory stream_group,
                                                                   SenderOptions options) {
   if (!trainer_group) return Status::InvalidArgument("StreamSender: no trainer group factory");
-  if (options.bucket_bytes < stream_sender::kMinBucketBytes ||
-      options.bucket_bytes > stream::kMaxFlushFrameBytes) {
-    return Status::InvalidArgument("bucket_bytes " + std::to_string(options.bucket_bytes) +
-                                   ": at least 64 KiB and at most 2^40");
-  }
+  DS_RETURN_IF_ERROR(stream_sender::CheckOptions(options));
   return std::unique_ptr<StreamSender>(
       new stream_sender::Sender(std::move(trainer_group), std::move(stream_group), options));
 }
@@ -680,11 +683,7 @@ Result<std::unique_ptr<StreamSender>> StreamSender::CreateSharded(CommunicatorFa
 Result<std::unique_ptr<StreamSender>> StreamSender::Create(CommunicatorFactory connect,
                                                            SenderOptions options) {
   if (!connect) return Status::InvalidArgument("StreamSender: no communicator factory");
-  if (options.bucket_bytes < stream_sender::kMinBucketBytes ||
-      options.bucket_bytes > stream::kMaxFlushFrameBytes) {
-    return Status::InvalidArgument("bucket_bytes " + std::to_string(options.bucket_bytes) +
-                                   ": at least 64 KiB and at most 2^40");
-  }
+  DS_RETURN_IF_ERROR(stream_sender::CheckOptions(options));
   return std::unique_ptr<StreamSender>(new stream_sender::Sender(std::move(connect), options));
 }
 

@@ -379,6 +379,33 @@ TEST_F(SyncTest, FramesSentWhileTheNextFillsKeepReceiversExactAndASendFailedInFl
   Finish(sender, {&one, &two});
 }
 
+TEST_F(SyncTest, ASyncsFirstFramesAreSmallAndAUnitTooBigForThemTakesAWholeBucket) {
+  SetUpGroup(1);
+  // 16 MiB buckets: a unit of 838,451 BF16 elements, 1.6 MiB dense, more
+  // than the first frame's 1 MiB; a 10% delta of it 0.5 MB of indices.
+  Model m = Model::Make(8, {{"e.weight", DType::kBF16, {3 << 20}}});
+  SenderOptions o;
+  o.threads = 3;  // the diff and the commit on three threads
+  std::unique_ptr<StreamSender> sender = MakeSender(Factory(0), o);
+  ReceiverRig one(m, Hold::kWhole, Factory(1));
+  one.Start();
+  // The seed: the first unit does not fit the first frame, which gives way
+  // to a whole bucket, and the 6 MiB go in one.
+  Result<SyncStats> seed = sender->Sync(m.tensors);
+  ASSERT_TRUE(seed.ok()) << seed.status().ToString();
+  EXPECT_TRUE(one.Matches(m).ok()) << one.Matches(m).ToString();
+  // The delta's 1.9 MB go in a 1 MiB frame, then a 2 MiB one, where one
+  // bucket would have taken them all.
+  m.Step(81, 0.1);
+  Result<SyncStats> delta = sender->Sync(m.tensors);
+  ASSERT_TRUE(delta.ok()) << delta.status().ToString();
+  EXPECT_EQ(delta->frames, seed->frames + 1);
+  EXPECT_GT(delta->changed, uint64_t{300000});
+  EXPECT_TRUE(one.Matches(m).ok()) << one.Matches(m).ToString();
+  EXPECT_EQ(Snapshots(*sender, m), m.bytes);
+  Finish(sender, {&one});
+}
+
 TEST_F(SyncTest, AReceiverWhoseTensorsDifferIsRefusedNamingTheTensor) {
   SetUpGroup(1);
   Model m = Model::Make(5);
@@ -427,6 +454,12 @@ TEST(SyncArguments, BadTensorsAreRefusedBeforeAnythingIsSent) {
   small.bucket_bytes = 1000;
   EXPECT_EQ(StreamSender::Create(sync_test::NoGroup(), small).status().code(),
             StatusCode::kInvalidArgument);
+  SenderOptions crowded;
+  crowded.threads = 1025;
+  Result<std::unique_ptr<StreamSender>> refused =
+      StreamSender::CreateSharded(sync_test::NoGroup(), sync_test::NoGroup(), crowded);
+  EXPECT_TRUE(Contains(refused.status(), "threads 1025: at most 1024"))
+      << refused.status().ToString();
   EXPECT_EQ(ParseStreamEncoding("xor").status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(*ParseStreamEncoding("sparse"), StreamEncoding::kSparse);
 }
