@@ -274,6 +274,9 @@ int RunShardedBenchTrainer(const std::vector<std::string>& args) {
   }
   SenderOptions so;
   so.bucket_bytes = std::strtoull(a["--bucket"].c_str(), nullptr, 10);
+  // The ranks share this host, as a node's ranks share its cores: each
+  // diffs and commits on its share.
+  so.threads = std::max(1u, std::thread::hardware_concurrency() / static_cast<unsigned>(ranks));
   if (a.count("--encoding")) {
     Result<StreamEncoding> e = ParseStreamEncoding(a["--encoding"]);
     if (!e.ok()) return Fail(e.status());

@@ -149,8 +149,8 @@ struct SenderOptions {
   // a copy of the tensor in device memory).
   bool pinned_snapshot = false;
   // Threads for a host tensor's diff and the commit's copy into the
-  // snapshot (the calling thread is one of them): 0 the cores available,
-  // 1 the calling thread alone; at most 1024.
+  // snapshot (the calling thread is one of them): 0 the cores this process
+  // may run on (its CPU affinity), 1 the calling thread alone; at most 1024.
   uint32_t threads = 0;
 };
 
