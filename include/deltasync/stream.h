@@ -280,6 +280,11 @@ struct ReceiverOptions {
   // one device and the communicator takes device memory
   // (ReceiveStats::device_frames); false: into host memory always.
   bool device_frames = true;
+  // Threads that apply a host frame's entries (each entry a range of one
+  // tensor; the calling thread is one of them): 0 the cores this process
+  // may run on (its CPU affinity), 1 the calling thread alone; at most
+  // 1024.
+  uint32_t threads = 0;
   // Tests only: called before each entry is applied with the sync id, the
   // tensor and the entry's index in the sync; an error stops the apply
   // there, as a failure half way through would.

@@ -3,6 +3,7 @@
 
 #include <condition_variable>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <mutex>
 #include <queue>
@@ -32,6 +33,10 @@ class ThreadPool {
 
   // The process-wide default pool (hardware_concurrency threads).
   static ThreadPool& Default();
+
+  // The cores this process may run on (its CPU affinity: a cpuset or
+  // taskset narrows it), at least 1.
+  static uint32_t CoresAvailable();
 
  private:
   void WorkerLoop();

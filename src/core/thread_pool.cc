@@ -1,5 +1,8 @@
 #include "deltasync/thread_pool.h"
 
+#include <sched.h>
+
+#include <algorithm>
 #include <atomic>
 #include <memory>
 
@@ -79,6 +82,14 @@ void ThreadPool::ParallelFor(size_t n, const std::function<void(size_t)>& fn) {
 ThreadPool& ThreadPool::Default() {
   static ThreadPool* pool = new ThreadPool(0);  // never destroyed: safe at exit
   return *pool;
+}
+
+uint32_t ThreadPool::CoresAvailable() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    return static_cast<uint32_t>(std::max(1, CPU_COUNT(&set)));
+  }
+  return std::max(1u, std::thread::hardware_concurrency());
 }
 
 }  // namespace deltasync

@@ -2,8 +2,6 @@
 // a tensor's units and flushed to its receivers (docs/format.md, "Stream:
 // flush frame", "Fan-out"); shared by the whole-tensor and the sharded
 // sender.
-#include <sched.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -37,22 +35,10 @@ Status CheckOptions(const SenderOptions& options) {
   return Status::OK();
 }
 
-namespace {
-// The cores this process may run on (its affinity mask: a cpuset or
-// taskset narrows it), at least 1.
-uint32_t CoresAvailable() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
-    return static_cast<uint32_t>(std::max(1, CPU_COUNT(&set)));
-  }
-  return std::max<uint32_t>(1, std::thread::hardware_concurrency());
-}
-}  // namespace
-
 ThreadPool* Sender::Pool() {
   if (!pool_made_) {
     pool_made_ = true;
-    const uint32_t n = options_.threads != 0 ? options_.threads : CoresAvailable();
+    const uint32_t n = options_.threads != 0 ? options_.threads : ThreadPool::CoresAvailable();
     // The calling thread is one of them.
     if (n > 1) pool_ = std::make_unique<ThreadPool>(n - 1);
   }

@@ -10,6 +10,7 @@
 #include "comm/communicator_internal.h"
 #include "deltasync/stream.h"
 #include "deltasync/tensor.h"
+#include "deltasync/thread_pool.h"
 #include "deltasync/timing.h"
 #include "stream/device_path.h"
 #include "stream/frame.h"
@@ -96,6 +97,15 @@ class Receiver final : public StreamReceiver {
   // null otherwise.
   Result<stream::DeviceFrameReader*> DeviceFrames();
   void Verify(SyncState* sync, ReceiveStats* stats);
+  // The receiver's threads (ReceiverOptions::threads); nullptr for one.
+  ThreadPool* Pool() {
+    if (!pool_made_) {
+      pool_made_ = true;
+      const uint32_t n = options_.threads != 0 ? options_.threads : ThreadPool::CoresAvailable();
+      if (n > 1) pool_ = std::make_unique<ThreadPool>(n - 1);
+    }
+    return pool_.get();
+  }
 
   CommunicatorFactory connect_;
   ReceiverOptions options_;
@@ -117,6 +127,8 @@ class Receiver final : public StreamReceiver {
   FlushReader reader_;
   std::vector<uint8_t> bucket_;
   std::unique_ptr<stream::DeviceFrameReader> device_frames_;
+  std::unique_ptr<ThreadPool> pool_;
+  bool pool_made_ = false;
 };
 
 Status Receiver::Register(std::string name, DType dtype, std::vector<int64_t> shape,
@@ -384,25 +396,55 @@ Status Receiver::TakeFrame(bool envelope_last, bool on_device, uint64_t bytes, S
   const bool seed = sync->kind == FrameKind::kSeed;
   const auto t0 = Clock::now();
   Status applied;
-  for (const FlushEntry& e : reader_.entries()) {
-    Destination& d = dests_.find(e.name)->second;
-    if (options_.apply_hook) {
-      if (Status s = options_.apply_hook(sync->sync_id, e.name, sync->entries); !s.ok()) {
-        applied = Status(s.code(), frame + ": applying tensor '" + d.name + "': " + s.message());
+  const std::span<const FlushEntry> entries = reader_.entries();
+  // Host destinations only (a device tensor takes a host frame's entries
+  // through its own scatter, in order).
+  bool host = !on_device && !options_.apply_hook && entries.size() > 1;
+  for (size_t k = 0; host && k < entries.size(); ++k) {
+    host = dests_.find(entries[k].name)->second.device == nullptr;
+  }
+  if (host && Pool() != nullptr) {
+    // A host frame's entries on the receiver's threads: each writes its own
+    // range and moves a digest of its own, added to its tensor's in order.
+    std::vector<Result<uint64_t>> written(entries.size(), Result<uint64_t>(uint64_t{0}));
+    std::vector<StateDigest> moved(entries.size());
+    Pool()->ParallelFor(entries.size(), [&](size_t k) {
+      const Destination& d = dests_.find(entries[k].name)->second;
+      written[k] = stream::ApplyEntry(entries[k], d.map, d.bytes, seed ? nullptr : &moved[k]);
+    });
+    for (size_t k = 0; k < entries.size(); ++k) {
+      Destination& d = dests_.find(entries[k].name)->second;
+      if (!written[k].ok()) {
+        applied = Status(written[k].status().code(), frame + ": applying tensor '" + d.name +
+                                                         "': " + written[k].status().message());
         break;
       }
+      if (!seed) d.running += moved[k];
+      stats->elements_written += *written[k];
+      ++sync->entries;
+      sync->named.insert(d.name);
     }
-    Result<uint64_t> written =
-        d.device ? d.device->Apply(e)
-                 : stream::ApplyEntry(e, d.map, d.bytes, seed ? nullptr : &d.running);
-    if (!written.ok()) {
-      applied = Status(written.status().code(),
-                       frame + ": applying tensor '" + d.name + "': " + written.status().message());
-      break;
+  } else {
+    for (const FlushEntry& e : entries) {
+      Destination& d = dests_.find(e.name)->second;
+      if (options_.apply_hook) {
+        if (Status s = options_.apply_hook(sync->sync_id, e.name, sync->entries); !s.ok()) {
+          applied = Status(s.code(), frame + ": applying tensor '" + d.name + "': " + s.message());
+          break;
+        }
+      }
+      Result<uint64_t> written =
+          d.device ? d.device->Apply(e)
+                   : stream::ApplyEntry(e, d.map, d.bytes, seed ? nullptr : &d.running);
+      if (!written.ok()) {
+        applied = Status(written.status().code(), frame + ": applying tensor '" + d.name +
+                                                      "': " + written.status().message());
+        break;
+      }
+      stats->elements_written += *written;
+      ++sync->entries;
+      sync->named.insert(d.name);
     }
-    stats->elements_written += *written;
-    ++sync->entries;
-    sync->named.insert(d.name);
   }
   if (on_device) {
     // The bucket takes the next frame only once every scatter from it ran,
@@ -612,6 +654,10 @@ Result<ReceiveStats> Receiver::ReceiveSyncAlone() {
 Result<std::unique_ptr<StreamReceiver>> StreamReceiver::Create(CommunicatorFactory connect,
                                                                ReceiverOptions options) {
   if (!connect) return Status::InvalidArgument("StreamReceiver: no communicator factory");
+  if (options.threads > 1024) {
+    return Status::InvalidArgument("threads " + std::to_string(options.threads) +
+                                   ": at most 1024 (0: the cores available)");
+  }
   return std::unique_ptr<StreamReceiver>(new Receiver(std::move(connect), std::move(options)));
 }
 

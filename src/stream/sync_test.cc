@@ -406,6 +406,37 @@ TEST_F(SyncTest, ASyncsFirstFramesAreSmallAndAUnitTooBigForThemTakesAWholeBucket
   Finish(sender, {&one});
 }
 
+TEST_F(SyncTest, ReceiversApplyingAFramesEntriesOnSeveralThreadsStayBitExact) {
+  SetUpGroup(2);
+  std::vector<Model::Spec> specs = Model::DefaultSpecs();
+  specs.emplace_back("e.weight", DType::kBF16, std::vector<int64_t>{512, 512});
+  Model m = Model::Make(9, specs);
+  SenderOptions o;
+  o.bucket_bytes = 256 << 10;  // frames of many entries, some tensors split over them
+  o.verify_every = 2;          // every other sync, the receivers rehash what they hold
+  std::unique_ptr<StreamSender> sender = MakeSender(Factory(0), o);
+  ReceiverOptions four;
+  four.threads = 4;
+  ReceiverOptions one;
+  one.threads = 1;
+  ReceiverRig whole(m, Hold::kWhole, Factory(1), four);
+  ReceiverRig rows(m, Hold::kRows, Factory(2), one);
+  whole.Start();
+  rows.Start();
+  for (int step = 0; step < 5; ++step) {
+    if (step > 0) m.Step(90 + step, 0.1);
+    Result<SyncStats> s = sender->Sync(m.tensors);
+    ASSERT_TRUE(s.ok()) << "step " << step << ": " << s.status().ToString();
+    EXPECT_TRUE(whole.Matches(m).ok()) << whole.Matches(m).ToString();
+    EXPECT_TRUE(rows.Matches(m).ok()) << rows.Matches(m).ToString();
+  }
+  Finish(sender, {&whole, &rows});
+  ReceiverOptions crowded;
+  crowded.threads = 2000;
+  EXPECT_TRUE(Contains(StreamReceiver::Create(sync_test::NoGroup(), crowded).status(),
+                       "threads 2000: at most 1024"));
+}
+
 TEST_F(SyncTest, AReceiverWhoseTensorsDifferIsRefusedNamingTheTensor) {
   SetUpGroup(1);
   Model m = Model::Make(5);
