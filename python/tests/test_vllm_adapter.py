@@ -66,10 +66,16 @@ def spy_groups(monkeypatch, ds_vllm):
 
 
 def shutdown(trainer, engines):
+    update = getattr(trainer, "_update", None) if trainer is not None else None
     if trainer is not None:
         trainer.close()
     for e in engines:
         e.shutdown()
+    # The workers' side of a failed round ends once their receivers close:
+    # the test leaves no thread inside the library behind it.
+    if update is not None:
+        update.join(timeout=30)
+        assert not update.is_alive(), "the workers' update thread did not end"
 
 
 # --- 1. the backend reaches workers through vLLM's plugin entry point ---------

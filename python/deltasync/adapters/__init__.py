@@ -4,6 +4,8 @@
   and its trainer-side pusher;
 * :mod:`deltasync.adapters.vllm`: a vLLM ``WeightTransferEngine`` over the
   stream and its trainer-side counterpart;
+* :mod:`deltasync.adapters.verl`: a verl checkpoint engine (``"deltasync"``)
+  over the stream, from verl's trainer ranks to its rollout workers;
 * :mod:`deltasync.adapters.weight_map`: the dry run of a model's own
   ``load_weights`` that both use to write each tensor's elements straight
   into the parameters (TP slices, fused q/k/v and gate/up, stacked experts).

@@ -7,7 +7,20 @@ their places, with no full-size tensor and no NaN sentinel (a true NaN is a
 value like any other). Each tensor it could not map keeps a full host copy
 (its *shadow*); a delta updates the shadow, and the shadow goes through the
 model's stock ``load_weights``, which is what both engines do for every
-tensor today. :attr:`EngineWeights.stats` counts both paths.
+tensor today. A tensor this worker holds none of (another expert-parallel
+rank's expert, another pipeline stage's layer, a tied ``lm_head``:
+:attr:`EngineWeights.skipped`) has neither: nothing is registered or kept
+for it, and its deltas are dropped. :attr:`EngineWeights.stats` counts the
+paths.
+
+Parameters can move under the map: ``update_weights_from_disk``, a wake
+from sleep that reallocates, expert rebalancing that rebuilds a layer.
+Before a delta is written into a parameter, that parameter is checked (the
+object the module holds, its memory); :meth:`EngineWeights.refresh` checks
+them all. Either learns the map again when one moved, so that nothing is
+ever written into memory the model no longer uses. A change that keeps
+every parameter's memory (experts swapped in place) needs
+``refresh(force=True)`` from whoever makes it.
 """
 
 from __future__ import annotations
@@ -18,8 +31,10 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from .._tensors import _TORCH_DTYPES, dtype_name
-from ..errors import InvalidArgumentError, NotFoundError
+from ..errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from .weight_map import WeightMap, learn
+
+_GONE, _NEW = "it is gone", "a new parameter"
 
 log = logging.getLogger("deltasync.adapters")
 
@@ -39,34 +54,157 @@ def torch_dtype(code: str) -> torch.dtype:
 
 class EngineWeights:
     """The weights of ``model`` (one TP worker) for the checkpoint tensors
-    ``checkpoint`` ((name, dtype, shape) triples)."""
+    ``checkpoint`` ((name, dtype, shape) triples). ``verify``: the dry run
+    checks every parameter's bytes before and after (:func:`.weight_map.learn`)."""
 
     def __init__(
         self,
         model: torch.nn.Module,
         checkpoint: Iterable[tuple[str, Any, Any]],
         load_weights: Optional[Callable[[list], Any]] = None,
+        *,
+        verify: bool = True,
     ) -> None:
         self.model = model
         self.load_weights = load_weights or model.load_weights
+        self.verify = verify
         self.meta = {
             name: (_code(dtype), [int(x) for x in shape]) for name, dtype, shape in checkpoint
         }
-        self.map: WeightMap = learn(model, [(n, d, s) for n, (d, s) in self.meta.items()],
-                                    self.load_weights)
         self.shadows: dict[str, torch.Tensor] = {}
-        self.stats = {"scattered_tensors": 0, "scattered_elements": 0, "stock_loads": 0}
-        if self.map.unmapped:
-            log.warning("deltasync: %s", self.map.report())
+        self.stats = {"scattered_tensors": 0, "scattered_elements": 0, "stock_loads": 0,
+                      "skipped_deltas": 0, "relearned": 0}
+        # What a receiver was given, by tensor: ("param", placement, its memory's
+        # address) or ("shadow", tensor).
+        self._registered: Optional[dict[str, tuple]] = None
+        self._stream_refused: dict[str, str] = {}  # tensors whose layout the stream refused
+        # The map was learned again since the receiver last followed it; the
+        # reason it cannot follow, once found.
+        self._unfollowed = False
+        self._cannot_follow: Optional[str] = None
+        self.map: WeightMap = self._learn()
+
+    def _learn(self) -> WeightMap:
+        wm = learn(self.model, [(n, d, s) for n, (d, s) in self.meta.items()],
+                   self.load_weights, verify=self.verify)
+        for name, why in self._stream_refused.items():
+            if wm.placements.pop(name, None) is not None:
+                wm.unmapped[name] = why
+        if wm.unmapped:
+            log.warning("deltasync: %s", wm.report())
+        if wm.skipped:
+            log.info("deltasync: %d checkpoint tensors are held by no parameter of this "
+                     "worker and are skipped", len(wm.skipped))
+        return wm
 
     @property
     def fallback(self) -> list[str]:
         """The tensors that take the stock load_weights path."""
         return sorted(self.map.unmapped)
 
+    @property
+    def skipped(self) -> list[str]:
+        """The tensors this worker holds none of: registered nowhere, no copy
+        kept, their deltas dropped (``map.skipped`` says why for each)."""
+        return sorted(self.map.skipped)
+
     def _check_name(self, name: str) -> None:
         if name not in self.meta:
             raise NotFoundError(f"tensor '{name}': not a tensor of this model's checkpoint")
+
+    # --- parameters that move ------------------------------------------------
+
+    def moved(self) -> dict[str, str]:
+        """The parameters some delta is written into, and any added or gone,
+        that are no longer where the map was learned, with why (a parameter
+        only the stock load_weights writes may move as it likes)."""
+        targets = {pl.param_name for pl in self.map.placements.values()}
+        return {n: why for n, why in self.map.moved(self.model).items()
+                if n in targets or why in (_GONE, _NEW)}
+
+    def refresh(self, receiver: Any = None, *, force: bool = False) -> dict:
+        """Checks every parameter (and, with ``force``, relearns anyway); when
+        one moved, learns the map again. With ``receiver`` (the
+        StreamReceiver :meth:`register` was given), each tensor whose
+        parameter now has other memory but the same layout is pointed at it
+        (``receiver.rebind``: the receiver then asks for a seed, so the next
+        sync is refused and the one after reseeds); a tensor whose layout
+        changed (other runs, another path, now held or no longer held)
+        cannot follow: FailedPreconditionError says so, and the caller
+        registers every tensor with a new receiver (:meth:`register`), the
+        map being current already. Returns ``moved`` (parameter -> why),
+        ``relearned`` and ``rebound`` (tensor names). Call it before each
+        sync a receiver takes."""
+        if receiver is not None and self._cannot_follow is not None:
+            raise FailedPreconditionError(self._cannot_follow)
+        moved = self.moved()
+        relearned = bool(moved or force)
+        if relearned:
+            self._relearn(moved)
+        rebound: list[str] = []
+        if receiver is not None and self._registered is not None and self._unfollowed:
+            rebound = self._follow(receiver)
+        return {"moved": moved, "relearned": relearned, "rebound": rebound}
+
+    def _relearn(self, moved: dict) -> None:
+        if moved:
+            first = sorted(moved)[0]
+            log.warning("deltasync: %d parameters moved (%s: %s); learning the weight map again",
+                        len(moved), first, moved[first])
+        self.map = self._learn()
+        self.stats["relearned"] += 1
+        if self._registered is not None:
+            self._unfollowed = True
+        for name in list(self.shadows):
+            if name not in self.map.unmapped:
+                del self.shadows[name]
+
+    def _follow(self, receiver: Any) -> list[str]:
+        """Points ``receiver`` at the parameters' new memory (see refresh)."""
+        reg = self._registered or {}
+        rebind = []
+        for name in self.meta:
+            old = reg.get(name)
+            placement = self.map.placements.get(name)
+            if name in self.map.skipped:
+                new_kind = None
+            elif placement is not None:
+                new_kind = "param"
+            else:
+                new_kind = "shadow"
+            old_kind = old[0] if old is not None else None
+            same = old_kind == new_kind
+            if same and new_kind == "param":
+                p0, p1 = old[1], placement
+                same = (p0.run_tuples() == p1.run_tuples() and p0.dtype == p1.dtype
+                        and p0.param.numel() == p1.param.numel()
+                        and p0.param.dtype == p1.param.dtype)
+                if same and (p0.param is not p1.param or old[2] != p1.param.data_ptr()):
+                    rebind.append((name, placement))
+            if not same:
+                self._cannot_follow = (
+                    f"deltasync: tensor '{name}' no longer fits the receiver it was registered "
+                    f"with (it was {old_kind or 'not registered'}, it is now "
+                    f"{new_kind or 'held by no parameter'}) after parameters moved: close the "
+                    "receiver and register every tensor with a new one (EngineWeights.register)")
+                raise FailedPreconditionError(self._cannot_follow)
+        for name, placement in rebind:
+            receiver.rebind(name, placement.param)
+            reg[name] = ("param", placement, placement.param.data_ptr())
+        self._unfollowed = False
+        return [n for n, _ in rebind]
+
+    def _current(self, name: str) -> None:
+        """Learns the map again if the parameter ``name`` is written into has
+        moved (a quick check of that parameter alone)."""
+        placement = self.map.placements.get(name)
+        if placement is None:
+            return
+        why = placement.moved()
+        if why is not None:
+            self._relearn({placement.param_name: why})
+
+    # --- writing ---------------------------------------------------------------
 
     def load_full(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Loads whole tensors through the stock path (the first sync, or a
@@ -78,6 +216,7 @@ class EngineWeights:
                 raise InvalidArgumentError(
                     f"tensor '{name}': shape {list(t.shape)}, the checkpoint's is {shape}"
                 )
+        self.refresh()
         with torch.no_grad():
             self.load_weights(list(named_tensors))
         for name, t in named_tensors:
@@ -106,21 +245,35 @@ class EngineWeights:
             raise InvalidArgumentError(
                 f"tensor '{name}': a position outside its {numel} elements"
             )
-        if name in self.map.unmapped and name not in self.shadows:
-            raise InvalidArgumentError(
-                f"tensor '{name}': takes the stock path and has no full copy yet "
-                "(send it whole first)"
-            )
+        self._current(name)
+        if name in self.map.unmapped:
+            for n in self.map.groups.get(name, [name]):
+                if n not in self.shadows:
+                    raise InvalidArgumentError(
+                        f"tensor '{name}': takes the stock path and has no full copy yet of "
+                        f"'{n}' (send it whole first)"
+                    )
 
     def apply_delta(self, name: str, positions: torch.Tensor, values: torch.Tensor) -> None:
         """Writes the changed elements of one tensor (check_delta first)."""
+        self._current(name)
+        if name in self.map.skipped:
+            self.stats["skipped_deltas"] += 1
+            return
         placement = self.map.placements.get(name)
         if placement is None:
-            shadow = self.shadows[name]
+            shadow = self.shadows.get(name)
+            if shadow is None:
+                raise FailedPreconditionError(
+                    f"tensor '{name}': its parameter moved and it now takes the stock path, "
+                    "which needs a full copy of it (send it whole)")
             shadow.view(-1)[positions.to(shadow.device)] = values.to(shadow.device)
+            # A tensor its loader takes only with others goes with them.
+            names = self.map.groups.get(name, [name])
+            dev = self._device()
             with torch.no_grad():
-                self.load_weights([(name, shadow.to(self._device()))])
-            self.stats["stock_loads"] += 1
+                self.load_weights([(n, self.shadows[n].to(dev)) for n in names])
+            self.stats["stock_loads"] += len(names)
             return
         param = placement.param
         pos = positions.to(param.device)
@@ -137,25 +290,39 @@ class EngineWeights:
         return torch.device("cpu")
 
     def register(self, receiver: Any) -> None:
-        """Registers every checkpoint tensor with a StreamReceiver: mapped ones
-        into their parameters (with their runs), the others into shadows
-        (call :meth:`reload_shadows` after each receive)."""
+        """Registers every checkpoint tensor this worker holds with a
+        StreamReceiver: mapped ones into their parameters (the parameter
+        itself, with its runs, so that the receiver sees its memory move),
+        the others into shadows (call :meth:`reload_shadows` after each
+        receive). Tensors it holds none of (:attr:`skipped`) are not
+        registered: the receiver must then be built with ``partial=True``.
+        Call :meth:`refresh` with the receiver before each receive."""
+        self.refresh()
+        registered: dict[str, tuple] = {}
         for name, (dtype, shape) in self.meta.items():
+            if name in self.map.skipped:
+                continue
             placement = self.map.placements.get(name)
             if placement is not None:
                 try:
-                    receiver.register(name, placement.param.data, runs=placement.run_tuples(),
+                    receiver.register(name, placement.param, runs=placement.run_tuples(),
                                       shape=shape, dtype=placement.dtype)
+                    registered[name] = ("param", placement, placement.param.data_ptr())
                     continue
                 except InvalidArgumentError as e:
                     # The stream cannot hold this layout: the stock path.
                     del self.map.placements[name]
                     self.map.unmapped[name] = f"the stream refuses its layout ({e})"
+                    self._stream_refused[name] = self.map.unmapped[name]
             shadow = self.shadows.get(name)
             if shadow is None:
                 shadow = torch.zeros(shape, dtype=torch_dtype(dtype))
                 self.shadows[name] = shadow
             receiver.register(name, shadow)
+            registered[name] = ("shadow", shadow)
+        self._registered = registered
+        self._unfollowed = False
+        self._cannot_follow = None
 
     def reload_shadows(self) -> None:
         """Loads every shadow through the stock load_weights (after a receive)."""

@@ -6,38 +6,133 @@ tensor for this worker's tensor-parallel rank and copies it into a
 parameter: a whole parameter, a slice of it, or a part of a fused one
 (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``, experts stacked).
 :func:`learn` runs that ``load_weights`` once per checkpoint tensor on a
-probe tensor, with ``Tensor.copy_`` (and ``__setitem__``) recording instead
-of copying, and turns each recorded copy into destination runs: checkpoint
-elements ``first .. first+count-1`` live at parameter elements ``offset,
-offset+stride, ...``. Later deltas are scattered straight into those
-parameters, with no full-size staging tensor.
+probe tensor and turns each copy of a view of the probe into destination
+runs: checkpoint elements ``first .. first+count-1`` live at parameter
+elements ``offset, offset+stride, ...``. Later deltas are scattered straight
+into those parameters, with no full-size staging tensor.
+
+**Nothing the model holds is written by a dry run.** The loader runs under a
+dispatcher mode (``torch.utils._python_dispatch.TorchDispatchMode``) that
+sees every ATen operation: an operation that writes into memory which
+existed before the dry run (a parameter, a buffer, any tensor the model
+holds) never runs; a ``copy_`` of a view of the probe is recorded as a
+placement, and any other such write (``fill_(w.item())``, ``set_``,
+``index_put_``, an ``out=`` operation, a post-load step recomputing a
+derived weight) is refused and sends the tensor through the stock path,
+except a constant written (``fill_``, ``zero_``) over elements that hold it
+already, which changes nothing (the padding rows of an embedding).
+Writes into memory the loader itself made during the dry run run as usual.
+The mode is entered on every thread the loader uses: work handed to a
+``concurrent.futures.ThreadPoolExecutor`` and threads started with
+``threading.Thread`` run under it too (work still running when the loader
+returns is waited for, and its tensor takes the stock path). Replacing a
+parameter or attribute
+of one of the model's modules (``module.w = ...``, ``register_parameter``,
+``del module.w``), a parameter's memory (``p.data = ...``) or an attribute
+of a parameter is refused the same way. After the dry run every parameter
+and buffer is checked against a fingerprint taken before it (and against
+its memory and the module attribute holding it); a difference raises
+:class:`~deltasync.errors.InternalError` naming the parameter.
+
+**Tensors this worker does not hold.** A tensor whose loader neither copies
+any of it, nor reads its values, nor keeps a reference to it, also when it
+is given together with every other such tensor (a loader that fuses two
+tensors only once it has both), is held by no parameter of this worker: an
+expert of another expert-parallel rank, a layer of another pipeline stage,
+an ``lm_head`` tied to the embedding. It is reported in
+:attr:`WeightMap.skipped`; callers register nothing for it and keep no copy.
 
 A tensor the dry run cannot map (its loader computes on it rather than
 copying a view of it, copies it into two parameters, converts its dtype,
-or replaces a parameter) is reported in :attr:`WeightMap.unmapped` with
-the reason; callers take the stock ``load_weights`` path for it.
+or writes in any other way) is reported in :attr:`WeightMap.unmapped` with
+the reason; callers take the stock ``load_weights`` path for it. Tensors
+its loader uses only together (two projections fused once both are there)
+are listed in :attr:`WeightMap.groups`: the stock path loads them in one
+call.
+
+**Parameters that move.** :attr:`WeightMap.layout` records, for every
+parameter and buffer, the object, the module attribute that holds it and
+its memory; :meth:`WeightMap.moved` and :meth:`Placement.moved` tell when
+one was replaced (``update_weights_from_disk``, a wake from sleep that
+reallocates, expert rebalancing that rebuilds a layer), so that the caller
+learns the map again before writing. A change that leaves every parameter
+where it was (experts swapped in place) is not seen: whoever makes it
+learns the map again (``EngineWeights.refresh(force=True)``).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import concurrent.futures.thread
 import contextlib
 import dataclasses
+import gc
 import threading
 from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._tensors import dtype_name
+from ..errors import InternalError
 
 
 __all__ = ["Placement", "WeightMap", "learn"]
 
 
+def _storage(t: torch.Tensor) -> Any:
+    return t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
+
+
 def _storage_ptr(t: torch.Tensor) -> int:
-    if hasattr(t, "untyped_storage"):
-        return t.untyped_storage().data_ptr()
-    return t.storage().data_ptr()
+    return t.data_ptr() - t.storage_offset() * t.element_size()
+
+
+def _key(t: torch.Tensor) -> tuple:
+    """Which memory ``t`` views: its device and its storage's address (for a
+    tensor without plain memory, one key of its own that nothing else has)."""
+    try:
+        return (t.device.type, t.device.index, _storage_ptr(t))
+    except (RuntimeError, NotImplementedError):
+        return ("?", None, id(t))
+
+
+class _Weight:
+    """One parameter or buffer as the dry run found it: the object, the
+    module attributes holding it, and its memory."""
+
+    __slots__ = ("name", "obj", "slots", "ptr", "nbytes", "shape", "stride", "offset", "dtype")
+
+    def __init__(self, name: str, obj: torch.Tensor, slots: list) -> None:
+        self.name = name
+        self.obj = obj
+        self.slots = slots
+        self.ptr = obj.data_ptr()
+        self.nbytes = _storage(obj).nbytes()
+        self.shape = tuple(obj.shape)
+        self.stride = tuple(obj.stride())
+        self.offset = obj.storage_offset()
+        self.dtype = obj.dtype
+
+    def changed(self, now: Any = None) -> Optional[str]:
+        """Why the weight is no longer where it was (None if it is): ``now``
+        is the object the model names it by today, if known."""
+        o = self.obj
+        if now is not None and now is not o:
+            return "the parameter object was replaced"
+        for d, k in self.slots:
+            if d.get(k) is not o:
+                return "the parameter object was replaced"
+        if o.data_ptr() != self.ptr:
+            return "its memory moved"
+        if _storage(o).nbytes() < self.nbytes:
+            return "its memory was freed or shrunk"
+        if (tuple(o.shape) != self.shape or tuple(o.stride()) != self.stride
+                or o.storage_offset() != self.offset or o.dtype != self.dtype):
+            return "its shape or layout changed"
+        return None
 
 
 @dataclasses.dataclass
@@ -53,6 +148,7 @@ class Placement:
     param: torch.Tensor
     runs: np.ndarray
     _device_runs: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    _weight: Optional[_Weight] = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def elements(self) -> int:
@@ -62,6 +158,11 @@ class Placement:
     def run_tuples(self) -> list[tuple[int, int, int, int]]:
         """The runs as (first, count, offset, stride) tuples (StreamReceiver.register's)."""
         return [tuple(int(x) for x in r) for r in self.runs]
+
+    def moved(self) -> Optional[str]:
+        """Why ``param`` is no longer the parameter's memory (replaced, moved,
+        freed), None while it is: a quick check of this one parameter."""
+        return self._weight.changed() if self._weight is not None else None
 
     def destinations(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For flat checkpoint positions (int64, ascending or not), the mask of
@@ -86,20 +187,50 @@ class Placement:
 
 @dataclasses.dataclass
 class WeightMap:
-    """The placements of every checkpoint tensor the dry run mapped, and the
-    reason for each it could not."""
+    """The placements of every checkpoint tensor the dry run mapped, the
+    reason for each it could not, the tensors this worker holds none of
+    (``skipped``, with the reason), and the parameters' layout when the map
+    was learned. ``groups``: for a tensor its loader takes only together
+    with others (two projections fused once both are there), all of them,
+    in checkpoint order: the stock path loads them in one call."""
 
     placements: dict[str, Placement]
     unmapped: dict[str, str]
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    layout: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    groups: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     def report(self) -> str:
-        """A few lines: how many tensors were mapped, and why each other was not."""
+        """A few lines: how many tensors were mapped and skipped, and why each
+        other was not mapped."""
         lines = [f"{len(self.placements)} tensors mapped into parameters, "
-                 f"{len(self.unmapped)} through the stock load_weights path"]
+                 f"{len(self.unmapped)} through the stock load_weights path, "
+                 f"{len(self.skipped)} held by no parameter of this worker"]
         for name, why in sorted(self.unmapped.items()):
             lines.append(f"  {name}: {why}")
         return "\n".join(lines)
 
+    def moved(self, model: torch.nn.Module) -> dict[str, str]:
+        """The parameters and buffers of ``model`` that are no longer where the
+        map was learned (replaced, moved, freed, added or gone), with why."""
+        now = dict(model.named_parameters())
+        for n, b in model.named_buffers():
+            now.setdefault(n, b)
+        out = {}
+        for name, w in self.layout.items():
+            if name not in now:
+                out[name] = "it is gone"
+                continue
+            why = w.changed(now[name])
+            if why:
+                out[name] = why
+        for name in now:
+            if name not in self.layout:
+                out[name] = "a new parameter"
+        return out
+
+
+# --- what a dry run may and may not do ----------------------------------------
 
 class _Copy:
     __slots__ = ("dst", "src")
@@ -109,49 +240,531 @@ class _Copy:
         self.src = src
 
 
-_REAL_COPY = torch.Tensor.copy_
-_REAL_SETITEM = torch.Tensor.__setitem__
-# One dry run at a time in a process (the patch is process-wide); only the
-# thread running it records, every other thread's copies run as usual.
+def _tensors(x: Any) -> Iterable[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+
+
+# Operations that change a tensor's size or memory rather than its values:
+# even a tensor with no memory yet is changed by them.
+_RESHAPING = ("aten::set_", "aten::resize_", "aten::resize_as_", "aten::as_strided_",
+              "aten::_resize_output_", "aten::resize_as_sparse_")
+
+
+class _Op:
+    """What one ATen operation writes and returns, read from its schema once."""
+
+    __slots__ = ("name", "args", "write", "view", "copy", "fill", "reshaping", "lift", "ret")
+
+    def __init__(self, func: Any) -> None:
+        s = func._schema
+        self.name = str(func)
+        self.args = [a.name for a in s.arguments]
+        self.write = [i for i, a in enumerate(s.arguments)
+                      if a.alias_info is not None and a.alias_info.is_write]
+        self.view = not self.write and any(r.alias_info is not None for r in s.returns)
+        self.copy = func is torch.ops.aten.copy_.default
+        # A constant written over elements: no change where they hold it already.
+        self.fill = str(func) in ("aten.fill_.Scalar", "aten.zero_.default")
+        self.reshaping = s.name in _RESHAPING
+        self.lift = s.name.startswith("aten::lift")
+        self.ret = []
+        for r in s.returns:
+            idx = None
+            if r.alias_info is not None and r.alias_info.is_write:
+                alias = r.alias_info.before_set
+                for i, a in enumerate(s.arguments):
+                    if a.alias_info is not None and a.alias_info.before_set == alias:
+                        idx = i
+                        break
+            self.ret.append(idx)
+
+    def arg(self, i: int, args: tuple, kwargs: dict) -> Any:
+        return args[i] if i < len(args) else kwargs.get(self.args[i])
+
+    def fill_value(self, args: tuple, kwargs: dict) -> Any:
+        return 0 if self.name == "aten.zero_.default" else self.arg(1, args, kwargs)
+
+    def result(self, args: tuple, kwargs: dict) -> Any:
+        """What the operation returns without running: the tensors it writes."""
+        if any(i is None for i in self.ret):
+            raise RuntimeError(f"deltasync dry run: {self.name} refused")
+        vals = [self.arg(i, args, kwargs) for i in self.ret]
+        if not vals:
+            return None
+        return vals[0] if len(vals) == 1 else tuple(vals)
+
+
+def _holds(t: torch.Tensor, value: Any) -> bool:
+    """Whether every element of ``t`` has the bits of ``value`` already (then
+    writing it changes nothing: a loader zeroing the padding rows of an
+    embedding it loaded before)."""
+    want = torch.full((1,), value, dtype=t.dtype, device=t.device).view(torch.uint8)
+    have = t.detach().reshape(-1).view(torch.uint8).reshape(-1, want.numel())
+    return bool((have == want).all())
+
+
+_OPS: dict = {}
+
+
+def _op(func: Any) -> _Op:
+    op = _OPS.get(func)
+    if op is None:
+        op = _Op(func)
+        _OPS[func] = op
+    return op
+
+
+_SIMPLE = (bool, int, float, str, bytes, type(None))
+
+
+def _same(old: Any, new: Any) -> bool:
+    """Setting ``new`` over ``old`` changes nothing."""
+    if old is new:
+        return True
+    return type(old) is type(new) and isinstance(old, _SIMPLE) and old == new
+
+
+_MISSING = object()
+
+
+class _Session:
+    """One dry run: the probes it gives the loader (by memory), what the
+    loader copied from them, what it was refused, and the memory it made."""
+
+    def __init__(self, probes: dict, params: dict, modules: set, weights: set) -> None:
+        self.probes = probes  # memory key -> checkpoint name
+        self.params = params  # memory key -> (parameter name, parameter)
+        self.modules = modules  # ids of the model's modules
+        self.weights = weights  # ids of the model's parameters and buffers
+        self.cond = threading.Condition()
+        self.fresh: set = set()
+        self.copies: list[_Copy] = []
+        self.refused: list[str] = []
+        self.used: dict[str, str] = {}  # probe name -> the first operation that read its values
+        self.changed: set = set()  # probes the loader wrote into
+        self.together: list[set] = []  # probes one operation read at once
+        self.pending = 0  # work on other threads not finished
+
+    # -- bookkeeping
+
+    def refuse(self, why: str) -> None:
+        with self.cond:
+            self.refused.append(why)
+
+    def describe(self, t: torch.Tensor) -> str:
+        hit = self.params.get(_key(t))
+        if hit is not None:
+            return f"parameter {hit[0]}"
+        return "a tensor that is not a parameter"
+
+    def wrap(self, fn: Callable) -> Callable:
+        """``fn`` running under this dry run on whichever thread runs it."""
+        grad = torch.is_grad_enabled()
+        with self.cond:
+            self.pending += 1
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            prev = getattr(_LOCAL, "session", None)
+            _LOCAL.session = self
+            try:
+                with torch.set_grad_enabled(grad), _Intercept(self):
+                    return fn(*args, **kwargs)
+            finally:
+                _LOCAL.session = prev
+                with self.cond:
+                    self.pending -= 1
+                    self.cond.notify_all()
+
+        return run
+
+    def abandon(self) -> None:
+        """A wrapped piece of work that will never run."""
+        with self.cond:
+            self.pending -= 1
+            self.cond.notify_all()
+
+    def settle(self, timeout_s: float) -> bool:
+        """Waits for work the loader left on other threads; False if some is
+        still running."""
+        with self.cond:
+            return self.cond.wait_for(lambda: self.pending == 0, timeout_s)
+
+    # -- the dispatcher
+
+    def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        op = _op(func)
+        targets: list = []
+        if op.write:
+            theirs = []
+            for i in op.write:
+                for t in _tensors(op.arg(i, args, kwargs)):
+                    targets.append(t)
+                    k = _key(t)
+                    if k in self.probes:
+                        with self.cond:
+                            self.changed.add(self.probes[k])
+                    elif t.numel() == 0:
+                        # An in-place operation on no elements writes nothing,
+                        # but one that sizes it (set_, resize_, an out=
+                        # argument) changes it.
+                        if op.reshaping or i != 0:
+                            theirs.append(t)
+                    elif k not in self.fresh:
+                        theirs.append(t)
+            if not theirs and targets and all(t.numel() == 0 for t in targets):
+                return func(*args, **kwargs)  # no element written, none read
+            if theirs:
+                if op.copy:
+                    with self.cond:
+                        self.copies.append(_Copy(args[0], op.arg(1, args, kwargs)))
+                elif not (op.fill and all(_holds(t, op.fill_value(args, kwargs)) for t in theirs)):
+                    self.refuse(f"its loader writes into {self.describe(theirs[0])} "
+                                f"with {op.name}")
+                return op.result(args, kwargs)
+        inputs = [t for t in _tensors((args, kwargs)) if not any(t is w for w in targets)]
+        read = [] if op.view else [self.probes[k] for k in {_key(t) for t in inputs}
+                                   if k in self.probes]
+        out = func(*args, **kwargs)
+        outs = list(_tensors(out))
+        if read:
+            # Reading a probe's values: anything but another view of it.
+            same = {_key(t) for t in inputs}
+            if not isinstance(out, (torch.Tensor, list, tuple)) or not outs or any(
+                    _key(o) not in same for o in outs):
+                with self.cond:
+                    for name in read:
+                        self.used.setdefault(name, op.name)
+                    if len(read) > 1:
+                        self.together.append(set(read))
+        if op.write:
+            # A write into the loader's own memory may give it new memory.
+            with self.cond:
+                for t in targets:
+                    k = _key(t)
+                    if k[2] != 0 and k not in self.probes:
+                        self.fresh.add(k)
+        elif op.lift or not op.view:
+            seen = set() if op.lift else {_key(t) for t in inputs}
+            with self.cond:
+                for o in outs:
+                    k = _key(o)
+                    if k[2] != 0 and k not in seen:
+                        self.fresh.add(k)
+        return out
+
+    # -- attribute writes
+
+    def tensor_setattr(self, t: torch.Tensor, name: str, value: Any) -> bool:
+        """Whether setting ``t.<name> = value`` may run."""
+        if name == "data":
+            k = _key(t)
+            if k in self.probes:
+                with self.cond:
+                    self.changed.add(self.probes[k])
+                return True
+            if k in self.fresh or (k[2] == 0 and t.numel() == 0 and id(t) not in self.weights):
+                return True
+            if (isinstance(value, torch.Tensor) and value.data_ptr() == t.data_ptr()
+                    and value.shape == t.shape and value.stride() == t.stride()
+                    and value.dtype == t.dtype):
+                return True  # the same memory: nothing changes
+            self.refuse(f"its loader replaces the memory of {self.describe(t)} (.data = ...)")
+            return False
+        if id(t) not in self.weights:
+            return True
+        if _same(getattr(t, name, _MISSING), value):
+            return True
+        self.refuse(f"its loader sets attribute {name} of {self.describe(t)}")
+        return False
+
+    def module_write(self, m: torch.nn.Module, name: str, value: Any, what: str) -> bool:
+        """Whether ``what`` (setting ``m.<name>`` to ``value``, or deleting it
+        when ``value`` is _MISSING) may run."""
+        if id(m) not in self.modules:
+            return True
+        if value is not _MISSING:
+            old = _MISSING
+            for d in ("_parameters", "_buffers", "_modules"):
+                table = m.__dict__.get(d)
+                if table is not None and name in table:
+                    old = table[name]
+                    break
+            else:
+                old = m.__dict__.get(name, _MISSING)
+            if old is not _MISSING and _same(old, value):
+                return True
+        self.refuse(f"its loader {what} {name} of module {type(m).__name__}")
+        return False
+
+
+class _Intercept(TorchDispatchMode):
+    def __init__(self, session: _Session) -> None:
+        super().__init__()
+        self.session = session
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: Optional[dict] = None) -> Any:
+        return self.session.dispatch(func, args, kwargs or {})
+
+
+# One dry run at a time in a process: the hooks below are process-wide while
+# it runs, and pass everything through on any thread it does not run on.
 _LOCK = threading.Lock()
 _LOCAL = threading.local()
 
 
-def _copy(self: torch.Tensor, src: Any, non_blocking: bool = False) -> torch.Tensor:
-    log = getattr(_LOCAL, "log", None)
-    if log is None:
-        return _REAL_COPY(self, src, non_blocking)
-    log.append(_Copy(self, src))
-    return self
+def _session() -> Optional[_Session]:
+    return getattr(_LOCAL, "session", None)
 
 
-def _setitem(self: torch.Tensor, index: Any, value: Any) -> None:
-    log = getattr(_LOCAL, "log", None)
-    if log is None:
-        return _REAL_SETITEM(self, index, value)
-    view = self[index]
-    if isinstance(view, torch.Tensor) and _storage_ptr(view) == _storage_ptr(self):
-        log.append(_Copy(view, value))
-    else:
-        log.append(_Copy(None, value))  # advanced indexing: not a view
-    return None
+_REAL_SUBMIT = concurrent.futures.ThreadPoolExecutor.submit
+_REAL_START = threading.Thread.start
+_MODULE = torch.nn.Module
+_REAL_MODULE = {n: getattr(_MODULE, n) for n in
+                ("__setattr__", "__delattr__", "register_parameter", "register_buffer",
+                 "add_module")}
+_TENSOR_SETATTR = torch.Tensor.__dict__.get("__setattr__")
+_REAL_TENSOR_SETATTR = torch.Tensor.__setattr__
+
+
+def _submit(self: Any, fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
+    s = _session()
+    if s is None:
+        return _REAL_SUBMIT(self, fn, *args, **kwargs)
+    try:
+        return _REAL_SUBMIT(self, s.wrap(fn), *args, **kwargs)
+    except BaseException:
+        s.abandon()
+        raise
+
+
+def _start(self: threading.Thread) -> None:
+    s = _session()
+    # A pool's worker thread outlives the dry run: its tasks are wrapped
+    # one by one (_submit) instead.
+    if s is None or getattr(self, "_target", None) is concurrent.futures.thread._worker:
+        return _REAL_START(self)
+    inner = self.run
+
+    def run() -> None:
+        try:
+            inner()
+        finally:
+            self.__dict__.pop("run", None)  # no cycle through the thread
+
+    self.run = s.wrap(run)  # type: ignore[method-assign]
+    try:
+        return _REAL_START(self)
+    except BaseException:
+        s.abandon()
+        raise
+
+
+def _tensor_setattr(self: torch.Tensor, name: str, value: Any) -> None:
+    s = _session()
+    if s is not None and not s.tensor_setattr(self, name, value):
+        return
+    _REAL_TENSOR_SETATTR(self, name, value)
+
+
+def _module_setattr(self: torch.nn.Module, name: str, value: Any) -> None:
+    s = _session()
+    if s is None or s.module_write(self, name, value, "sets"):
+        _REAL_MODULE["__setattr__"](self, name, value)
+
+
+def _module_delattr(self: torch.nn.Module, name: str) -> None:
+    s = _session()
+    if s is None or s.module_write(self, name, _MISSING, "deletes"):
+        _REAL_MODULE["__delattr__"](self, name)
+
+
+def _module_register(kind: str) -> Callable:
+    real = _REAL_MODULE[kind]
+
+    def register(self: torch.nn.Module, name: str, value: Any, *args: Any, **kwargs: Any) -> Any:
+        s = _session()
+        if s is None or s.module_write(self, name, value, f"({kind})"):
+            return real(self, name, value, *args, **kwargs)
+        return None
+
+    return register
 
 
 @contextlib.contextmanager
-def _recording(log: list) -> Any:
-    """In this thread, Tensor.copy_ and Tensor.__setitem__ record (dst, src)
-    instead of writing."""
-    with _LOCK:
-        torch.Tensor.copy_ = _copy
-        torch.Tensor.__setitem__ = _setitem
-        _LOCAL.log = log
-        try:
-            yield
-        finally:
-            _LOCAL.log = None
-            torch.Tensor.copy_ = _REAL_COPY
-            torch.Tensor.__setitem__ = _REAL_SETITEM
+def _hooks() -> Any:
+    """The process-wide hooks of a dry run (under _LOCK)."""
+    concurrent.futures.ThreadPoolExecutor.submit = _submit  # type: ignore[method-assign]
+    threading.Thread.start = _start  # type: ignore[method-assign]
+    torch.Tensor.__setattr__ = _tensor_setattr  # type: ignore[method-assign,assignment]
+    _MODULE.__setattr__ = _module_setattr  # type: ignore[method-assign,assignment]
+    _MODULE.__delattr__ = _module_delattr  # type: ignore[method-assign,assignment]
+    for kind in ("register_parameter", "register_buffer", "add_module"):
+        setattr(_MODULE, kind, _module_register(kind))
+    try:
+        yield
+    finally:
+        concurrent.futures.ThreadPoolExecutor.submit = _REAL_SUBMIT  # type: ignore[method-assign]
+        threading.Thread.start = _REAL_START  # type: ignore[method-assign]
+        if _TENSOR_SETATTR is None:
+            del torch.Tensor.__setattr__
+        else:
+            torch.Tensor.__setattr__ = _TENSOR_SETATTR  # type: ignore[method-assign]
+        for n, f in _REAL_MODULE.items():
+            setattr(_MODULE, n, f)
 
+
+class _Outcome:
+    __slots__ = ("error", "copies", "refused", "used", "changed", "together", "left_running")
+
+    def __init__(self, session: _Session, error: Optional[BaseException], left_running: bool):
+        with session.cond:  # taken from the session: work still running sees none of it
+            self.copies, session.copies = session.copies, []
+            self.refused = list(session.refused)
+            self.used = dict(session.used)
+            self.changed = set(session.changed)
+            self.together = list(session.together)
+        self.error = error
+        self.left_running = left_running
+
+
+_SETTLE_S = 30.0
+
+
+def _dry_run(loader: Callable, pairs: list, session: _Session) -> _Outcome:
+    """Runs ``loader(pairs)`` under ``session`` on this thread and on every
+    thread it hands work to."""
+    error = None
+    _LOCAL.session = session
+    try:
+        with torch.no_grad(), _Intercept(session):
+            loader(pairs)
+    except Exception as e:  # the loader refused a probe: the stock path
+        error = e
+    finally:
+        _LOCAL.session = None
+    left_running = not session.settle(_SETTLE_S)
+    e = error
+    while e is not None:  # the frames of a traceback hold the probes
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return _Outcome(session, error, left_running)
+
+
+def _released(ref: Any) -> bool:
+    """Whether nothing holds the probe's memory any more (a cycle is
+    collected before saying no)."""
+    if ref.expired():
+        return True
+    gc.collect(1)  # a cycle made during the dry run is young
+    return ref.expired()
+
+
+# --- the parameters before and after --------------------------------------------
+
+_FINGERPRINT_BYTES = 1 << 22
+
+
+class _Fingerprints:
+    """Two numbers per tensor that change when any of its bytes does: the
+    bytes summed plain and weighted by position (in pieces of a few MiB, so
+    that a large parameter needs little memory beside it)."""
+
+    def __init__(self) -> None:
+        self._weights: dict = {}
+
+    def __call__(self, t: torch.Tensor) -> tuple:
+        if t.device.type not in ("cpu", "cuda") or t.numel() == 0:
+            return (0, 0)
+        with torch.no_grad():
+            flat = t.detach()
+            if not flat.is_contiguous():
+                flat = flat.contiguous()
+            b = flat.reshape(-1).view(torch.uint8)
+            n = min(b.numel(), _FINGERPRINT_BYTES)
+            w = self._weights.get(b.device)
+            if w is None or w.numel() < n:
+                w = torch.arange(n, dtype=torch.int64, device=b.device) % 65521 + 1
+                self._weights[b.device] = w
+            acc = torch.zeros(2, dtype=torch.int64, device=b.device)
+            for chunk in b.split(_FINGERPRINT_BYTES):
+                c = chunk.to(torch.int64)
+                acc[0] += c.sum()
+                acc[1] += (c * w[: c.numel()]).sum()
+            return tuple(int(x) for x in acc.tolist())
+
+
+class _Guard:
+    """The model's parameters and buffers before a dry run: the module
+    tables holding them, their memory, and (``verify``) a fingerprint of
+    their bytes, to put back and to check after it."""
+
+    def __init__(self, model: torch.nn.Module, named: list, verify: bool) -> None:
+        self.tables = []
+        for m in model.modules():
+            for d in ("_parameters", "_buffers"):
+                table = m.__dict__.get(d)
+                if table is not None:
+                    self.tables.append((table, dict(table)))
+        self.weights = []
+        self.names: dict[int, str] = {}
+        for pname, p in named:
+            if id(p) in self.names:
+                continue
+            self.names[id(p)] = pname
+            self.weights.append((pname, p, p.data, _Weight(pname, p, [])))
+        self.fingerprint = _Fingerprints() if verify else None
+        self.prints = ({pname: self.fingerprint(p) for pname, p, _, _ in self.weights}
+                       if verify else None)
+
+    def restore(self) -> set[str]:
+        """Puts back what a write no hook saw replaced (a module table's
+        entry, a parameter's memory); returns those parameters' names."""
+        out = set()
+        for table, before in self.tables:
+            for k, v in before.items():
+                if table.get(k) is not v:
+                    table[k] = v
+                    out.add(self.names.get(id(v), k))
+            for k in [k for k in table if k not in before]:
+                del table[k]
+                out.add(k)
+        for pname, p, alias, w in self.weights:
+            if w.changed() is not None:
+                p.data = alias
+                out.add(pname)
+        return out
+
+    def changed(self) -> list[str]:
+        """The parameters whose bytes are not what they were."""
+        if self.prints is None:
+            return []
+        return [pname for pname, p, _, _ in self.weights
+                if self.fingerprint(p) != self.prints[pname]]
+
+
+def _slots(model: torch.nn.Module) -> dict[int, list]:
+    """For each parameter and buffer object, the module tables holding it."""
+    out: dict[int, list] = {}
+    for m in model.modules():
+        for d in ("_parameters", "_buffers"):
+            table = m.__dict__.get(d)
+            if table is None:
+                continue
+            for k, v in table.items():
+                if v is not None:
+                    out.setdefault(id(v), []).append((table, k))
+    return out
+
+
+# --- a recorded copy as destination runs -------------------------------------------
 
 def _copy_runs(c: _Copy, probe: torch.Tensor, param: torch.Tensor) -> np.ndarray:
     """The runs of one recorded copy of a view of ``probe`` into a view of
@@ -219,72 +832,19 @@ def _coalesce(runs: np.ndarray) -> np.ndarray:
     return np.array(out, dtype=np.int64).reshape(-1, 4)
 
 
-def learn(
-    model: torch.nn.Module,
-    checkpoint: Iterable[tuple[str, Any, Any]],
-    load_weights: Optional[Callable[[list], Any]] = None,
-    device: Any = None,
-) -> WeightMap:
-    """Learns where each checkpoint tensor lands in ``model``'s parameters.
-
-    ``checkpoint`` lists every checkpoint tensor as (name, dtype, shape)
-    with a torch dtype or a safetensors name; ``load_weights`` is the
-    engine's loader (default ``model.load_weights``). Nothing in the model
-    is written. ``device`` is where probe tensors are made (default: the
-    parameters' device, as the engines pass tensors already moved there).
-    """
-    from .engine import torch_dtype
-
-    loader = load_weights or model.load_weights
-    named = list(model.named_parameters()) + list(model.named_buffers())
-    params = {}
-    for pname, p in named:
-        params.setdefault(_storage_ptr(p), (pname, p))
-    if device is None:
-        device = named[0][1].device if named else torch.device("cpu")
-    before = {pname: (p.data_ptr(), p.data) for pname, p in named}
-    placements: dict[str, Placement] = {}
-    unmapped: dict[str, str] = {}
-    for name, dtype, shape in checkpoint:
-        tdtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
-        probe = torch.empty([int(x) for x in shape], dtype=tdtype, device=device)
-        log: list[_Copy] = []
-        try:
-            with torch.no_grad(), _recording(log):
-                loader([(name, probe)])
-        except Exception as e:  # the loader refused a probe: stock path
-            unmapped[name] = f"its load_weights raised on a dry run ({type(e).__name__}: {e})"
-            continue
-        try:
-            placements[name] = _placement(name, probe, log, params)
-        except ValueError as e:
-            unmapped[name] = str(e)
-    for pname, p in named:
-        ptr, data = before[pname]
-        if p.data_ptr() != ptr:  # the loader replaced the parameter: undo it
-            p.data = data
-            for name, pl in list(placements.items()):
-                if pl.param_name == pname:
-                    del placements[name]
-                    unmapped[name] = f"its loader replaces parameter {pname}"
-    return WeightMap(placements, unmapped)
-
-
-def _placement(name: str, probe: torch.Tensor, log: list, params: dict) -> Placement:
-    if not log:
-        raise ValueError("its load_weights copies nothing from it (skipped or renamed away)")
-    probe_ptr = _storage_ptr(probe)
+def _placement(name: str, probe: torch.Tensor, copies: list, params: dict,
+               layout: dict) -> Placement:
+    probe_key = _key(probe)
     target = None
     all_runs = []
-    for c in log:
-        if c.dst is None:
-            raise ValueError("its loader writes through advanced indexing")
-        if not isinstance(c.src, torch.Tensor) or _storage_ptr(c.src) != probe_ptr:
+    for c in copies:
+        hit = params.get(_key(c.dst))
+        if hit is None:
+            raise ValueError("its loader copies into a tensor that is not a parameter "
+                             "(a weight derived after loading)")
+        if not isinstance(c.src, torch.Tensor) or _key(c.src) != probe_key:
             raise ValueError("its loader copies a computed tensor, not a view of it")
-        key = _storage_ptr(c.dst)
-        if key not in params:
-            raise ValueError("its loader copies into a tensor that is not a parameter")
-        pname, param = params[key]
+        pname, param = hit
         if target is not None and target[0] != pname:
             raise ValueError(f"its loader copies into two parameters ({target[0]}, {pname})")
         if not param.is_contiguous():
@@ -296,4 +856,205 @@ def _placement(name: str, probe: torch.Tensor, log: list, params: dict) -> Place
     last = runs[:, 2] + (runs[:, 1] - 1) * runs[:, 3]
     if len(runs) and (runs[:, 2].min() < 0 or last.max() >= param.numel()):
         raise ValueError(f"its runs leave parameter {pname}")
-    return Placement(name, dtype_name(probe), list(probe.shape), pname, param, runs)
+    return Placement(name, dtype_name(probe), list(probe.shape), pname, param, runs,
+                     _weight=layout.get(pname))
+
+
+# --- learn ---------------------------------------------------------------------------
+
+def _expanded(dtype: torch.dtype, shape: list, device: Any) -> torch.Tensor:
+    """A tensor of ``shape`` over one element of memory."""
+    return torch.empty([1] * len(shape), dtype=dtype, device=device).expand(shape)
+
+
+def learn(
+    model: torch.nn.Module,
+    checkpoint: Iterable[tuple[str, Any, Any]],
+    load_weights: Optional[Callable[[list], Any]] = None,
+    device: Any = None,
+    *,
+    verify: bool = True,
+) -> WeightMap:
+    """Learns where each checkpoint tensor lands in ``model``'s parameters.
+
+    ``checkpoint`` lists every checkpoint tensor as (name, dtype, shape)
+    with a torch dtype or a safetensors name; ``load_weights`` is the
+    engine's loader (default ``model.load_weights``). Nothing in the model
+    is written (see the module's description); with ``verify`` (the
+    default) every parameter and buffer is fingerprinted before and after,
+    and InternalError names any whose bytes changed. ``device`` is where
+    probe tensors are made (default: the parameters' device, as the engines
+    pass tensors already moved there).
+    """
+    from .engine import torch_dtype
+
+    loader = load_weights or model.load_weights
+    named = list(model.named_parameters()) + list(model.named_buffers())
+    slots = _slots(model)
+    layout: dict[str, _Weight] = {}
+    params: dict = {}
+    for pname, p in named:
+        if pname not in layout:
+            layout[pname] = _Weight(pname, p, slots.get(id(p), []))
+        params.setdefault(_key(p), (pname, p))
+    modules = {id(m) for m in model.modules()}
+    weights = {id(p) for _, p in named}
+    if device is None:
+        device = named[0][1].device if named else torch.device("cpu")
+    placements: dict[str, Placement] = {}
+    unmapped: dict[str, str] = {}
+    skipped: dict[str, str] = {}
+    alone: list[tuple[str, torch.dtype, list]] = []  # copy nothing when given alone
+    with _LOCK:
+        guard = _Guard(model, named, verify)
+        with _hooks():
+            for name, dtype, shape in checkpoint:
+                tdtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
+                shape = [int(x) for x in shape]
+                if int(np.prod(shape, dtype=np.int64)) == 0:
+                    skipped[name] = "it has no elements"
+                    continue
+                why, placement = _one(loader, name, tdtype, shape, device, params, modules,
+                                      weights, layout)
+                if why is not None:
+                    unmapped[name] = why
+                elif placement is not None:
+                    placements[name] = placement
+                else:
+                    alone.append((name, tdtype, shape))
+            groups: dict[str, list[str]] = {}
+            if alone:
+                _together(loader, alone, device, params, modules, weights, unmapped, skipped,
+                          groups)
+        replaced = guard.restore()
+        if replaced:
+            # A write no hook saw: nothing maps into those parameters, and
+            # nothing counts as held by no parameter.
+            for name, pl in list(placements.items()):
+                if pl.param_name in replaced:
+                    del placements[name]
+                    unmapped[name] = f"a dry run replaced parameter {pl.param_name}"
+            for name in [n for n, why in skipped.items() if why != "it has no elements"]:
+                del skipped[name]
+                unmapped[name] = (f"a dry run replaced {', '.join(sorted(replaced))} unseen: "
+                                  "not taken as held by no parameter")
+        changed = guard.changed()
+    if changed:
+        raise InternalError(
+            f"deltasync: the dry run of load_weights changed parameter {changed[0]} "
+            f"({len(changed)} in all): its loader writes where the dry run cannot see it (a "
+            "thread it neither started nor handed work to through ThreadPoolExecutor.submit); "
+            "the weights must be loaded again")
+    return WeightMap(placements, unmapped, skipped, layout, groups)
+
+
+def _one(loader: Callable, name: str, tdtype: torch.dtype, shape: list, device: Any,
+         params: dict, modules: set, weights: set, layout: dict
+         ) -> tuple[Optional[str], Optional[Placement]]:
+    """The dry run of one tensor: (why it takes the stock path, None) or
+    (None, its placement) or (None, None) when it copies none of it."""
+    probe = torch.empty(shape, dtype=tdtype, device=device)
+    ref = StorageWeakRef(_storage(probe))
+    out = _dry_run(loader, [(name, probe)], _Session({_key(probe): name}, params, modules,
+                                                      weights))
+    why = placement = None
+    if out.error is not None:
+        why = f"its load_weights raised on a dry run ({type(out.error).__name__}: {out.error})"
+    elif out.refused:
+        why = f"{out.refused[0]} (refused in the dry run)"
+    elif out.changed:
+        why = "its loader changes it in place"
+    elif out.left_running:
+        why = "its loader leaves work running on another thread"
+    elif out.copies:
+        try:
+            placement = _placement(name, probe, out.copies, params, layout)
+        except ValueError as e:
+            why = str(e)
+        else:
+            if name in out.used:  # what it copies may depend on the values
+                why, placement = f"its loader reads its values ({out.used[name]})", None
+            elif not placement.elements:
+                placement = None  # empty slices only: none of it here
+    elif name in out.used:
+        why = f"its loader computes on it ({out.used[name]}) and copies none of it"
+    del out, probe
+    if why is None and not _released(ref):
+        return "its loader keeps a reference to it", None
+    return why, placement
+
+
+def _together(loader: Callable, alone: list, device: Any, params: dict, modules: set,
+              weights: set, unmapped: dict, skipped: dict, groups: dict) -> None:
+    """The tensors that copy nothing when alone, given to the loader at once
+    (each over one element of memory): those it then leaves untouched are
+    held by no parameter of this worker; those it reads together with
+    others go to ``groups``."""
+    pairs = []
+    refs = {}
+    probes = {}
+    for name, tdtype, shape in alone:
+        p = _expanded(tdtype, shape, device)
+        probes[_key(p)] = name
+        refs[name] = StorageWeakRef(_storage(p))
+        pairs.append((name, p))
+    out = _dry_run(loader, pairs, _Session(probes, params, modules, weights))
+    del pairs, p
+    copied = set()
+    for c in out.copies:
+        if isinstance(c.src, torch.Tensor):
+            name = probes.get(_key(c.src))
+            if name is not None:
+                copied.add(name)
+    out.copies = []
+    joint: set = set()  # used only together with others
+    for name, _, _ in alone:
+        why = None
+        if out.error is not None:
+            why = (f"its load_weights raised on a dry run of the tensors it copies nothing "
+                   f"from when alone ({type(out.error).__name__}: {out.error})")
+        elif out.left_running:
+            why = "its loader leaves work running on another thread"
+        elif name in out.used or name in out.changed or name in copied:
+            why = ("its loader uses it only together with other tensors "
+                   f"({out.used.get(name) or 'a copy'})")
+            joint.add(name)
+        elif out.refused:
+            why = f"{out.refused[0]} (refused in the dry run of the tensors given together)"
+        elif not _released(refs[name]):
+            why = "its loader keeps a reference to it"
+        if why is None:
+            skipped[name] = ("its load_weights copies none of it: this worker holds none of it "
+                             "(another expert-parallel rank's expert, another pipeline stage's "
+                             "layer, a tied weight)")
+        else:
+            unmapped[name] = why
+    # Tensors read by one operation belong together, transitively.
+    order = {name: i for i, (name, _, _) in enumerate(alone)}
+    parent = {name: name for name in order}
+
+    def root(n: str) -> str:
+        while parent[n] != n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for names in out.together:
+        names = [n for n in names if n in parent]
+        for n in names[1:]:
+            parent[root(n)] = root(names[0])
+    members: dict[str, list[str]] = {}
+    for name in order:
+        if name in joint:
+            members.setdefault(root(name), []).append(name)
+    # Those used together with no operation reading them at once (each
+    # copied into memory of the loader's own first): one group.
+    lone = [g[0] for g in members.values() if len(g) == 1]
+    if len(lone) > 1:
+        for n in lone:
+            del members[root(n)]
+        members[lone[0]] = lone
+    for group in members.values():
+        if len(group) > 1:
+            for n in group:
+                groups[n] = group
