@@ -312,6 +312,8 @@ def _write(state: EngineWeights, pending: dict, whole: list, ranges: list, delta
             pos = torch.arange(first, first + t.numel(), dtype=torch.int64, device=t.device)
             state.apply_delta(name, pos, t)
             continue
+        if name in state.map.skipped:  # this worker holds none of it: no copy kept
+            continue
         dtype, shape = state.meta[name]
         shadow = state.shadows.get(name)
         if shadow is None:

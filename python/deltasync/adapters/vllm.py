@@ -220,9 +220,12 @@ class DeltasyncWeightTransferEngine(_Base):
         self.weights = EngineWeights(self.model, [tuple(e) for e in init_info.checkpoint])
         if self.receiver is not None:
             self.receiver.close()
+        # A worker that holds none of some tensors (other experts, other
+        # pipeline stages) takes part of the model on purpose.
         self.receiver = StreamReceiver(_group(init_info.rendezvous, rank, init_info.size,
                                               backend=init_info.backend, group=init_info.group,
-                                              timeout_s=init_info.timeout_s))
+                                              timeout_s=init_info.timeout_s),
+                                       partial=bool(self.weights.skipped))
         self.rank = rank
         self.weights.register(self.receiver)
 
@@ -241,6 +244,10 @@ class DeltasyncWeightTransferEngine(_Base):
         load_weights. Raises if the sync is not the one announced."""
         if self.receiver is None or self.weights is None:
             raise FailedPreconditionError("deltasync: init_transfer_engine was not called")
+        # Parameters the engine moved since the last sync (a reload from
+        # disk, sleep and wake, expert rebalancing) are found before any
+        # write: the receiver follows them, or the round fails naming them.
+        self.weights.refresh(self.receiver)
         stats = self.receiver.receive()
         if update_info.sync_id and stats["sync_id"] != update_info.sync_id:
             raise FailedPreconditionError(
