@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -52,6 +53,23 @@ std::vector<DiffKernel> AvailableDiffKernels();
 // The fastest available kernel (AVX-512 > AVX2 > scalar). Detected once.
 DiffKernel BestDiffKernel();
 
+// Working memory of DiffTensor's single-threaded path, kept between calls:
+// a caller diffing many small ranges gives each of its threads one
+// (DiffOptions::scratch), so that no call allocates and faults in a
+// window's buffers anew. Not shared by two calls at once.
+class DiffScratch {
+ public:
+  DiffScratch();
+  ~DiffScratch();
+  DiffScratch(DiffScratch&&) noexcept;
+  DiffScratch& operator=(DiffScratch&&) noexcept;
+  struct Impl;
+  Impl* impl() { return impl_.get(); }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
 struct DiffOptions {
   uint32_t elem_size = 2;        // 1, 2, 4 or 8
   bool refresh_snapshot = true;  // copy new into snapshot in the same pass
@@ -65,6 +83,9 @@ struct DiffOptions {
   // bytes (rounded down to whole elements) diffed in parallel; smaller ones
   // are diffed by the calling thread. The output never depends on it.
   size_t parallel_chunk_bytes = 4u << 20;
+  // Reused by the single-threaded path (no pool, or a tensor of one chunk);
+  // nullptr: a buffer of the call's own.
+  DiffScratch* scratch = nullptr;
 };
 
 // Compares `new_bytes` against `snapshot` (same length, a multiple of

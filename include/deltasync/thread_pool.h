@@ -5,10 +5,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <queue>
 #include <thread>
 #include <vector>
+
+#include "deltasync/status.h"
 
 namespace deltasync {
 
@@ -37,6 +40,15 @@ class ThreadPool {
   // The cores this process may run on (its CPU affinity: a cpuset or
   // taskset narrows it), at least 1.
   static uint32_t CoresAvailable();
+
+  // The most threads a component may be asked to run on.
+  static constexpr uint32_t kMaxThreads = 1024;
+  // InvalidArgument when `threads` is above kMaxThreads (0 means the cores
+  // available).
+  static Status CheckThreads(uint32_t threads);
+  // The pool of a component that runs on `threads` threads, the calling
+  // thread among them (0: CoresAvailable()): nullptr when that is one.
+  static std::unique_ptr<ThreadPool> ForThreads(uint32_t threads);
 
  private:
   void WorkerLoop();

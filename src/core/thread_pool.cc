@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <memory>
+#include <string>
 
 namespace deltasync {
 
@@ -90,6 +91,18 @@ uint32_t ThreadPool::CoresAvailable() {
     return static_cast<uint32_t>(std::max(1, CPU_COUNT(&set)));
   }
   return std::max(1u, std::thread::hardware_concurrency());
+}
+
+Status ThreadPool::CheckThreads(uint32_t threads) {
+  if (threads <= kMaxThreads) return Status::OK();
+  return Status::InvalidArgument("threads " + std::to_string(threads) + ": at most " +
+                                 std::to_string(kMaxThreads) + " (0: the cores available)");
+}
+
+std::unique_ptr<ThreadPool> ThreadPool::ForThreads(uint32_t threads) {
+  const uint32_t n = threads != 0 ? threads : CoresAvailable();
+  if (n <= 1) return nullptr;
+  return std::make_unique<ThreadPool>(n - 1);
 }
 
 }  // namespace deltasync

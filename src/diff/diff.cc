@@ -226,6 +226,26 @@ class OrderedAppender {
 
 }  // namespace
 
+struct DiffScratch::Impl {
+  KernelVariant variant;
+  std::unique_ptr<ChangeBuffer> buffer;
+  // The buffer for `v`, made anew only when the variant changes.
+  ChangeBuffer* For(const KernelVariant& v) {
+    if (!buffer || v.elem_size != variant.elem_size || v.refresh != variant.refresh ||
+        v.keep_old != variant.keep_old || v.wide != variant.wide) {
+      variant = v;
+      buffer = std::make_unique<ChangeBuffer>(v);
+    }
+    buffer->Reset();
+    return buffer.get();
+  }
+};
+
+DiffScratch::DiffScratch() : impl_(std::make_unique<Impl>()) {}
+DiffScratch::~DiffScratch() = default;
+DiffScratch::DiffScratch(DiffScratch&&) noexcept = default;
+DiffScratch& DiffScratch::operator=(DiffScratch&&) noexcept = default;
+
 void ChangeSet::Clear() {
   numel = 0;
   elem_size = 1;
@@ -306,6 +326,11 @@ Status DiffTensorImpl(std::span<const uint8_t> new_bytes, std::span<uint8_t> sna
   const size_t chunk_bytes =
       std::max<size_t>(elem_size, options.parallel_chunk_bytes / elem_size * elem_size);
   if (options.pool == nullptr || bytes <= chunk_bytes) {
+    if (options.scratch != nullptr) {
+      DiffRange(fn, elem_size, new_bytes.data(), snapshot.data(), 0, numel,
+                options.scratch->impl()->For(variant), out);
+      return Status::OK();
+    }
     ChangeBuffer buffer(variant);
     DiffRange(fn, elem_size, new_bytes.data(), snapshot.data(), 0, numel, &buffer, out);
     return Status::OK();

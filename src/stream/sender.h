@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/raw_bytes.h"
 #include "deltasync/diff.h"
 #include "deltasync/shard.h"
 #include "deltasync/stream.h"
@@ -131,8 +132,8 @@ struct TensorState {
   std::vector<int64_t> shape;
   uint64_t numel = 0;
   uint32_t w = 1;
-  uint64_t unit = 1;              // elements per unit of work
-  std::vector<uint8_t> snapshot;  // the committed state (empty before it)
+  uint64_t unit = 1;                 // elements per unit of work
+  core_internal::RawBytes snapshot;  // the committed state (empty before it)
   // A device tensor's snapshot and diff (then `snapshot` stays empty).
   std::unique_ptr<stream::DeviceSource> device;
   std::vector<uint8_t> dirty;                 // per unit: changed by a failed sync
@@ -167,7 +168,34 @@ struct UnitSource {
   // only a unit whose every element changed, or whose dense values were
   // gathered, can go dense.
   std::function<bool(uint64_t first, uint64_t count, uint64_t changed)> can_dense;
+  // A host tensor and its committed snapshot (`host` set, from the second
+  // sync on): its units are diffed a run at a time on the sender's threads
+  // (StreamHostUnits) in place of `changes`.
+  bool host = false;
+  std::span<const uint8_t> host_current;
+  std::span<uint8_t> host_snapshot;  // diffed only, never written
 };
+
+// A unit's dense values, read at most once (valid until the next unit).
+using DenseView = std::function<Result<std::span<const uint8_t>>()>;
+
+// One unit of work as the groups take it: its range, its changed elements
+// (positions from `first`, new values; or on the device), and whether it
+// is resent whole.
+struct UnitOut {
+  uint64_t first = 0;
+  uint64_t count = 0;
+  uint64_t n = 0;  // changed elements
+  bool resend = false;
+  Positions pos;
+  std::span<const uint8_t> values;
+  const stream::DeviceUnitChanges* device = nullptr;
+};
+
+// The host diff's pieces and how many of them run per pass: a window of
+// kHostWindowBytes of a tensor is counted and its digests moved in one
+// pass; its positions are then taken a bucket's worth at a time.
+constexpr uint64_t kHostWindowBytes = uint64_t{64} << 20;
 
 // One tensor's part of a sync while its units stream (a sharded sync
 // streams a large tensor over several batches): the change of each held
@@ -370,6 +398,23 @@ class Sender final : public StreamSender {
   Status StreamUnits(TensorState& t, const UnitSource& src, Round* round, TensorRound* tr,
                      uint64_t u_begin, uint64_t u_end);
   void EndTensor(TensorState& t, const TensorRound& tr);
+  // The unit's encoding in a delta (not whole): the one asked for, or dense
+  // when positions cost more than the values.
+  StreamEncoding EncodingOf(const TensorState& t, const UnitSource& src, uint64_t first,
+                            uint64_t count, uint64_t n) const;
+  // Adds the unit's share of `key`'s whole digest (from its dense values,
+  // or the source's whole digest) to `d`.
+  Status AddWholeDigest(const TensorState& t, const UnitSource& src, const BlockKey& key,
+                        uint64_t first, uint64_t count, const DenseView& dense, StateDigest* d);
+  // Adds the unit to the frame of every group that holds the tensor.
+  Status EmitUnit(TensorState& t, const UnitSource& src, Round* round, stream::DeviceSource* dev,
+                  const UnitOut& c, const DenseView& dense);
+  // StreamUnits for a host tensor with a snapshot (sender_host_units.cc):
+  // a window of units counted and its digests moved in one pass on the
+  // sender's threads, then their positions taken a bucket's worth at a
+  // time, in parallel too, and the units emitted in order.
+  Status StreamHostUnits(TensorState& t, const UnitSource& src, Round* round, TensorRound* tr,
+                         uint64_t u_begin, uint64_t u_end);
   Status SendRecords(Peer& peer, Group& g, uint64_t sync_id, bool verify_all,
                      const std::vector<TensorState*>& order, SyncStats* stats);
 
@@ -391,7 +436,7 @@ class Sender final : public StreamSender {
     uint32_t w = 1;
     uint64_t numel = 0;
     bool contributes = false;
-    std::vector<uint8_t> snapshot;  // host shards
+    core_internal::RawBytes snapshot;  // host shards
     // A device shard: its snapshot (device or pinned memory) and its diff.
     std::unique_ptr<stream::DeviceSource> device;
     Placement place;
@@ -437,6 +482,10 @@ class Sender final : public StreamSender {
   bool pool_made_ = false;
   ChangeSet changes_;
   std::vector<uint64_t> scratch_positions_;
+  // StreamHostUnits' staged positions (from each unit's first) and new
+  // values: at most a bucket's worth.
+  std::vector<uint32_t> staged_positions_;
+  std::vector<uint8_t> staged_values_;
   // Cancel's state, and the lock under which comm_ and trainers_ are set
   // and cleared (the calling thread reads them without it).
   mutable std::mutex mu_;

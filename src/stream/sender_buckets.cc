@@ -28,19 +28,13 @@ Status CheckOptions(const SenderOptions& options) {
     return Status::InvalidArgument("bucket_bytes " + std::to_string(options.bucket_bytes) +
                                    ": at least 64 KiB and at most 2^40");
   }
-  if (options.threads > 1024) {
-    return Status::InvalidArgument("threads " + std::to_string(options.threads) +
-                                   ": at most 1024 (0: the cores available)");
-  }
-  return Status::OK();
+  return ThreadPool::CheckThreads(options.threads);
 }
 
 ThreadPool* Sender::Pool() {
   if (!pool_made_) {
     pool_made_ = true;
-    const uint32_t n = options_.threads != 0 ? options_.threads : ThreadPool::CoresAvailable();
-    // The calling thread is one of them.
-    if (n > 1) pool_ = std::make_unique<ThreadPool>(n - 1);
+    pool_ = ThreadPool::ForThreads(options_.threads);
   }
   return pool_.get();
 }
@@ -189,77 +183,137 @@ void Sender::EndTensor(TensorState& t, const TensorRound& tr) {
   }
 }
 
+StreamEncoding Sender::EncodingOf(const TensorState& t, const UnitSource& src, uint64_t first,
+                                  uint64_t count, uint64_t n) const {
+  // The encoding asked for, or dense when positions would cost more than
+  // the values (and the values can be had).
+  const uint64_t pw = t.numel >= (uint64_t{1} << 31) ? 8 : 4;
+  StreamEncoding e = options_.encoding;
+  if (e == StreamEncoding::kIndices && n * (pw + t.w) >= count * t.w &&
+      (!src.can_dense || src.can_dense(first, count, n))) {
+    e = StreamEncoding::kDense;
+  }
+  if (e == StreamEncoding::kDense && src.can_dense && !src.can_dense(first, count, n)) {
+    e = StreamEncoding::kIndices;
+  }
+  return e;
+}
+
+Status Sender::AddWholeDigest(const TensorState& t, const UnitSource& src, const BlockKey& key,
+                              uint64_t first, uint64_t count, const DenseView& dense,
+                              StateDigest* d) {
+  if (src.whole_digest && Covers(BlockOf(key), t.numel)) {
+    DS_ASSIGN_OR_RETURN(StateDigest part, src.whole_digest(first, count, true));
+    *d += part;
+    return Status::OK();
+  }
+  DS_ASSIGN_OR_RETURN(std::span<const uint8_t> xu, dense());
+  DS_ASSIGN_OR_RETURN(StateDigest part,
+                      stream::ComputeBlockPartDigest(xu, t.w, first, BlockOf(key)));
+  *d += part;
+  return Status::OK();
+}
+
+Status Sender::EmitUnit(TensorState& t, const UnitSource& src, Round* round,
+                        stream::DeviceSource* dev, const UnitOut& c, const DenseView& dense) {
+  SyncStats* stats = &round->stats;
+  TensorRange range{t.name, t.dtype, t.shape, c.first, c.count};
+  for (const std::unique_ptr<Group>& gp : round->groups) {
+    Group& g = *gp;
+    if (!g.holds.count(t.name)) continue;
+    // A seed or a resent unit goes whole (dense).
+    const bool whole = g.seed || c.resend;
+    if (!whole && c.n == 0) continue;
+    const StreamEncoding e =
+        whole ? StreamEncoding::kDense : EncodingOf(t, src, c.first, c.count, c.n);
+    if (dev) {
+      // BeginSync leaves sparse deltas, compressed on the host, to host
+      // frames.
+      DS_RETURN_IF_ERROR(Add(g, round->sync_id, stats, [&](Group& gr) -> Result<bool> {
+        if (e == StreamEncoding::kDense) {
+          return gr.device->AddDense(range, dev->current(c.first), dev->stream());
+        }
+        return gr.device->AddIndices(range, *c.device, dev->stream());
+      }));
+    } else {
+      std::span<const uint8_t> xu;
+      if (e == StreamEncoding::kDense) {
+        DS_ASSIGN_OR_RETURN(xu, dense());
+      }
+      DS_RETURN_IF_ERROR(Add(g, round->sync_id, stats, [&](Group& gr) -> Result<bool> {
+        FlushWriter& w = gr.writer;
+        switch (e) {
+          case StreamEncoding::kDense: return w.AddDense(range, xu);
+          case StreamEncoding::kIndices: return w.AddIndices(range, c.pos, c.values);
+          case StreamEncoding::kSparse: return w.AddSparse(range, c.pos, c.values);
+        }
+        return Status::Internal("unknown stream encoding");
+      }));
+    }
+    if (!g.seed) stats->sent_elements += e == StreamEncoding::kDense ? c.count : c.n;
+    g.named.insert(t.name);
+  }
+  return Status::OK();
+}
+
 Status Sender::StreamUnits(TensorState& t, const UnitSource& src, Round* round, TensorRound* tr,
                            uint64_t u_begin, uint64_t u_end) {
   SyncStats* stats = &round->stats;
-  const uint64_t sync_id = round->sync_id;
   std::map<BlockKey, StateDigest>& delta = tr->delta;
   // Frames on the device: the changes stay there, and entries are copied
   // into the device buckets from the diff's outputs and the tensor.
   stream::DeviceSource* dev = round->device_frames ? t.device.get() : nullptr;
   if (dev) frame_stream_ = dev->stream();
-  const TensorRange whole{t.name, t.dtype, t.shape, 0, t.numel};
+  if (src.host && have_snapshot_ && t.unit <= UINT32_MAX) {
+    return StreamHostUnits(t, src, round, tr, u_begin, u_end);
+  }
   for (uint64_t u = u_begin; u < u_end; ++u) {
-    const uint64_t first = u * t.unit;
-    const uint64_t count = std::min(t.unit, t.numel - first);
-    TensorRange range = whole;
-    range.first = first;
-    range.count = count;
+    UnitOut c;
+    c.first = u * t.unit;
+    c.count = std::min(t.unit, t.numel - c.first);
+    const uint64_t first = c.first, count = c.count;
     std::optional<std::span<const uint8_t>> dense_view;
-    const auto dense = [&]() -> Result<std::span<const uint8_t>> {
+    const DenseView dense = [&]() -> Result<std::span<const uint8_t>> {
       if (!dense_view) {
         DS_ASSIGN_OR_RETURN(std::span<const uint8_t> v, src.dense(first, count));
         dense_view = v;
       }
       return *dense_view;
     };
-    // A block whose digest is computed whole takes the unit's share of it
-    // from its dense values.
-    const auto add_whole = [&](const BlockKey& key, StateDigest* d, bool seed) -> Status {
-      if (src.whole_digest && Covers(BlockOf(key), t.numel)) {
-        DS_ASSIGN_OR_RETURN(StateDigest part, src.whole_digest(first, count, seed));
-        *d += part;
-        return Status::OK();
-      }
-      DS_ASSIGN_OR_RETURN(std::span<const uint8_t> xu, dense());
-      DS_ASSIGN_OR_RETURN(StateDigest part,
-                          stream::ComputeBlockPartDigest(xu, t.w, first, BlockOf(key)));
-      *d += part;
-      return Status::OK();
-    };
-    bool resend = false;  // the whole unit, dense
     changes_.Clear();
     stream::DeviceUnitChanges device_changes;
-    uint64_t n = 0;  // changed elements of the unit
     const auto t0 = Clock::now();
     if (have_snapshot_) {
       if (dev) {
         DS_ASSIGN_OR_RETURN(device_changes, dev->DeviceChanges(first, count));
-        n = device_changes.count;
+        c.n = device_changes.count;
+        c.device = &device_changes;
       } else {
         DS_RETURN_IF_ERROR(src.changes(first, count, &changes_));
-        n = changes_.count();
+        c.n = changes_.count();
+        c.pos = Positions::Of(changes_, first);
+        c.values = changes_.new_values;
       }
-      stats->changed += n;
-      resend = t.dirty[u] != 0;
-      if (resend || n > 0) t.changed[u] = 1;
+      stats->changed += c.n;
+      c.resend = t.dirty[u] != 0;
+      if (c.resend || c.n > 0) t.changed[u] = 1;
       // A block's digest moves by what its changed elements move it (a
       // resent unit's other elements hold what the snapshot holds).
       for (auto& [key, d] : delta) {
         const DigestBlock b = BlockOf(key);
         if (tr->whole.count(key)) {
-          DS_RETURN_IF_ERROR(add_whole(key, &d, true));
+          DS_RETURN_IF_ERROR(AddWholeDigest(t, src, key, first, count, dense, &d));
         } else if (src.whole_digest && Covers(b, t.numel)) {
           DS_ASSIGN_OR_RETURN(StateDigest part, src.whole_digest(first, count, false));
           d += part;
-        } else if (n == 0) {
+        } else if (c.n == 0) {
           continue;
         } else if (dev) {
           DS_ASSIGN_OR_RETURN(StateDigest part, dev->BlockDigestChange(device_changes, b));
           d += part;
         } else if (Covers(b, t.numel)) {
-          DS_RETURN_IF_ERROR(stream::UpdateStateDigest(
-              &d, Positions::Of(changes_, first), changes_.old_values, changes_.new_values, t.w));
+          DS_RETURN_IF_ERROR(
+              stream::UpdateStateDigest(&d, c.pos, changes_.old_values, changes_.new_values, t.w));
         } else {
           for (uint64_t k = 0; k < changes_.count(); ++k) {
             const uint64_t p = first + changes_.position(k);
@@ -272,57 +326,12 @@ Status Sender::StreamUnits(TensorState& t, const UnitSource& src, Round* round, 
       }
     } else {
       t.changed[u] = 1;
-      for (auto& [key, d] : delta) DS_RETURN_IF_ERROR(add_whole(key, &d, true));
+      for (auto& [key, d] : delta) {
+        DS_RETURN_IF_ERROR(AddWholeDigest(t, src, key, first, count, dense, &d));
+      }
     }
     stats->diff_s += SecondsSince(t0);
-    for (const std::unique_ptr<Group>& gp : round->groups) {
-      Group& g = *gp;
-      if (!g.holds.count(t.name)) continue;
-      // A seed or a resent unit goes whole (dense); a delta in the
-      // encoding asked for, or dense when positions would cost more than
-      // the values (and the values can be had).
-      const bool whole = g.seed || resend;
-      if (!whole && n == 0) continue;
-      StreamEncoding e = StreamEncoding::kDense;
-      if (!whole) {
-        const uint64_t pw = t.numel >= (uint64_t{1} << 31) ? 8 : 4;
-        e = options_.encoding;
-        if (e == StreamEncoding::kIndices && n * (pw + t.w) >= count * t.w &&
-            (!src.can_dense || src.can_dense(first, count, n))) {
-          e = StreamEncoding::kDense;
-        }
-        if (e == StreamEncoding::kDense && src.can_dense && !src.can_dense(first, count, n)) {
-          e = StreamEncoding::kIndices;
-        }
-      }
-      if (dev) {
-        // BeginSync leaves sparse deltas, compressed on the host, to host
-        // frames.
-        DS_RETURN_IF_ERROR(Add(g, sync_id, stats, [&](Group& gr) -> Result<bool> {
-          if (e == StreamEncoding::kDense) {
-            return gr.device->AddDense(range, dev->current(first), dev->stream());
-          }
-          return gr.device->AddIndices(range, device_changes, dev->stream());
-        }));
-      } else {
-        std::span<const uint8_t> xu;
-        if (e == StreamEncoding::kDense) {
-          DS_ASSIGN_OR_RETURN(xu, dense());
-        }
-        const Positions pos = Positions::Of(changes_, first);
-        DS_RETURN_IF_ERROR(Add(g, sync_id, stats, [&](Group& gr) -> Result<bool> {
-          FlushWriter& w = gr.writer;
-          switch (e) {
-            case StreamEncoding::kDense: return w.AddDense(range, xu);
-            case StreamEncoding::kIndices: return w.AddIndices(range, pos, changes_.new_values);
-            case StreamEncoding::kSparse: return w.AddSparse(range, pos, changes_.new_values);
-          }
-          return Status::Internal("unknown stream encoding");
-        }));
-      }
-      if (!g.seed) stats->sent_elements += e == StreamEncoding::kDense ? count : n;
-      g.named.insert(t.name);
-    }
+    DS_RETURN_IF_ERROR(EmitUnit(t, src, round, dev, c, dense));
   }
   return Status::OK();
 }

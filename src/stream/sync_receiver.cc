@@ -101,8 +101,7 @@ class Receiver final : public StreamReceiver {
   ThreadPool* Pool() {
     if (!pool_made_) {
       pool_made_ = true;
-      const uint32_t n = options_.threads != 0 ? options_.threads : ThreadPool::CoresAvailable();
-      if (n > 1) pool_ = std::make_unique<ThreadPool>(n - 1);
+      pool_ = ThreadPool::ForThreads(options_.threads);
     }
     return pool_.get();
   }
@@ -403,6 +402,15 @@ Status Receiver::TakeFrame(bool envelope_last, bool on_device, uint64_t bytes, S
   for (size_t k = 0; host && k < entries.size(); ++k) {
     host = dests_.find(entries[k].name)->second.device == nullptr;
   }
+  // What each applied entry (or the first that fails) leaves behind.
+  const auto failed = [&](const Destination& d, const Status& s) {
+    return Status(s.code(), frame + ": applying tensor '" + d.name + "': " + s.message());
+  };
+  const auto written_by = [&](const Destination& d, uint64_t written) {
+    stats->elements_written += written;
+    ++sync->entries;
+    sync->named.insert(d.name);
+  };
   if (host && Pool() != nullptr) {
     // A host frame's entries on the receiver's threads: each writes its own
     // range and moves a digest of its own, added to its tensor's in order.
@@ -415,21 +423,18 @@ Status Receiver::TakeFrame(bool envelope_last, bool on_device, uint64_t bytes, S
     for (size_t k = 0; k < entries.size(); ++k) {
       Destination& d = dests_.find(entries[k].name)->second;
       if (!written[k].ok()) {
-        applied = Status(written[k].status().code(), frame + ": applying tensor '" + d.name +
-                                                         "': " + written[k].status().message());
+        applied = failed(d, written[k].status());
         break;
       }
       if (!seed) d.running += moved[k];
-      stats->elements_written += *written[k];
-      ++sync->entries;
-      sync->named.insert(d.name);
+      written_by(d, *written[k]);
     }
   } else {
     for (const FlushEntry& e : entries) {
       Destination& d = dests_.find(e.name)->second;
       if (options_.apply_hook) {
         if (Status s = options_.apply_hook(sync->sync_id, e.name, sync->entries); !s.ok()) {
-          applied = Status(s.code(), frame + ": applying tensor '" + d.name + "': " + s.message());
+          applied = failed(d, s);
           break;
         }
       }
@@ -437,13 +442,10 @@ Status Receiver::TakeFrame(bool envelope_last, bool on_device, uint64_t bytes, S
           d.device ? d.device->Apply(e)
                    : stream::ApplyEntry(e, d.map, d.bytes, seed ? nullptr : &d.running);
       if (!written.ok()) {
-        applied = Status(written.status().code(), frame + ": applying tensor '" + d.name +
-                                                      "': " + written.status().message());
+        applied = failed(d, written.status());
         break;
       }
-      stats->elements_written += *written;
-      ++sync->entries;
-      sync->named.insert(d.name);
+      written_by(d, *written);
     }
   }
   if (on_device) {
@@ -654,10 +656,7 @@ Result<ReceiveStats> Receiver::ReceiveSyncAlone() {
 Result<std::unique_ptr<StreamReceiver>> StreamReceiver::Create(CommunicatorFactory connect,
                                                                ReceiverOptions options) {
   if (!connect) return Status::InvalidArgument("StreamReceiver: no communicator factory");
-  if (options.threads > 1024) {
-    return Status::InvalidArgument("threads " + std::to_string(options.threads) +
-                                   ": at most 1024 (0: the cores available)");
-  }
+  DS_RETURN_IF_ERROR(ThreadPool::CheckThreads(options.threads));
   return std::unique_ptr<StreamReceiver>(new Receiver(std::move(connect), std::move(options)));
 }
 

@@ -608,6 +608,9 @@ Result<SyncStats> Sender::SyncAlone(std::span<const SyncTensor> tensors) {
     src.dense = [&](uint64_t first, uint64_t count) -> Result<std::span<const uint8_t>> {
       return x.subspan(first * t->w, count * t->w);
     };
+    src.host = true;
+    src.host_current = x;
+    src.host_snapshot = t->snapshot;
     round.streamed = StreamTensor(*t, src, &round);
     if (!round.streamed.ok()) break;
   }

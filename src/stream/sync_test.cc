@@ -426,7 +426,11 @@ TEST_F(SyncTest, ReceiversApplyingAFramesEntriesOnSeveralThreadsStayBitExact) {
   for (int step = 0; step < 5; ++step) {
     if (step > 0) m.Step(90 + step, 0.1);
     Result<SyncStats> s = sender->Sync(m.tensors);
-    ASSERT_TRUE(s.ok()) << "step " << step << ": " << s.status().ToString();
+    if (!s.ok()) {
+      // The receivers are stopped below either way: a failure never hangs.
+      ADD_FAILURE() << "step " << step << ": " << s.status().ToString();
+      break;
+    }
     EXPECT_TRUE(whole.Matches(m).ok()) << whole.Matches(m).ToString();
     EXPECT_TRUE(rows.Matches(m).ok()) << rows.Matches(m).ToString();
   }

@@ -1,0 +1,285 @@
+// The stream's sender, a host tensor's delta (sender.h, StreamHostUnits):
+// its units diffed against the snapshot a window at a time on the sender's
+// threads, so that a sync pays one parallel pass per window rather than
+// one per unit. The pass diffs every piece of the window, moves the held
+// blocks' digests by its changes and keeps its positions and values while
+// they fit half a bucket; the units that go by positions then have them
+// staged, a unit's pieces side by side (a piece not kept is diffed again),
+// half a bucket at a time, and the units are added to the frames in order
+// as StreamUnits does.
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/endian.h"
+#include "core/parallel.h"
+#include "deltasync/diff.h"
+#include "deltasync/timing.h"
+#include "stream/sender.h"
+
+namespace deltasync {
+
+namespace stream_sender {
+
+namespace {
+
+// A piece of a unit: elements [first, first + count) of the tensor.
+struct Piece {
+  uint64_t unit;
+  uint64_t first;
+  uint64_t count;
+};
+
+// Runs task(piece index, changes, scratch) for every piece on the pool (or
+// inline), each thread with a ChangeSet and a diff scratch of its own; the
+// first error wins.
+template <typename Task>
+Status RunPieces(ThreadPool* pool, size_t pieces, Task&& task) {
+  core_internal::FirstError error;
+  const size_t tasks = pool == nullptr ? 1 : std::min(pieces, pool->size() + 1);
+  std::atomic<size_t> next{0};
+  const auto run = [&](size_t) {
+    ChangeSet changes;
+    DiffScratch scratch;
+    for (size_t i; (i = next.fetch_add(1)) < pieces;) {
+      if (error.failed()) return;
+      error.Note(task(i, changes, scratch));
+    }
+  };
+  if (pool == nullptr || tasks <= 1) {
+    run(0);
+  } else {
+    pool->ParallelFor(tasks, run);
+  }
+  return error.status();
+}
+
+}  // namespace
+
+Status Sender::StreamHostUnits(TensorState& t, const UnitSource& src, Round* round, TensorRound* tr,
+                               uint64_t u_begin, uint64_t u_end) {
+  SyncStats* stats = &round->stats;
+  ThreadPool* pool = Pool();
+  const std::span<const uint8_t> x = src.host_current;
+  const std::span<uint8_t> snap = src.host_snapshot;
+  if (x.size() != t.numel * t.w || snap.size() != x.size()) {
+    return Status::Internal("tensor '" + t.name + "': host views of the wrong size");
+  }
+  DiffOptions options = diff_;
+  options.refresh_snapshot = false;
+  options.pool = nullptr;
+  options.elem_size = t.w;
+  // The blocks whose digest moves by the changes (the others are computed
+  // whole from the dense values).
+  struct Moved {
+    DigestBlock block;
+    bool covers;
+    StateDigest* digest;
+  };
+  std::vector<Moved> moved;
+  std::vector<std::pair<BlockKey, StateDigest*>> whole;
+  for (auto& [key, d] : tr->delta) {
+    if (tr->whole.count(key)) {
+      whole.push_back({key, &d});
+    } else {
+      moved.push_back({BlockOf(key), Covers(BlockOf(key), t.numel), &d});
+    }
+  }
+  bool any_delta = false;  // a group takes this tensor's changes
+  for (const std::unique_ptr<Group>& g : round->groups) {
+    any_delta = any_delta || (!g->seed && g->holds.count(t.name));
+  }
+  // A piece's changes, kept from the pass: positions from its unit's first
+  // element, and new values.
+  struct Kept {
+    bool kept = false;
+    std::vector<uint32_t> positions;
+    std::vector<uint8_t> values;
+  };
+  const uint64_t half_bucket = options_.bucket_bytes / 2;
+  const uint64_t change_bytes = 4 + t.w;  // a staged or kept change
+  const uint64_t piece_numel = std::max<uint64_t>(1, kParallelDiffBytes / t.w);
+  const uint64_t window_units = std::max<uint64_t>(1, kHostWindowBytes / (t.unit * t.w));
+  std::vector<Piece> pieces;
+  std::vector<size_t> unit_pieces;  // the window's units' first piece, and the end
+  std::vector<uint64_t> counts;     // per piece
+  std::vector<StateDigest> parts;   // per piece and moved block
+  std::vector<Kept> kept;           // per piece
+  std::vector<UnitOut> units;
+  std::vector<uint64_t> at;    // per piece: its first staged change
+  std::vector<uint64_t> from;  // per unit: its first staged change
+  constexpr uint64_t kNotStaged = UINT64_MAX;
+  for (uint64_t w0 = u_begin; w0 < u_end;) {
+    const uint64_t w1 = std::min(u_end, w0 + window_units);
+    pieces.clear();
+    unit_pieces.clear();
+    units.clear();
+    for (uint64_t u = w0; u < w1; ++u) {
+      UnitOut c;
+      c.first = u * t.unit;
+      c.count = std::min(t.unit, t.numel - c.first);
+      c.resend = t.dirty[u] != 0;
+      units.push_back(c);
+      unit_pieces.push_back(pieces.size());
+      for (uint64_t p = 0; p < c.count; p += piece_numel) {
+        pieces.push_back({u, c.first + p, std::min(piece_numel, c.count - p)});
+      }
+    }
+    unit_pieces.push_back(pieces.size());
+    // The pass: each piece's changes counted, each moved block's digest
+    // moved by them, and kept while half a bucket holds them.
+    const auto t0 = Clock::now();
+    counts.assign(pieces.size(), 0);
+    parts.assign(pieces.size() * moved.size(), StateDigest{});
+    kept.clear();
+    kept.resize(pieces.size());
+    std::atomic<uint64_t> kept_bytes{0};
+    DS_RETURN_IF_ERROR(RunPieces(
+        pool, pieces.size(), [&](size_t i, ChangeSet& cs, DiffScratch& scratch) -> Status {
+          const Piece& pc = pieces[i];
+          DiffOptions o = options;
+          o.keep_old_values = !moved.empty();
+          o.scratch = &scratch;
+          DS_RETURN_IF_ERROR(DiffTensor(x.subspan(pc.first * t.w, pc.count * t.w),
+                                        snap.subspan(pc.first * t.w, pc.count * t.w), o, &cs));
+          const uint64_t n = cs.count();
+          counts[i] = n;
+          if (n == 0) return Status::OK();
+          const Positions pos = Positions::Of(cs, pc.first);
+          for (size_t k = 0; k < moved.size(); ++k) {
+            StateDigest& d = parts[i * moved.size() + k];
+            if (moved[k].covers) {
+              DS_RETURN_IF_ERROR(
+                  stream::UpdateStateDigest(&d, pos, cs.old_values, cs.new_values, t.w));
+              continue;
+            }
+            for (uint64_t j = 0; j < n; ++j) {
+              const uint64_t p = pos[j];
+              if (!InBlock(moved[k].block, p)) continue;
+              d += stream::ElementChangeDigest(p, LoadLeWidth(cs.old_values.data() + j * t.w, t.w),
+                                               LoadLeWidth(cs.new_values.data() + j * t.w, t.w),
+                                               t.w);
+            }
+          }
+          if (!any_delta) return Status::OK();
+          const uint64_t bytes = n * change_bytes;
+          if (kept_bytes.fetch_add(bytes) + bytes > half_bucket) {
+            kept_bytes.fetch_sub(bytes);
+            return Status::OK();
+          }
+          Kept& kp = kept[i];
+          const uint32_t from_unit = static_cast<uint32_t>(pc.first - units[pc.unit - w0].first);
+          kp.positions.resize(n);
+          for (uint64_t j = 0; j < n; ++j) {
+            kp.positions[j] = from_unit + static_cast<uint32_t>(cs.position(j));
+          }
+          kp.values.assign(cs.new_values.begin(), cs.new_values.end());
+          kp.kept = true;
+          return Status::OK();
+        }));
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      units[pieces[i].unit - w0].n += counts[i];
+      for (size_t k = 0; k < moved.size(); ++k) *moved[k].digest += parts[i * moved.size() + k];
+    }
+    for (UnitOut& c : units) {
+      stats->changed += c.n;
+      if (c.resend || c.n > 0) t.changed[c.first / t.unit] = 1;
+    }
+    stats->diff_s += SecondsSince(t0);
+    // Half a bucket of staged changes at a time: the positions and values
+    // of the units that go by positions, then every unit of the run
+    // emitted in order.
+    for (uint64_t v0 = w0; v0 < w1;) {
+      const auto t1 = Clock::now();
+      uint64_t staged = 0;
+      uint64_t v1 = v0;
+      std::vector<size_t> wanted;  // pieces to stage
+      at.assign(pieces.size(), 0);
+      from.assign(units.size(), kNotStaged);
+      for (; v1 < w1; ++v1) {
+        const UnitOut& c = units[v1 - w0];
+        const bool by_positions =
+            any_delta && !c.resend && c.n > 0 &&
+            EncodingOf(t, src, c.first, c.count, c.n) != StreamEncoding::kDense;
+        if (!by_positions) continue;
+        if (staged > 0 && (staged + c.n) * change_bytes > half_bucket) break;
+        from[v1 - w0] = staged;
+        for (size_t i = unit_pieces[v1 - w0]; i < unit_pieces[v1 - w0 + 1]; ++i) {
+          at[i] = staged;
+          staged += counts[i];
+          if (counts[i] > 0) wanted.push_back(i);
+        }
+      }
+      staged_positions_.resize(staged);
+      staged_values_.resize(staged * t.w);
+      DS_RETURN_IF_ERROR(RunPieces(
+          pool, wanted.size(), [&](size_t j, ChangeSet& cs, DiffScratch& scratch) -> Status {
+            const size_t i = wanted[j];
+            const Piece& pc = pieces[i];
+            uint32_t* positions = staged_positions_.data() + at[i];
+            uint8_t* values = staged_values_.data() + at[i] * t.w;
+            if (kept[i].kept) {
+              std::memcpy(positions, kept[i].positions.data(), counts[i] * sizeof(uint32_t));
+              std::memcpy(values, kept[i].values.data(), counts[i] * t.w);
+              kept[i] = Kept{};
+              return Status::OK();
+            }
+            DiffOptions o = options;
+            o.keep_old_values = false;
+            o.scratch = &scratch;
+            DS_RETURN_IF_ERROR(DiffTensor(x.subspan(pc.first * t.w, pc.count * t.w),
+                                          snap.subspan(pc.first * t.w, pc.count * t.w), o, &cs));
+            if (cs.count() != counts[i]) {
+              return Status::FailedPrecondition(
+                  "tensor '" + t.name + "' changed while it was being synced (elements " +
+                  std::to_string(pc.first) + " to " + std::to_string(pc.first + pc.count) + ")");
+            }
+            const uint32_t from_unit = static_cast<uint32_t>(pc.first - units[pc.unit - w0].first);
+            for (uint64_t k = 0; k < cs.count(); ++k) {
+              positions[k] = from_unit + static_cast<uint32_t>(cs.position(k));
+            }
+            std::memcpy(values, cs.new_values.data(), cs.count() * t.w);
+            return Status::OK();
+          }));
+      stats->diff_s += SecondsSince(t1);
+      for (uint64_t v = v0; v < v1; ++v) {
+        UnitOut& c = units[v - w0];
+        if (from[v - w0] != kNotStaged) {
+          c.pos = Positions{
+              std::span<const uint32_t>(staged_positions_).subspan(from[v - w0], c.n), {}, c.first};
+          c.values =
+              std::span<const uint8_t>(staged_values_).subspan(from[v - w0] * t.w, c.n * t.w);
+        }
+        const uint64_t first = c.first, count = c.count;
+        std::optional<std::span<const uint8_t>> dense_view;
+        const DenseView dense = [&]() -> Result<std::span<const uint8_t>> {
+          if (!dense_view) {
+            DS_ASSIGN_OR_RETURN(std::span<const uint8_t> dv, src.dense(first, count));
+            dense_view = dv;
+          }
+          return *dense_view;
+        };
+        if (!whole.empty()) {
+          const auto t2 = Clock::now();
+          for (auto& [key, d] : whole) {
+            DS_RETURN_IF_ERROR(AddWholeDigest(t, src, key, first, count, dense, d));
+          }
+          stats->diff_s += SecondsSince(t2);
+        }
+        DS_RETURN_IF_ERROR(EmitUnit(t, src, round, nullptr, c, dense));
+      }
+      // The kept changes of units that went dense are let go with them.
+      for (size_t i = unit_pieces[v0 - w0]; i < unit_pieces[v1 - w0]; ++i) kept[i] = Kept{};
+      v0 = v1;
+    }
+    w0 = w1;
+  }
+  return Status::OK();
+}
+
+}  // namespace stream_sender
+
+}  // namespace deltasync
