@@ -52,7 +52,7 @@ bool SameEntry(const FlushEntry& a, const FlushEntry& b) {
 
 void CheckRebuild(std::span<const uint8_t> frame, const FlushReader& reader) {
   FlushWriter writer;
-  std::vector<uint8_t> again;
+  FrameBuffer again;
   Require(writer.Begin(reader.header(), kMaxFlushFrameBytes, &again).ok(), "writer takes header");
   bool sparse = false;
   for (const FlushEntry& e : reader.entries()) {

@@ -484,7 +484,15 @@ class Bench {
   }
 
   // The link's speed: the fastest one receiver was sent bytes in this run,
-  // by the full broadcast or by a sync's frames (their send time).
+  // by the full broadcast or by a sync's frames (their send time), and on
+  // a shaped link never above its shaper's rate: a sync's send time ends
+  // when its last bytes are queued, not when they arrive, so a short
+  // sync's rate can exceed what the link carries.
+  double LinkBytesPerSecond(const Link& link) const {
+    double bps = LinkBytesPerSecond(link.name);
+    if (link.gbit > 0) bps = std::min(bps, link.gbit * 1e9 / 8);
+    return bps;
+  }
   double LinkBytesPerSecond(const std::string& link) const {
     double bps = 0;
     for (const Run& r : runs_.at(link)) {
@@ -534,7 +542,7 @@ json Bench::Report() const {
   out["threads"] = threads_;
   out["skipped"] = skipped;
   for (const Link& link : links) {
-    const double bps = LinkBytesPerSecond(link.name);
+    const double bps = LinkBytesPerSecond(link);
     json rows = json::array();
     for (const Run& r : runs_.at(link.name)) {
       json row = {{"receivers", r.receivers},
@@ -576,7 +584,7 @@ void Bench::Print() const {
       read_s_, read_all_s_, threads_);
   for (const std::string& s : skipped) std::printf("skipped: %s\n", s.c_str());
   for (const Link& link : links) {
-    const double bps = LinkBytesPerSecond(link.name);
+    const double bps = LinkBytesPerSecond(link);
     std::printf("\n%s (to 1 receiver: %.2f GB/s at best, full broadcast %.2f GB/s)\n",
                 link.name.c_str(), bps / 1e9, FullBytesPerSecond(link.name) / 1e9);
     std::printf("%4s %-10s %8s %7s %8s %7s %7s %7s %7s %7s %7s %8s %8s %9s %9s %9s\n", "recv",

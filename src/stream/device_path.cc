@@ -569,7 +569,7 @@ class FrameImpl final : public DeviceFrame {
   uint64_t budget_;
   cuda::Buffer bucket_;
   FlushWriter writer_;
-  std::vector<uint8_t> head_;  // the header and manifest, on the host
+  FrameBuffer head_;  // the header and manifest, on the host
   void* stream_ = nullptr;
   std::set<void*> streams_;
   std::array<uint8_t, kFlushTrailerBytes> trailer_{};

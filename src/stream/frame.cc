@@ -16,6 +16,18 @@
 
 namespace deltasync::stream {
 
+namespace {
+
+// Resizes `b` to `size`, zeroing what it gains (a FrameBuffer's resize
+// leaves new bytes as they were): padding is zero on the wire.
+void ResizeZeroed(FrameBuffer* b, uint64_t size) {
+  const uint64_t old = b->size();
+  b->resize(size);
+  if (size > old) std::memset(b->data() + old, 0, size - old);
+}
+
+}  // namespace
+
 // A sharded trainer's placements check the limits the frames carry.
 static_assert(kMaxShardNumel == static_cast<int64_t>(kMaxStreamNumel));
 static_assert(kMaxShardDims == kMaxTensorDims);
@@ -43,18 +55,17 @@ struct FlushWriter::ZstdContexts {
 FlushWriter::FlushWriter() : zstd_(std::make_unique<ZstdContexts>()) {}
 FlushWriter::~FlushWriter() = default;
 
-Status FlushWriter::Begin(const FlushHeader& header, uint64_t budget_bytes,
-                          std::vector<uint8_t>* out) {
+Status FlushWriter::Begin(const FlushHeader& header, uint64_t budget_bytes, FrameBuffer* out) {
   return Start(header, budget_bytes, out, /*placed=*/false);
 }
 
 Status FlushWriter::BeginPlaced(const FlushHeader& header, uint64_t budget_bytes,
-                                std::vector<uint8_t>* out) {
+                                FrameBuffer* out) {
   return Start(header, budget_bytes, out, /*placed=*/true);
 }
 
-Status FlushWriter::Start(const FlushHeader& header, uint64_t budget_bytes,
-                          std::vector<uint8_t>* out, bool placed) {
+Status FlushWriter::Start(const FlushHeader& header, uint64_t budget_bytes, FrameBuffer* out,
+                          bool placed) {
   if (out == nullptr) return Status::InvalidArgument("flush writer: no output buffer");
   if (header.sync_id == 0) return Status::InvalidArgument("flush writer: sync id 0");
   if (header.verify_all && !header.last) {
@@ -78,7 +89,7 @@ Status FlushWriter::Start(const FlushHeader& header, uint64_t budget_bytes,
   placed_ = placed;
   end_ = kFlushHeaderBytes;
   out_->clear();
-  out_->resize(kFlushHeaderBytes);
+  ResizeZeroed(out_, kFlushHeaderBytes);
   return Status::OK();
 }
 
@@ -223,8 +234,8 @@ Result<bool> FlushWriter::AddDense(const TensorRange& range, std::span<const uin
   const size_t entry_bytes = kEntryFixedBytes + 8 * range.shape.size() + range.name.size();
   const uint64_t off = Align8(end_);
   if (!Fits(off + values.size(), entry_bytes)) return false;
-  out_->resize(off);
-  out_->insert(out_->end(), values.begin(), values.end());
+  ResizeZeroed(out_, off);
+  CopyIn(values);
   end_ = out_->size();
   AppendEntry(range, WireEncoding::kDense, range.count, off, 0, off, values.size());
   return true;
@@ -242,16 +253,32 @@ Result<bool> FlushWriter::AddIndices(const TensorRange& range, const Positions& 
   const uint64_t pos_off = Align8(end_);
   const uint64_t val_off = Align8(pos_off + n * width);
   if (!Fits(val_off + values.size(), entry_bytes)) return false;
-  out_->resize(val_off);
+  ResizeZeroed(out_, val_off);
   uint8_t* p = out_->data() + pos_off;
   for (uint64_t k = 0; k < n; ++k) StoreLeWidth(p + k * width, positions[k], width);
-  out_->insert(out_->end(), values.begin(), values.end());
+  CopyIn(values);
   end_ = out_->size();
   AppendEntry(range, WireEncoding::kIndices, n, pos_off, n * width, val_off, values.size());
   return true;
 }
 
+void FlushWriter::CopyIn(std::span<const uint8_t> values) {
+  const uint64_t at = out_->size();
+  out_->resize(at + values.size());
+  uint8_t* to = out_->data() + at;
+  constexpr uint64_t kPiece = uint64_t{1} << 20;
+  if (pool_ == nullptr || values.size() < 2 * kPiece) {
+    if (!values.empty()) std::memcpy(to, values.data(), values.size());
+    return;
+  }
+  pool_->ParallelFor((values.size() + kPiece - 1) / kPiece, [&](size_t i) {
+    const uint64_t from = i * kPiece;
+    std::memcpy(to + from, values.data() + from, std::min<uint64_t>(kPiece, values.size() - from));
+  });
+}
+
 Result<size_t> FlushWriter::Compress(std::span<const uint8_t> content, uint64_t offset) {
+  ResizeZeroed(out_, offset);
   out_->resize(offset + ZSTD_compressBound(content.size()));
   ZSTD_CCtx* cctx = zstd_->cctx;
   ZSTD_CCtx_reset(cctx, ZSTD_reset_session_and_parameters);
@@ -279,7 +306,7 @@ Result<bool> FlushWriter::AddSparse(const TensorRange& range, const Positions& p
   const uint64_t pos_off = Align8(start);
   if (n == 0) {
     if (!Fits(pos_off, entry_bytes)) return false;
-    out_->resize(pos_off);
+    ResizeZeroed(out_, pos_off);
     end_ = pos_off;
     AppendEntry(range, WireEncoding::kSparse, 0, pos_off, 0, pos_off, 0);
     return true;
@@ -315,8 +342,7 @@ Result<bool> FlushWriter::AddSparse(const TensorRange& range, const Positions& p
     if (!val_bytes.ok()) return val_bytes.status();
     return false;
   }
-  // Compress resized the buffer with value-initialized bytes: the padding
-  // before each region is zero.
+  // Compress zeroed the padding before each region.
   sparse_decoded_ += gaps_.size() + values.size();
   end_ = out_->size();
   AppendEntry(range, WireEncoding::kSparse, n, pos_off, pos_bytes, val_off, *val_bytes);
@@ -402,7 +428,7 @@ Status FlushWriter::Finish() {
   if (out_ == nullptr) return Status::FailedPrecondition("flush writer: no frame begun");
   const uint64_t payload_end = Align8(end_);
   // A placed frame's payload lies elsewhere: *out keeps the header alone.
-  if (!placed_) out_->resize(payload_end);
+  if (!placed_) ResizeZeroed(out_, payload_end);
   const uint64_t payload = payload_end - kFlushHeaderBytes;
   out_->insert(out_->end(), manifest_.begin(), manifest_.end());
   out_->insert(out_->end(), records_.begin(), records_.end());

@@ -24,13 +24,19 @@
 
 #include "core/dtype_code.h"
 #include "core/endian.h"
+#include "core/raw_bytes.h"
 #include "deltasync/cuda.h"
 #include "deltasync/dtype.h"
 #include "deltasync/status.h"
 #include "deltasync/stream.h"
+#include "deltasync/thread_pool.h"
 #include "stream/state_digest.h"
 
 namespace deltasync::stream {
+
+// A frame being written: a byte vector whose growth is not zero-filled
+// (the writer writes or zeroes every byte it adds).
+using FrameBuffer = core_internal::RawBytes;
 
 inline constexpr uint16_t kFlushFrameVersion = 1;
 inline constexpr size_t kFlushHeaderBytes = 64;
@@ -106,7 +112,10 @@ class FlushWriter {
   // finished frame, at least 80 and at most kMaxFlushFrameBytes.
   // InvalidArgument for sync id 0, verify_all without last, a bad budget or
   // a null out.
-  Status Begin(const FlushHeader& header, uint64_t budget_bytes, std::vector<uint8_t>* out);
+  Status Begin(const FlushHeader& header, uint64_t budget_bytes, FrameBuffer* out);
+  // Threads for copying large values into the frame (nullptr: the calling
+  // thread alone); kept across frames.
+  void SetPool(ThreadPool* pool) { pool_ = pool; }
 
   // A frame whose payload the caller writes elsewhere (a device bucket):
   // the writer lays the entries out (PlaceDense, PlaceIndices) and builds
@@ -116,7 +125,7 @@ class FlushWriter {
   // rest (the manifest) at payload_end(), and appends the trailer: the
   // xxh3-128 of all of it, as Finish would. The same checks and budget as
   // Begin; Add calls are refused on such a frame (FailedPrecondition).
-  Status BeginPlaced(const FlushHeader& header, uint64_t budget_bytes, std::vector<uint8_t>* out);
+  Status BeginPlaced(const FlushHeader& header, uint64_t budget_bytes, FrameBuffer* out);
   // Dense and indices entries of a placed frame (n positions): where their
   // regions go, or nullopt when the entry does not fit (the frame is as it
   // was). The same refusals as AddDense and AddIndices, but for the bytes,
@@ -168,8 +177,7 @@ class FlushWriter {
     std::vector<int64_t> shape;
     std::map<uint64_t, uint64_t> ranges;  // first -> end
   };
-  Status Start(const FlushHeader& header, uint64_t budget_bytes, std::vector<uint8_t>* out,
-               bool placed);
+  Status Start(const FlushHeader& header, uint64_t budget_bytes, FrameBuffer* out, bool placed);
   Status CheckMode(bool placed) const;
   Status CheckRange(const TensorRange& range, WireEncoding encoding, uint64_t* numel) const;
   Status CheckValues(const TensorRange& range, const Positions* positions,
@@ -178,8 +186,11 @@ class FlushWriter {
   void AppendEntry(const TensorRange& range, WireEncoding encoding, uint64_t n, uint64_t pos_off,
                    uint64_t pos_bytes, uint64_t val_off, uint64_t val_bytes);
   Result<size_t> Compress(std::span<const uint8_t> content, uint64_t offset);
+  // Appends `values` to the frame, on the pool when they are large.
+  void CopyIn(std::span<const uint8_t> values);
 
-  std::vector<uint8_t>* out_ = nullptr;
+  FrameBuffer* out_ = nullptr;
+  ThreadPool* pool_ = nullptr;
   bool placed_ = false;
   uint64_t end_ = 0;  // the payload's end so far (its last region's)
   FlushHeader header_;

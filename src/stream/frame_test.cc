@@ -26,7 +26,7 @@
 namespace deltasync::stream {
 namespace {
 
-using Bytes = std::vector<uint8_t>;
+using Bytes = stream::FrameBuffer;
 
 uint64_t SplitMix(uint64_t& state) {
   uint64_t z = (state += 0x9E3779B97F4A7C15ull);
@@ -36,7 +36,7 @@ uint64_t SplitMix(uint64_t& state) {
 }
 
 Bytes RandomBytes(size_t n, uint64_t seed) {
-  Bytes v(n);
+  Bytes v(n, 0);
   for (uint8_t& b : v) b = static_cast<uint8_t>(SplitMix(seed));
   return v;
 }
@@ -106,16 +106,16 @@ struct RawFrame {
     Bytes f(64, 0);
     std::vector<std::array<uint64_t, 4>> regions;
     for (const RawEntry& e : entries) {
-      f.resize((f.size() + 7) / 8 * 8);
+      f.resize((f.size() + 7) / 8 * 8, 0);
       const uint64_t pos_off = f.size();
       f.insert(f.end(), e.positions.begin(), e.positions.end());
-      f.resize((f.size() + 7) / 8 * 8);
+      f.resize((f.size() + 7) / 8 * 8, 0);
       const uint64_t val_off = f.size();
       f.insert(f.end(), e.values.begin(), e.values.end());
       regions.push_back({e.pos_off.value_or(pos_off), e.pos_bytes.value_or(e.positions.size()),
                          e.val_off.value_or(val_off), e.val_bytes.value_or(e.values.size())});
     }
-    f.resize((f.size() + 7) / 8 * 8);
+    f.resize((f.size() + 7) / 8 * 8, 0);
     const uint64_t payload = f.size() - 64;
     Bytes m;
     for (size_t k = 0; k < entries.size(); ++k) {
@@ -150,7 +150,7 @@ struct RawFrame {
     Set(f, 32, total, 8);
     Set(f, 40, payload, 8);
     Set(f, 48, m.size(), 8);
-    f.resize(total);
+    f.resize(total, 0);
     Rehash(f);
     return f;
   }
@@ -177,13 +177,13 @@ Bytes Zstd(const Bytes& content, bool with_size = true) {
   }
   ZSTD_freeCCtx(cctx);
   EXPECT_FALSE(ZSTD_isError(n));
-  out.resize(n);
+  out.resize(n, 0);
   return out;
 }
 
 Bytes Unzstd(std::span<const uint8_t> frame) {
   const unsigned long long size = ZSTD_getFrameContentSize(frame.data(), frame.size());
-  Bytes out(size);
+  Bytes out(size, 0);
   EXPECT_EQ(ZSTD_decompress(out.data(), out.size(), frame.data(), frame.size()), size);
   return out;
 }
@@ -1313,7 +1313,7 @@ struct PlacedCase {
     Bytes frame(head.begin(), head.begin() + 64);
     frame.insert(frame.end(), payload.begin() + 64, payload.begin() + end);
     frame.insert(frame.end(), head.begin() + 64, head.end());
-    frame.resize(frame.size() + 16);
+    frame.resize(frame.size() + 16, 0);
     Rehash(frame);
     return frame;
   }
@@ -1424,7 +1424,7 @@ TEST(PlacedFrame, ReadsWhatReadReadsAndLeavesThePayloadChecksToTheCaller) {
   EXPECT_EQ(asked.positions[1].count, 3u);
   ASSERT_FALSE(asked.zeros.empty());
   // A host apply of a placed entry is refused, not a read of that memory.
-  Bytes dest(1000 * 2);
+  Bytes dest(1000 * 2, 0);
   Result<uint64_t> applied = ApplyEntry(placed.entries()[1], DestinationMap::Whole(1000), dest);
   ASSERT_FALSE(applied.ok());
   EXPECT_NE(applied.status().message().find("placed frame"), std::string::npos);

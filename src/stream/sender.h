@@ -283,7 +283,7 @@ class Sender final : public StreamSender {
     std::set<std::string, std::less<>> holds;
     std::set<std::string, std::less<>> named;  // tensors its entries named
     FlushWriter writer;
-    std::vector<uint8_t> bucket;
+    stream::FrameBuffer bucket;
     // Device tensors over a communicator that sends device memory: the
     // frames are built in this device bucket instead (the records frame
     // that ends the sync still goes through `bucket`).
@@ -304,7 +304,7 @@ class Sender final : public StreamSender {
   // uses the stream communicator until Land returns.
   struct Flight {
     std::thread thread;
-    std::vector<uint8_t> frame;                   // in flight, or the idle second bucket
+    stream::FrameBuffer frame;                    // in flight, or the idle second bucket
     std::unique_ptr<stream::DeviceFrame> device;  // the same, in device memory
     Status status;
     double seconds = 0;
@@ -464,7 +464,7 @@ class Sender final : public StreamSender {
   std::vector<stream::PiecesByTensor> pieces_;
   uint64_t local_syncs_ = 0;  // sharded: syncs taken part in
   std::vector<uint8_t> scratch_;
-  std::vector<std::vector<uint8_t>> spare_buckets_;  // the last sync's, reused
+  std::vector<stream::FrameBuffer> spare_buckets_;  // the last sync's, reused
   std::vector<std::unique_ptr<stream::DeviceFrame>> spare_device_frames_;
   void* frame_stream_ = nullptr;  // the stream of the device tensor being streamed
   Flight flight_;

@@ -74,6 +74,7 @@ Status Sender::Begin(Group& g, uint64_t sync_id, bool last, bool verify_all) {
     return Status::OK();
   }
   if (g.bucket.capacity() == 0) g.bucket.reserve(bucket_reserve_);
+  g.writer.SetPool(Pool());
   DS_RETURN_IF_ERROR(g.writer.Begin(h, FrameBudget(g), &g.bucket));
   g.open = true;
   return Status::OK();

@@ -455,9 +455,9 @@ struct FrameParts {
   stream::TensorRange B() const { return {"b", DType::kF32, b_shape, 0, 21}; }
   stream::DigestBlock Block() const { return {0, 21, 1, 0}; }
 
-  std::vector<uint8_t> OnHost() const {
+  stream::FrameBuffer OnHost() const {
     stream::FlushWriter w;
-    std::vector<uint8_t> out;
+    stream::FrameBuffer out;
     EXPECT_TRUE(w.Begin(header, 1 << 20, &out).ok());
     EXPECT_TRUE(*w.AddDense(A(0, 300), a_dense));
     EXPECT_TRUE(
@@ -511,7 +511,9 @@ TEST_F(StreamCudaTest, AFrameBuiltOnTheDeviceIsTheFrameTheHostWriterBuilds) {
     ASSERT_TRUE(*frame.AddIndices(p.B(), b, nullptr));  // another stream
     ASSERT_TRUE(*frame.AddDigest("b", p.Block(), {1, 2}));
     ASSERT_TRUE(frame.Finish().ok());
-    EXPECT_EQ(ToHost(frame.frame()), p.OnHost()) << "round " << round;
+    const stream::FrameBuffer host = p.OnHost();
+    EXPECT_EQ(ToHost(frame.frame()), std::vector<uint8_t>(host.begin(), host.end()))
+        << "round " << round;
   }
   // What the host writer refuses, the device frame refuses, unchanged.
   ASSERT_TRUE(frame.Begin(p.header, stream_).ok());
@@ -554,14 +556,14 @@ std::vector<SeenEntry> Seen(const stream::FlushReader& r) {
 TEST_F(StreamCudaTest, AFrameReadOnTheDeviceExposesWhatTheHostReaderDoes) {
   std::mt19937_64 rng(42);
   const FrameParts p = FrameParts::Make(rng);
-  const std::vector<uint8_t> frame = p.OnHost();
+  const stream::FrameBuffer frame = p.OnHost();
   Result<std::unique_ptr<stream::DeviceContext>> ctx = stream::DeviceContext::Create(0);
   ASSERT_TRUE(ctx.ok()) << ctx.status().ToString();
   Result<std::unique_ptr<stream::DeviceFrameReader>> made =
       stream::DeviceFrameReader::Create(**ctx);
   ASSERT_TRUE(made.ok()) << made.status().ToString();
   stream::DeviceFrameReader& device = **made;
-  const auto read_on_device = [&](const std::vector<uint8_t>& bytes, stream::FlushReader* r) {
+  const auto read_on_device = [&](std::span<const uint8_t> bytes, stream::FlushReader* r) {
     Result<std::span<uint8_t>> bucket = device.Bucket(bytes.size());
     EXPECT_TRUE(bucket.ok());
     EXPECT_EQ(cudaMemcpy(bucket->data(), bytes.data(), bytes.size(), cudaMemcpyHostToDevice),
@@ -602,7 +604,7 @@ TEST_F(StreamCudaTest, AFrameReadOnTheDeviceExposesWhatTheHostReaderDoes) {
 
   // Damage in transit fails the trailer; damage behind a good trailer
   // fails the check it breaks, on the device as on the host.
-  std::vector<uint8_t> bad = frame;
+  std::vector<uint8_t> bad(frame.begin(), frame.end());
   bad[100] ^= 1;
   s = read_on_device(bad, &dev);
   EXPECT_EQ(s.code(), StatusCode::kCorruption);
@@ -616,7 +618,7 @@ TEST_F(StreamCudaTest, AFrameReadOnTheDeviceExposesWhatTheHostReaderDoes) {
   };
   const stream::FlushEntry& a1 = host.entries()[1];
   const uint64_t pos_off = a1.positions.data() - frame.data();
-  bad = frame;
+  bad.assign(frame.begin(), frame.end());
   std::memcpy(&bad[pos_off + 4], &bad[pos_off], 4);  // positions 0 and 1 equal
   bad = resealed(bad);
   s = read_on_device(bad, &dev);
@@ -626,7 +628,7 @@ TEST_F(StreamCudaTest, AFrameReadOnTheDeviceExposesWhatTheHostReaderDoes) {
   ASSERT_TRUE(host.Read(frame).ok());
   const uint64_t b_end =
       (host.entries()[2].positions.data() - frame.data()) + host.entries()[2].positions.size();
-  bad = frame;
+  bad.assign(frame.begin(), frame.end());
   bad[b_end] = 7;  // padding after b's 7 positions
   bad = resealed(bad);
   s = read_on_device(bad, &dev);
@@ -635,7 +637,7 @@ TEST_F(StreamCudaTest, AFrameReadOnTheDeviceExposesWhatTheHostReaderDoes) {
   EXPECT_FALSE(host.Read(bad).ok());
 
   // A frame with sparse entries is read from a host copy.
-  std::vector<uint8_t> sparse;
+  stream::FrameBuffer sparse;
   stream::FlushWriter w;
   ASSERT_TRUE(w.Begin(p.header, 1 << 20, &sparse).ok());
   ASSERT_TRUE(
