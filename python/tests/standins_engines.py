@@ -17,10 +17,13 @@ named (repository, file at commit):
   at 7f5d141a0abde5fdedc220f55d9f19831c9a5b9e).
 * :class:`PoolModel`: a DeepSeek-shaped loader that hands every copy to a
   ``concurrent.futures.ThreadPoolExecutor``, fuses ``q_a_proj`` and
-  ``kv_a_proj_with_mqa`` only once it holds both, skips the layers of other
-  pipeline stages (``start_layer``/``end_layer``) and then recomputes the
-  derived ``w_kc`` of each layer whose ``kv_b_proj`` it loaded
-  (``post_load_weights``, ``bind_or_assign``), as SGLang's
+  ``kv_a_proj_with_mqa`` (``torch.cat`` into ``fused_qkv_a_proj_with_mqa``)
+  only once one call has given it both (``cached_a_proj``, local to the
+  call), skips the layers of other pipeline stages
+  (``start_layer``/``end_layer``) and then derives ``w_kc`` and ``w_vc``
+  of each layer whose ``kv_b_proj`` the call loaded (``post_load_weights(
+  weight_names=...)``: ``unflatten``/``split`` of ``kv_b_proj.weight``,
+  copied into the old tensors by ``bind_or_assign``), as SGLang's
   ``DeepseekV2ForCausalLM.load_weights`` does (sgl-project/sglang
   ``python/sglang/srt/models/deepseek_v2.py`` at
   3e4a39ee73308590c5c753108bdcb8d333f7f1c6).
@@ -43,6 +46,13 @@ named (repository, file at commit):
   (``AutoWeightsLoader(skip_prefixes=["lm_head."])`` in that ``llama.py``).
   :meth:`MoEModel.rebalance` rebuilds a layer's experts for another
   assignment, as expert rebalancing does.
+* :class:`VLLMModel` with :func:`vllm_process`: what vLLM's post-load
+  processing makes of the loaded weights: the unquantized fused-MoE method
+  swapping ``w13`` into ``[w3; w1]`` (FlashInfer-CUTLASS), shuffling it
+  (AITER) or padding it (FlashInfer-TRT-LLM), and MLA attention deriving
+  its absorbed weights from ``kv_b_proj`` (views, quantized copies, or
+  copies into the tensors of the first load); each class names the files
+  and commits it follows.
 """
 
 from __future__ import annotations
@@ -192,6 +202,7 @@ class PaddedEmbeddingModel(nn.Module):
 # --- a thread pool, fused projections, pipeline stages, a post-load step ---------
 
 QA, KVA, KVB, INTER = 24, 16, 32, 40
+NOPE, VHEAD = 8, 8  # kv_b_proj: 2 heads of (qk_nope_head_dim + v_head_dim) rows
 
 
 class MLAAttention(nn.Module):
@@ -201,6 +212,7 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = Weight(gen, KVB, KVA)
         self.o_proj = Weight(gen, H, H)
         self.w_kc: Optional[torch.Tensor] = None  # derived after loading
+        self.w_vc: Optional[torch.Tensor] = None
 
 
 class DenseMLP(nn.Module):
@@ -292,12 +304,13 @@ class PoolModel(nn.Module):
         self.post_load_weights(weight_names)
 
     def post_load_weights(self, weight_names: list) -> None:
-        for name in weight_names:
-            if "kv_b_proj" not in name:
-                continue
-            attn = self.model.layers[layer_id(name)].self_attn
-            w_kc = attn.kv_b_proj.weight[: KVB // 2].t()
-            attn.w_kc = bind_or_assign(attn.w_kc, w_kc.contiguous())
+        layer_ids = {layer_id(n) for n in weight_names if "kv_b_proj" in n}
+        for lid in sorted(layer_ids):
+            attn = self.model.layers[lid].self_attn
+            w = attn.kv_b_proj.weight
+            w_kc, w_vc = w.unflatten(0, (-1, NOPE + VHEAD)).split([NOPE, VHEAD], dim=1)
+            attn.w_kc = bind_or_assign(attn.w_kc, w_kc.transpose(1, 2).contiguous().transpose(1, 2))
+            attn.w_vc = bind_or_assign(attn.w_vc, w_vc.contiguous().transpose(1, 2))
 
 
 # --- a parameter that adopts the loaded tensor's memory (set_) ---------------------
@@ -507,3 +520,250 @@ class MoEModel(nn.Module):
                     default_weight_loader(params[name], w)
             done.add(name)
         return done
+
+
+# --- vLLM: what process_weights_after_loading makes of the loaded weights --------
+
+VE, VI, VH = 4, 32, 32  # experts, expert intermediate size, hidden size
+MLA_HEADS, MLA_NOPE, MLA_V, MLA_LORA = 2, 8, 8, 16  # heads, qk_nope, v_head, kv_lora_rank
+
+
+def swap_w13_to_w31(x: torch.Tensor) -> torch.Tensor:
+    """vllm-project/vllm ``vllm/model_executor/layers/quantization/utils/
+    flashinfer_utils.py`` at 487151de954b26f8f2d3263b88d2a182f2a1b0cd."""
+    return x.reshape(-1, 2, x.shape[-2] // 2, x.shape[-1]).flip(dims=[1]).reshape(x.shape)
+
+
+def shuffle_weight(x: torch.Tensor, layout: tuple = (16, 16)) -> torch.Tensor:
+    """ROCm/aiter ``aiter/ops/shuffle.py`` at
+    0122c48149c1f523bb5ca9154766bf795c1d371b (its default branch)."""
+    IN, IK = layout
+    BK = IK * 2
+    K = 16 // x.element_size()
+    BN = IN
+    x_ = x.view(-1, x.shape[-2] // BN, BN, x.shape[-1] // BK, BK // K, K)
+    x_ = x_.permute(0, 1, 3, 4, 2, 5)
+    x_ = x_.contiguous()
+    x_ = x_.view(*x.shape)
+    x_.is_shuffled = True
+    return x_
+
+
+def align_moe_weights_for_fi(w13: torch.Tensor, w2: torch.Tensor,
+                             min_alignment: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pads the intermediate dim (``align_fp8_moe_weights_for_fi`` in the
+    flashinfer_utils.py above; ``align_moe_weights_for_fi`` of later ones)."""
+    num_experts, hidden_size, intermediate = w2.shape
+    padded = -(-intermediate // min_alignment) * min_alignment
+    if padded == intermediate:
+        return w13, w2
+    padded_w13 = w13.new_zeros((num_experts, 2 * padded, hidden_size))
+    padded_w13[:, : w13.shape[1], :] = w13
+    padded_w2 = w2.new_zeros((num_experts, hidden_size, padded))
+    padded_w2[:, :, :intermediate] = w2
+    return padded_w13, padded_w2
+
+
+def convert_to_block_layout(input_tensor: torch.Tensor, block_k: int) -> torch.Tensor:
+    """flashinfer-ai/flashinfer ``flashinfer/fused_moe/core.py`` at
+    4c433fd2a9590124a0d409953c6f3241d6788b76."""
+    M, K = input_tensor.shape
+    assert K % block_k == 0, "K must be divisible by blockK"
+    return input_tensor.view(M, K // block_k, block_k).permute(1, 0, 2).contiguous()
+
+
+def replace_parameter(layer: nn.Module, name: str, new: torch.Tensor,
+                      prefer_copy: bool = False) -> None:
+    """vLLM's ``replace_parameter`` (``vllm/model_executor/utils.py``): with
+    ``prefer_copy``, a compatible old parameter takes the new values in
+    place; else a new Parameter over ``new``'s memory is set."""
+    old = getattr(layer, name, None)
+    if isinstance(new, nn.Parameter):
+        new = new.data
+    if prefer_copy and old is not None and old.shape == new.shape and old.dtype == new.dtype:
+        old.copy_(new)
+        return
+    setattr(layer, name, nn.Parameter(new, requires_grad=False))
+
+
+class UnquantizedFusedMoEMethod:
+    """vLLM's unquantized fused-MoE method, ``process_weights_after_loading``
+    per kernel backend: "triton" keeps the loaded layout; "aiter" shuffles
+    ``w13``/``w2`` and sets ``layer.w13_weight.data`` to the result
+    (vllm-project/vllm ``vllm/model_executor/layers/fused_moe/
+    unquantized_fused_moe_method.py`` at
+    017b8f23ef355dd8eb8733d2724f6b125a503acb, with AITER's shuffle_weight);
+    "flashinfer_cutlass" swaps the halves of ``w13`` into ``[w3; w1]``;
+    "flashinfer_trtllm" pads the intermediate dim to a multiple of 128 and
+    turns each expert into the 4-D block layout (``block_k`` 128 there, 16
+    here); each result is then set as a new parameter (``_setup_kernel`` in
+    that file at c853e15405fb9f281256a5ce916aa24e8962cab6, calling
+    ``convert_to_unquantized_kernel_format`` of
+    ``vllm/model_executor/layers/fused_moe/oracle/unquantized.py`` at
+    011fbfd6c93d3f75dc5d7d1a0d4957d74d079bea, and ``replace_parameter``)."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.backend == "aiter":
+            w13, w2 = (shuffle_weight(t) for t in (layer.w13_weight.data, layer.w2_weight.data))
+            layer.w13_weight.data = w13
+            layer.w2_weight.data = w2
+            return
+        w13, w2 = layer.w13_weight, layer.w2_weight
+        if self.backend == "flashinfer_cutlass":
+            w13 = swap_w13_to_w31(w13)
+        elif self.backend == "flashinfer_trtllm":
+            w13, w2 = align_moe_weights_for_fi(w13, w2, min_alignment=128)
+            w13 = torch.stack([convert_to_block_layout(w, 16) for w in w13])
+            w2 = torch.stack([convert_to_block_layout(w, 16) for w in w2])
+        replace_parameter(layer, "w13_weight", w13.contiguous())
+        replace_parameter(layer, "w2_weight", w2.contiguous())
+
+
+class VFusedMoE(nn.Module):
+    """vLLM's ``FusedMoE``: ``w13_weight`` ([experts, 2 * I, H], w1 then w3)
+    and ``w2_weight``, loaded by ``weight_loader`` (vllm-project/vllm
+    ``vllm/model_executor/layers/fused_moe/layer.py`` at
+    c439a139790cafaecb54e8dea123b78049f1442b), processed by its quant
+    method."""
+
+    def __init__(self, gen: torch.Generator, backend: str) -> None:
+        super().__init__()
+        self.w13_weight = _param(gen, VE, 2 * VI, VH)
+        self.w2_weight = _param(gen, VE, VH, VI)
+        self.quant_method = UnquantizedFusedMoEMethod(backend)
+
+    def weight_loader(self, param: torch.Tensor, w: torch.Tensor, shard_id: str,
+                      expert_id: int) -> None:
+        expert_data = param.data[expert_id]
+        if shard_id == "w2":
+            expert_data.copy_(w)
+        else:
+            expert_data.narrow(0, 0 if shard_id == "w1" else VI, VI).copy_(w)
+
+
+def dynamic_per_batched_tensor_quant(x: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """``vllm/model_executor/layers/attention/mla_attention.py`` at
+    0014ca6b9929614f1b72c4bb11e5238de49cba89 (there into FP8)."""
+    dtype_max = torch.finfo(dtype).max
+    min_val, max_val = x.aminmax()
+    amax = torch.maximum(min_val.abs(), max_val.abs()).clamp(min=1e-10)
+    scale = dtype_max / amax
+    x_scl_sat = (x * scale).clamp(min=-dtype_max, max=dtype_max)
+    return x_scl_sat.to(dtype).contiguous(), scale.float().reciprocal()
+
+
+class VMLAAttention(nn.Module):
+    """vLLM's ``MLAAttention`` holding ``kv_b_proj``, whose
+    ``process_weights_after_loading(act_dtype)`` (run after every quant
+    method, ``vllm/model_executor/model_loader/utils.py`` at
+    3d333269ca2218f2ec4c19d2bfd738f555be3000) derives the absorbed weights
+    from ``kv_b_proj.weight``: ``derive="view"`` keeps ``W_UV`` and
+    ``W_UK_T`` as views of it and ``derive="aiter"`` sets quantized copies
+    ``W_K``/``W_K_scale``/``W_V``/``W_V_scale`` (``mla_attention.py`` at
+    0014ca6b9929614f1b72c4bb11e5238de49cba89, FP16 standing for FP8 here);
+    ``derive="copy"`` copies contiguous ``W_UK_T`` and ``W_UV`` into the
+    parameters it made at the first load
+    (``CommonMLAProcessingPolicy.process_weights`` of
+    ``vllm/model_executor/model_loader/reload/mla.py`` at
+    2fdb4edea59b0575558313e07149c26885662438, ``prefer_copy=True``)."""
+
+    def __init__(self, kv_b_proj: nn.Module, derive: str) -> None:
+        super().__init__()
+        self.kv_b_proj = kv_b_proj
+        self.derive = derive
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        shape = (MLA_LORA, MLA_HEADS, MLA_NOPE + MLA_V)
+        if self.derive == "copy":
+            weight = self.kv_b_proj.weight.to(act_dtype).T.contiguous().view(*shape)
+            w_uk, w_uv = weight.split([MLA_NOPE, MLA_V], dim=-1)
+            replace_parameter(self, "W_UK_T", w_uk.permute(1, 2, 0).contiguous(), prefer_copy=True)
+            replace_parameter(self, "W_UV", w_uv.transpose(0, 1).contiguous(), prefer_copy=True)
+            return
+        kv_b_proj_weight = self.kv_b_proj.weight.to(act_dtype).T.view(*shape)
+        W_UK, W_UV = kv_b_proj_weight.split([MLA_NOPE, MLA_V], dim=-1)
+        if self.derive == "aiter":
+            self.W_K, self.W_K_scale = dynamic_per_batched_tensor_quant(
+                W_UK.transpose(0, 1), torch.float16)
+            self.W_V, self.W_V_scale = dynamic_per_batched_tensor_quant(
+                W_UV.permute(1, 2, 0), torch.float16)
+        else:
+            self.W_UV = W_UV.transpose(0, 1)
+            self.W_UK_T = W_UK.permute(1, 2, 0)
+
+    def derived(self) -> list:
+        names = {"copy": ["W_UK_T", "W_UV"], "view": ["W_UK_T", "W_UV"],
+                 "aiter": ["W_K", "W_K_scale", "W_V", "W_V_scale"]}[self.derive]
+        return [getattr(self, n) for n in names]
+
+
+class VLLMLayer(nn.Module):
+    def __init__(self, gen: torch.Generator, backend: str, derive: str) -> None:
+        super().__init__()
+        self.self_attn = nn.Module()
+        self.self_attn.kv_b_proj = Weight(gen, MLA_HEADS * (MLA_NOPE + MLA_V), MLA_LORA)
+        self.self_attn.mla_attn = VMLAAttention(self.self_attn.kv_b_proj, derive)
+        self.mlp = nn.Module()
+        self.mlp.experts = VFusedMoE(gen, backend)
+        self.input_layernorm = Weight(gen, VH)
+
+
+class VLLMModel(nn.Module):
+    """A DeepSeek-shaped vLLM model: MLA attention and unquantized fused
+    MoE (kernel ``backend``, MLA ``derive`` as in the classes above).
+    ``load_weights`` writes the loaded layout; :func:`vllm_process` is the
+    model loader's post-load processing."""
+
+    def __init__(self, seed: int = 7, backend: str = "triton", derive: str = "view",
+                 layers: int = 2) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList([VLLMLayer(g, backend, derive) for _ in range(layers)])
+        self.n_layers = layers
+
+    def shapes(self) -> dict:
+        out = {}
+        for i in range(self.n_layers):
+            pre = f"model.layers.{i}."
+            out[pre + "self_attn.kv_b_proj.weight"] = (DT, [MLA_HEADS * (MLA_NOPE + MLA_V),
+                                                            MLA_LORA])
+            for e in range(VE):
+                out[pre + f"mlp.experts.{e}.gate_proj.weight"] = (DT, [VI, VH])
+                out[pre + f"mlp.experts.{e}.up_proj.weight"] = (DT, [VI, VH])
+                out[pre + f"mlp.experts.{e}.down_proj.weight"] = (DT, [VH, VI])
+            out[pre + "input_layernorm.weight"] = (DT, [VH])
+        return out
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set:
+        params = dict(self.named_parameters())
+        shards = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+        done = set()
+        for name, w in weights:
+            m = re.match(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight", name)
+            if m:
+                pname = m.group(1) + (".w2_weight" if m.group(3) == "down_proj" else ".w13_weight")
+                moe = self.get_submodule(m.group(1))
+                moe.weight_loader(params[pname], w, shards[m.group(3)], int(m.group(2)))
+            else:
+                default_weight_loader(params[name], w)
+            done.add(name)
+        return done
+
+
+def vllm_process(model: nn.Module, act_dtype: torch.dtype = DT) -> nn.Module:
+    """vLLM's ``process_weights_after_loading(model, model_config, device)``
+    (``vllm/model_executor/model_loader/utils.py`` at
+    3d333269ca2218f2ec4c19d2bfd738f555be3000): every quant method's, then
+    every attention layer's with the model's dtype."""
+    for _, m in model.named_modules():
+        qm = getattr(m, "quant_method", None)
+        if qm is not None:
+            qm.process_weights_after_loading(m)
+    for _, m in model.named_modules():
+        if isinstance(m, VMLAAttention):
+            m.process_weights_after_loading(act_dtype)
+    return model

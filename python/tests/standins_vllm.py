@@ -85,8 +85,19 @@ class ParallelConfig:
 
 
 @dataclass
+class ModelConfig:
+    """The field of ``vllm/config/model.py``'s ModelConfig that vLLM's
+    ``process_weights_after_loading`` (``vllm/model_executor/model_loader/
+    utils.py``, commit 3d333269ca2218f2ec4c19d2bfd738f555be3000) gives the
+    attention layers: the model's ``dtype``."""
+
+    dtype: Any = None
+
+
+@dataclass
 class VllmConfig:
     parallel_config: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    model_config: ModelConfig = dataclasses.field(default_factory=ModelConfig)
 
 
 # --- plugins: vllm/plugins/__init__.py ---------------------------------------

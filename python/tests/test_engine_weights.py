@@ -2,8 +2,11 @@
 writes nothing the model holds (fill_ of item(), a thread pool, set_, a
 post-load step), tensors a worker holds none of are skipped (experts of
 other expert-parallel ranks, layers of other pipeline stages, a tied
-lm_head) and the rest synced bit-exactly, and a parameter that moves is
-found before anything is written into it."""
+lm_head) and the rest synced bit-exactly, a parameter that moves is found
+before anything is written into it, and what the kernel reads beyond what
+load_weights wrote (a pair fused only together, a layout or a weight made
+after loading) matches a fresh model loaded whole with its post-load
+processing, or the model is refused naming the tensor."""
 
 import threading
 
@@ -12,8 +15,10 @@ import torch
 from torch import nn
 
 import deltasync as ds
-from deltasync.adapters import EngineWeights
+from deltasync.adapters import EngineWeights, weight_map
+from deltasync.adapters.engine import post_load_steps
 from standins_engines import (
+    DT,
     AdoptingModel,
     E,
     KVScaleModel,
@@ -22,8 +27,10 @@ from standins_engines import (
     PoolModel,
     QueueWorkerModel,
     ThreadModel,
+    VLLMModel,
     randn_checkpoint,
     reference,
+    vllm_process,
 )
 
 
@@ -59,7 +66,7 @@ def assert_same(model, ref, attrs=()):
     for n in a:
         assert torch.equal(bits(a[n]), bits(b[n])), f"parameter {n} differs from a full load"
     for get in attrs:
-        assert torch.equal(bits(get(model)), bits(get(ref)))
+        assert torch.equal(bits(get(model)), bits(get(ref))), "a derived weight differs"
 
 
 def loaded(model, ckpt):
@@ -162,6 +169,10 @@ def _w_kc(layer):
     return lambda m: m.model.layers[layer].self_attn.w_kc
 
 
+def _w_vc(layer):
+    return lambda m: m.model.layers[layer].self_attn.w_vc
+
+
 def test_a_thread_pool_loader_is_intercepted_on_its_threads():
     model = PoolModel()
     shapes = model.shapes()
@@ -182,15 +193,19 @@ def test_a_thread_pool_loader_is_intercepted_on_its_threads():
         assert pre + n in state.map.placements, n
     assert state.map.placements[pre + "mlp.up_proj.weight"].param_name == \
         pre + "mlp.gate_up_proj.weight"
-    # Fused only together, and recomputed after loading: the stock path.
-    assert "together" in state.map.unmapped[pre + "self_attn.q_a_proj.weight"]
+    # Fused only together: mapped from one dry run with both. Derived
+    # after loading inside load_weights: the stock path.
+    qa, kva = pre + "self_attn.q_a_proj.weight", pre + "self_attn.kv_a_proj_with_mqa.weight"
+    assert state.map.joint[qa] == state.map.joint[kva] == [qa, kva]
+    assert state.map.placements[qa].param_name == pre + "self_attn.fused_qkv_a_proj_with_mqa.weight"
     assert "not a parameter" in state.map.unmapped[pre + "self_attn.kv_b_proj.weight"]
     assert not state.skipped
     snap = synced([state], ckpt)
     for k in range(1, 3):
         step(ckpt, k)
         push([state], ckpt, snap)
-        assert_same(model, reference(PoolModel, ckpt), [_w_kc(i) for i in range(4)])
+        assert_same(model, reference(PoolModel, ckpt),
+                    [_w_kc(i) for i in range(4)] + [_w_vc(i) for i in range(4)])
 
 
 def test_a_loader_that_starts_threads_is_intercepted_on_them():
@@ -322,7 +337,7 @@ def test_layers_of_other_pipeline_stages_are_skipped():
     pstate = EngineWeights(loaded(pool, pckpt), meta(pshapes))
     assert pstate.skipped == sorted(n for n in pshapes if n.startswith(("model.layers.0.",
                                                                         "model.layers.1.")))
-    assert "model.layers.2.self_attn.q_a_proj.weight" in pstate.fallback
+    assert "model.layers.2.self_attn.q_a_proj.weight" in pstate.map.joint
     snaps = synced(states, ckpt), synced([pstate], pckpt)
     for k in range(1, 3):
         step(ckpt, k)
@@ -447,6 +462,159 @@ def test_a_receiver_follows_a_parameter_whose_memory_moved(rendezvous):
     finally:
         tx.close()
         rx.close()
+
+
+# --- what the kernel reads beyond what load_weights wrote ----------------------------
+
+
+def _pair(layer=0):
+    pre = f"model.layers.{layer}.self_attn."
+    return pre + "q_a_proj.weight", pre + "kv_a_proj_with_mqa.weight"
+
+
+def _one_tensor_delta(states, ckpt, snap, name):
+    """A delta to ``name`` alone."""
+    flat = ckpt[name].view(-1)
+    flat[::7] = (flat[::7].float() + 0.5).to(flat.dtype)
+    pos, val = ds.diff(ckpt[name].reshape(-1), snap[name].reshape(-1), name=name).as_torch(DT)
+    for s in states:
+        s.check_delta(name, pos, val)
+        s.apply_delta(name, pos, val)
+        s.flush()
+    snap[name].copy_(ckpt[name])
+
+
+def _deepseek_attrs():
+    return [_w_kc(i) for i in range(4)] + [_w_vc(i) for i in range(4)]
+
+
+def test_a_pair_fused_only_when_both_arrive_in_one_call_is_mapped_and_takes_either_alone():
+    model = PoolModel()
+    shapes = model.shapes()
+    ckpt = randn_checkpoint(shapes, 21)
+    state = EngineWeights(loaded(model, ckpt), meta(shapes))
+    qa, kva = _pair()
+    assert state.map.joint[qa] == [qa, kva] and kva in state.map.placements
+    # A full sync whose calls each hold one tensor: the loader alone would
+    # cache q_a_proj and drop it.
+    step(ckpt, 1)
+    for n, t in ckpt.items():
+        state.load_full([(n, t.clone())])
+    assert_same(model, reference(PoolModel, ckpt), _deepseek_attrs())
+    snap = {n: t.clone() for n, t in ckpt.items()}
+    for name in (qa, _pair(3)[1]):
+        _one_tensor_delta([state], ckpt, snap, name)
+        assert_same(model, reference(PoolModel, ckpt), _deepseek_attrs())
+    assert state.shadows.keys() == {f"model.layers.{i}.self_attn.kv_b_proj.weight"
+                                    for i in range(4)}
+
+
+def test_a_fused_pair_too_large_to_follow_loads_as_one_group_whatever_the_calls(monkeypatch):
+    monkeypatch.setattr(weight_map, "_JOINT_MAX_ELEMENTS", 0)
+    model = PoolModel()
+    shapes = model.shapes()
+    ckpt = randn_checkpoint(shapes, 22)
+    state = EngineWeights(loaded(model, ckpt), meta(shapes))
+    qa, kva = _pair()
+    assert "together" in state.map.unmapped[qa] and state.map.groups[qa] == [qa, kva]
+    step(ckpt, 1)
+    for n, t in ckpt.items():
+        state.load_full([(n, t.clone())])
+    assert_same(model, reference(PoolModel, ckpt), _deepseek_attrs())
+    snap = {n: t.clone() for n, t in ckpt.items()}
+    _one_tensor_delta([state], ckpt, snap, qa)
+    assert_same(model, reference(PoolModel, ckpt), _deepseek_attrs())
+
+
+def _vllm_steps(model):
+    return post_load_steps(model, DT)
+
+
+def _vllm_reference(make, ckpt):
+    """A fresh model loaded whole from ``ckpt``, then processed as vLLM's
+    model loader does."""
+    return vllm_process(reference(make, ckpt))
+
+
+def _vllm_sync(state, ckpt, snap, make, attrs=()):
+    for k in range(1, 3):
+        step(ckpt, k)
+        push([state], ckpt, snap)
+        state.flush()
+        assert_same(state.model, _vllm_reference(make, ckpt), attrs)
+
+
+@pytest.mark.parametrize("backend", ["flashinfer_cutlass", "aiter"])
+def test_a_kernel_layout_made_after_loading_is_made_again_from_the_loaded_one(backend):
+    def make(seed=7):
+        return VLLMModel(seed, backend=backend)
+
+    shapes = make().shapes()
+    ckpt = randn_checkpoint(shapes, 23)
+    model = vllm_process(loaded(make(), ckpt))
+    before = snapshot(model)
+    state = EngineWeights(model, meta(shapes), post_load=_vllm_steps)
+    assert_untouched(model, before)
+    kinds = ("gate_proj", "up_proj") + (("down_proj",) if backend == "aiter" else ())
+    rewritten = sorted(n for n in shapes if n.split(".")[-2] in kinds)
+    assert state.fallback == rewritten
+    first = "model.layers.0.mlp.experts.0.gate_proj.weight"
+    assert "rewrites into another layout" in state.map.unmapped[first]
+    assert len(state.map.groups[first]) == len(rewritten) // 2  # the layer's, together
+    assert "model.layers.0.self_attn.kv_b_proj.weight" in state.map.placements
+    memory = {n: (p, p.data_ptr()) for n, p in model.named_parameters()}
+    snap = synced([state], ckpt)
+    _vllm_sync(state, ckpt, snap, make)
+    # The engine's weights kept their objects and memory.
+    assert {n: (p, p.data_ptr()) for n, p in model.named_parameters()} == memory
+    assert state.stats["post_load_runs"] > 0
+
+
+def test_a_kernel_layout_of_another_shape_is_refused_naming_the_tensor():
+    def make(seed=7):
+        return VLLMModel(seed, backend="flashinfer_trtllm")
+
+    shapes = make().shapes()
+    model = vllm_process(loaded(make(), randn_checkpoint(shapes, 24)))
+    assert model.model.layers[0].mlp.experts.w13_weight.dim() == 4  # the block layout
+    before = snapshot(model)
+    with pytest.raises(ds.UnsupportedError,
+                       match=r"tensor 'model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight': "
+                             r"it lands in parameter model\.layers\.0\.mlp\.experts\.w13_weight, "
+                             r"whose post-load step UnquantizedFusedMoEMethod.* raised on a "
+                             r"dry run"):
+        EngineWeights(model, meta(shapes), post_load=_vllm_steps)
+    assert_untouched(model, before)
+
+
+def _derived(layer, i):
+    return lambda m: m.model.layers[layer].self_attn.mla_attn.derived()[i]
+
+
+@pytest.mark.parametrize("derive", ["copy", "aiter", "view"])
+def test_mla_weights_derived_from_kv_b_proj_follow_its_deltas(derive):
+    def make(seed=7):
+        return VLLMModel(seed, derive=derive)
+
+    shapes = make().shapes()
+    ckpt = randn_checkpoint(shapes, 25)
+    model = vllm_process(loaded(make(), ckpt))
+    before = snapshot(model)
+    state = EngineWeights(model, meta(shapes), post_load=_vllm_steps)
+    assert_untouched(model, before)
+    kvb = "model.layers.0.self_attn.kv_b_proj.weight"
+    assert kvb in state.map.placements and state.fallback == []
+    if derive == "view":  # views of kv_b_proj: they follow it
+        assert state.map.steps == []
+    else:
+        assert state.map.steps_of[kvb] == [
+            "VMLAAttention.process_weights_after_loading(model.layers.0.self_attn.mla_attn)"]
+    n = len(model.model.layers[0].self_attn.mla_attn.derived())
+    attrs = [_derived(i, j) for i in range(2) for j in range(n)]
+    kept = [(a(model), a(model).data_ptr()) for a in attrs]
+    snap = synced([state], ckpt)
+    _vllm_sync(state, ckpt, snap, make, attrs)
+    assert all(a(model) is t and t.data_ptr() == p for a, (t, p) in zip(attrs, kept))
 
 
 # --- on a CUDA device -------------------------------------------------------------

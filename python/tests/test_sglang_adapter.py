@@ -3,7 +3,8 @@
 weight unchanged, the trainer learns why and its next push repairs; a push
 larger than the bucket bound takes several calls, each under it; the HTTP
 route's per-rank body; the tensor path as the only one; draft models that
-receive the same payload."""
+receive the same payload; the pair DeepSeek's loader fuses only when one
+call holds both, split across calls."""
 
 import pytest
 import torch
@@ -361,3 +362,62 @@ def test_a_draft_model_that_cannot_take_the_checkpoint_is_named_or_left_alone():
             assert_matches_reference(m, ckpt)
             assert torch.count_nonzero(d.down) == 0
     assert isinstance(server.drafts[0], EagleDraft) and issubclass(EagleDraft, MTPDraft)
+
+
+# --- a pair fused only when both arrive in one call --------------------------
+
+
+class DeepseekEngine:
+    """One TP worker running SGLang's DeepSeek loader (standins_engines.
+    PoolModel): each update_weights_from_tensor call reaches the custom
+    loader as one call of its own."""
+
+    def __init__(self):
+        from standins_engines import PoolModel
+
+        self.model = PoolModel()
+        self.calls = []
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        self.calls.append([n for n, _ in named_tensors])
+        ds_sglang.custom_loader(self.model, list(named_tensors))
+        return True, "Success"
+
+
+def _matches_fresh_load(model, ckpt):
+    """``model`` holds what a fresh one loaded whole from ``ckpt`` holds,
+    the weights its loader derives after loading included."""
+    from standins_engines import PoolModel, reference
+
+    ref = reference(PoolModel, ckpt)
+    got, want = dict(model.named_parameters()), dict(ref.named_parameters())
+    assert sorted(got) == sorted(want)
+    for n in got:
+        assert same_bits(got[n].data, want[n].data), f"parameter {n} differs from a fresh load"
+    for a, b in zip(model.model.layers, ref.model.layers):
+        assert same_bits(a.self_attn.w_kc, b.self_attn.w_kc)
+        assert same_bits(a.self_attn.w_vc, b.self_attn.w_vc)
+
+
+def test_a_fused_pair_split_across_calls_and_a_delta_to_one_of_them_reach_the_fused_weight():
+    from standins_engines import randn_checkpoint
+
+    engine = DeepseekEngine()
+    ckpt = randn_checkpoint(engine.model.shapes(), 31)
+    pusher = ds_sglang.SGLangPusher(engine, bucket_bytes=4096)
+    pusher.push(ckpt)
+    qa, kva = "model.layers.0.self_attn.q_a_proj.weight", \
+        "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    call = {n: i for i, names in enumerate(engine.calls) for n in names}
+    assert call[qa] != call[kva], "the push was to split the pair across calls"
+    state = ds_sglang.engine_weights(engine.model)
+    assert state.map.joint[qa] == [qa, kva]
+    _matches_fresh_load(engine.model, ckpt)
+    # A delta to one of the pair only.
+    ckpt[qa].view(-1)[::5] += 1
+    r = pusher.push(ckpt)
+    assert not r["full"] and r["tensors_changed"] == 1
+    _matches_fresh_load(engine.model, ckpt)
+    rl_step(ckpt, 3)
+    pusher.push(ckpt)
+    _matches_fresh_load(engine.model, ckpt)

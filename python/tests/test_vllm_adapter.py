@@ -2,7 +2,9 @@
 and standins.py): the backend reaches workers that only load plugins, a
 worker's rank counts its data-parallel replica, an ``nccl`` group gets the
 worker's GPU, ``LLM`` and ``AsyncLLM`` clients each get the arguments they
-take, a failed round returns at once, and draft models are refused."""
+take, a failed round returns at once, draft models are refused, and what
+vLLM's post-load processing makes of the loaded weights (a kernel layout,
+derived weights) follows every sync."""
 
 import asyncio
 import importlib
@@ -24,6 +26,7 @@ from standins import (
     assert_matches_reference,
     make_checkpoint,
     rl_step,
+    same_bits,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -332,3 +335,44 @@ def test_draft_model_updates_are_refused():
     engine.set_weight_update_target(target, model_config=None)  # the target itself: fine
     engine.reset_weight_update_target()
     assert engine.model is target
+
+
+# --- what the kernel reads beyond what load_weights wrote ----------------------
+
+
+def test_a_kernel_layout_and_weights_derived_after_loading_follow_every_sync(rendezvous):
+    from standins_engines import DT, VLLMModel, randn_checkpoint, reference, vllm_process
+
+    factory = sv.install()
+    ds_vllm = adapter()
+    ds_vllm.register()
+
+    def make(seed=7):  # FlashInfer-CUTLASS MoE, MLA weights copied from kv_b_proj
+        return VLLMModel(seed, backend="flashinfer_cutlass", derive="copy")
+
+    ckpt = randn_checkpoint(make().shapes(), 41)
+    # The engine as vLLM starts it: loaded from disk, then processed.
+    model = vllm_process(reference(make, ckpt))
+    config = sv.VllmConfig(sv.ParallelConfig(), sv.ModelConfig(dtype=DT))
+    engines = [factory.create_engine(sv.Config(), config, torch.device("cpu"), model)]
+    memory = {n: p.data_ptr() for n, p in model.named_parameters()}
+    trainer = None
+    try:
+        trainer = ds_vllm.DeltasyncTrainer(VLLMClientStandIn(engines), ckpt,
+                                           rendezvous=rendezvous, workers=1, timeout_s=30)
+        assert engines[0].fallback == sorted(n for n in ckpt
+                                             if n.endswith(("gate_proj.weight", "up_proj.weight")))
+        for k in range(3):
+            if k:
+                g = torch.Generator().manual_seed(k)
+                for t in ckpt.values():
+                    flat = t.view(-1)
+                    mask = torch.rand(flat.numel(), generator=g) < 0.05
+                    flat[mask] = (flat[mask].float() + 0.5).to(t.dtype)
+            trainer.send_weights(ckpt)
+            fresh = dict(vllm_process(reference(make, ckpt)).named_parameters())
+            for n, p in model.named_parameters():
+                assert same_bits(p.data, fresh[n].data), f"{n} differs from a fresh load"
+        assert {n: p.data_ptr() for n, p in model.named_parameters()} == memory
+    finally:
+        shutdown(trainer, engines)

@@ -13,6 +13,33 @@ rank's expert, another pipeline stage's layer, a tied ``lm_head``:
 for it, and its deltas are dropped. :attr:`EngineWeights.stats` counts the
 paths.
 
+**What the kernel reads beyond what load_weights wrote.** Tensors whose
+loader writes them only together with others (SGLang's DeepSeek fuses
+``q_a_proj`` and ``kv_a_proj_with_mqa`` into one copy once both are in one
+call) are mapped from one dry run with all of them: a delta to one of them
+lands in the fused parameter, and a whole one is written into its
+placement rather than given to the loader alone. The engine's post-load
+steps (``post_load``: :func:`post_load_steps`) are dry-run too:
+
+* a step that derives other weights from loaded ones (MLA's ``W_UK_T`` and
+  ``W_UV`` from ``kv_b_proj``) runs again after a change to the tensors it
+  reads, keeping the memory of every weight it replaces (the new values
+  are copied into the old tensors, which stay in place: a captured CUDA
+  graph keeps reading them);
+* a step that rewrites a loaded parameter into the kernel's layout (vLLM's
+  unquantized MoE on FlashInfer-CUTLASS swapping the halves of ``w13``,
+  AITER shuffling it) makes every tensor of that parameter take the stock
+  path as one group: the shadows are loaded together, which writes the
+  whole parameter in the loaded layout again, and the step runs again;
+* a model where neither is right (the step changes the parameter's shape,
+  derives from what it writes, or the checkpoint does not write all of the
+  parameter) is refused: UnsupportedError names the tensor and why.
+
+:meth:`EngineWeights.apply_delta` leaves that work to
+:meth:`EngineWeights.flush`, once for all the deltas of a sync;
+:meth:`EngineWeights.load_full` and :meth:`EngineWeights.reload_shadows`
+flush themselves.
+
 Parameters can move under the map: ``update_weights_from_disk``, a wake
 from sleep that reallocates, expert rebalancing that rebuilds a layer.
 Before a delta is written into a parameter, that parameter is checked (the
@@ -25,14 +52,21 @@ every parameter's memory (experts swapped in place) needs
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 
 from .._tensors import _TORCH_DTYPES, dtype_name
-from ..errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
-from .weight_map import WeightMap, learn
+from ..errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnsupportedError,
+)
+from .weight_map import PostLoadStep, WeightMap, _attribute, learn
 
 _GONE, _NEW = "it is gone", "a new parameter"
 
@@ -52,10 +86,70 @@ def torch_dtype(code: str) -> torch.dtype:
     raise InvalidArgumentError(f"dtype {code} has no torch counterpart")
 
 
+def post_load_steps(model: torch.nn.Module, act_dtype: Optional[torch.dtype] = None
+                    ) -> list[tuple[str, torch.nn.Module, Callable[[], Any]]]:
+    """The post-load processing an engine's model loader runs after
+    ``load_weights``, one step per module, as (name, module, run), in the
+    loader's order: each quant method's ``process_weights_after_loading(
+    module)`` (vLLM's ``process_weights_after_loading`` in
+    ``vllm/model_executor/model_loader/utils.py``, SGLang's
+    ``DefaultModelLoader.load_model``), then, given ``act_dtype`` (vLLM),
+    each layer's own ``process_weights_after_loading(act_dtype)`` (the
+    attention layers: MLA's absorbed ``W_UK_T`` and ``W_UV``)."""
+    steps: list = []
+    for name, m in model.named_modules():
+        qm = getattr(m, "quant_method", None)
+        run = getattr(qm, "process_weights_after_loading", None)
+        if qm is not None and callable(run):
+            steps.append((f"{type(qm).__name__}.process_weights_after_loading"
+                          f"({name or type(m).__name__})", m, functools.partial(run, m)))
+    if act_dtype is None:
+        return steps
+    for name, m in model.named_modules():
+        run = getattr(type(m), "process_weights_after_loading", None)
+        if not callable(run):
+            continue
+        bound = getattr(m, "process_weights_after_loading")
+        try:
+            takes = len(inspect.signature(bound).parameters)
+        except (TypeError, ValueError):
+            takes = 1
+        steps.append((f"{type(m).__name__}.process_weights_after_loading"
+                      f"({name or type(m).__name__})", m,
+                      functools.partial(bound, act_dtype) if takes else bound))
+    return steps
+
+
+def _where(owner: Any, name: str) -> str:
+    """The table of module ``owner`` holding attribute ``name`` ("" for a
+    plain attribute)."""
+    for table in ("_parameters", "_buffers", "_modules"):
+        if name in owner.__dict__.get(table, {}):
+            return table
+    return ""
+
+
+def _place(owner: Any, name: str, value: Any, where: str) -> None:
+    """Puts ``value`` back as attribute ``name`` of module ``owner``, in
+    table ``where``, with no module hook run."""
+    d = owner.__dict__
+    for table in ("_parameters", "_buffers", "_modules"):
+        if table in d:
+            d[table].pop(name, None)
+    d.pop(name, None)
+    if where:
+        d[where][name] = value
+    else:
+        d[name] = value
+
+
 class EngineWeights:
     """The weights of ``model`` (one TP worker) for the checkpoint tensors
     ``checkpoint`` ((name, dtype, shape) triples). ``verify``: the dry run
-    checks every parameter's bytes before and after (:func:`.weight_map.learn`)."""
+    checks every parameter's bytes before and after (:func:`.weight_map.learn`).
+    ``post_load(model)`` lists the engine's post-load steps as (name,
+    module, run) (:func:`post_load_steps`); without it none is run again.
+    Raises UnsupportedError naming a tensor no path keeps right."""
 
     def __init__(
         self,
@@ -64,16 +158,20 @@ class EngineWeights:
         load_weights: Optional[Callable[[list], Any]] = None,
         *,
         verify: bool = True,
+        post_load: Optional[Callable[[torch.nn.Module], Iterable]] = None,
     ) -> None:
         self.model = model
         self.load_weights = load_weights or model.load_weights
         self.verify = verify
+        self.post_load = post_load
         self.meta = {
             name: (_code(dtype), [int(x) for x in shape]) for name, dtype, shape in checkpoint
         }
         self.shadows: dict[str, torch.Tensor] = {}
         self.stats = {"scattered_tensors": 0, "scattered_elements": 0, "stock_loads": 0,
-                      "skipped_deltas": 0, "relearned": 0}
+                      "skipped_deltas": 0, "relearned": 0, "post_load_runs": 0}
+        self._pending: set[str] = set()  # stock-path tensors waiting for flush
+        self._dirty: set[str] = set()  # post-load steps to run at flush
         # What a receiver was given, by tensor: ("param", placement, its memory's
         # address) or ("shadow", tensor).
         self._registered: Optional[dict[str, tuple]] = None
@@ -85,10 +183,16 @@ class EngineWeights:
         self.map: WeightMap = self._learn()
 
     def _learn(self) -> WeightMap:
+        steps = list(self.post_load(self.model)) if self.post_load is not None else []
         wm = learn(self.model, [(n, d, s) for n, (d, s) in self.meta.items()],
-                   self.load_weights, verify=self.verify)
+                   self.load_weights, verify=self.verify, post_load=steps)
+        if wm.refused:
+            name = next(iter(wm.refused))
+            more = f" ({len(wm.refused)} tensors in all)" if len(wm.refused) > 1 else ""
+            raise UnsupportedError(f"deltasync: tensor '{name}': {wm.refused[name]}{more}")
         for name, why in self._stream_refused.items():
             if wm.placements.pop(name, None) is not None:
+                wm.joint.pop(name, None)
                 wm.unmapped[name] = why
         if wm.unmapped:
             log.warning("deltasync: %s", wm.report())
@@ -207,8 +311,11 @@ class EngineWeights:
     # --- writing ---------------------------------------------------------------
 
     def load_full(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Loads whole tensors through the stock path (the first sync, or a
-        resync), keeping a shadow of each unmapped one."""
+        """Loads whole tensors (the first sync, or a resync) through the stock
+        path, keeping a shadow of each unmapped one; a tensor its loader
+        writes only with others is written into its placement, or (stock
+        path) loaded with its group once every member has a shadow. Then
+        :meth:`flush`."""
         for name, t in named_tensors:
             self._check_name(name)
             dtype, shape = self.meta[name]
@@ -217,12 +324,120 @@ class EngineWeights:
                     f"tensor '{name}': shape {list(t.shape)}, the checkpoint's is {shape}"
                 )
         self.refresh()
-        with torch.no_grad():
-            self.load_weights(list(named_tensors))
+        stock = []
         for name, t in named_tensors:
-            if name in self.map.unmapped:
+            if name in self.map.joint and name in self.map.placements:
+                self._write_whole(name, t)
+            elif name in self.map.unmapped and self._deferred(name):
                 self.shadows[name] = t.detach().to("cpu", copy=True)
-        self.stats["stock_loads"] += len(named_tensors)
+                self._pending.add(name)
+            else:
+                stock.append((name, t))
+        if stock:
+            with torch.no_grad():
+                self.load_weights(list(stock))
+            for name, t in stock:
+                if name in self.map.unmapped:
+                    self.shadows[name] = t.detach().to("cpu", copy=True)
+                self._touch(name)
+            self.stats["stock_loads"] += len(stock)
+        self.flush()
+
+    def _deferred(self, name: str) -> bool:
+        """Whether the stock load of ``name`` waits for flush (its loader takes
+        it only with others, or a post-load step follows it)."""
+        return name in self.map.groups or bool(self.map.steps_of.get(name))
+
+    def _touch(self, name: str) -> None:
+        self._dirty.update(self.map.steps_of.get(name, ()))
+
+    def _write_whole(self, name: str, t: torch.Tensor) -> None:
+        placement = self.map.placements[name]
+        param = placement.param
+        src = t.detach().reshape(-1).to(param.device)
+        with torch.no_grad():
+            flat = param.data.view(-1)
+            for first, count, offset, stride in placement.run_tuples():
+                flat[offset:offset + (count - 1) * stride + 1:stride] = src[first:first + count]
+        self.stats["scattered_tensors"] += 1
+        self.stats["scattered_elements"] += placement.elements
+        self._touch(name)
+
+    def load_shadow(self, name: str) -> None:
+        """Loads the shadow of ``name`` through the stock path (a tensor
+        assembled from ranges), with its group; one that waits for others or
+        a post-load step is left to :meth:`flush`."""
+        if self._deferred(name):
+            self._pending.add(name)
+            return
+        with torch.no_grad():
+            self.load_weights([(name, self.shadows[name].to(self._device()))])
+        self.stats["stock_loads"] += 1
+        self._touch(name)
+
+    def flush(self) -> list[str]:
+        """Loads, group by group, the stock-path tensors left waiting (a group
+        once each member has a shadow), then runs again each post-load step
+        the writes since the last flush touched. Returns those steps' names."""
+        if self._pending:
+            ready: list[str] = []
+            for name in self.meta:
+                if name not in self._pending or name in ready:
+                    continue
+                if name not in self.map.unmapped:
+                    self._pending.discard(name)
+                    continue
+                group = self.map.groups.get(name, [name])
+                if all(n in self.shadows for n in group):
+                    ready.extend(n for n in group if n not in ready)
+            if ready:
+                dev = self._device()
+                with torch.no_grad():
+                    self.load_weights([(n, self.shadows[n].to(dev)) for n in ready])
+                self.stats["stock_loads"] += len(ready)
+                self._pending.difference_update(ready)
+                for n in ready:
+                    self._touch(n)
+        run = [st for st in self.map.steps if st.name in self._dirty]
+        self._dirty.clear()
+        for st in run:
+            self._run_step(st)
+        self.stats["post_load_runs"] += len(run)
+        return [st.name for st in run]
+
+    def _run_step(self, step: PostLoadStep) -> None:
+        """Runs a post-load step again, then puts every weight it replaced
+        back in its old memory with the new values (the memory the engine's
+        kernels and captured graphs read)."""
+        slots = [(owner, name, _attribute(owner, name), _where(owner, name))
+                 for owner, name in step.slots]
+        datas = [(t, t.data) for t in step.datas]
+        with torch.no_grad():
+            step.run()
+            for t, old in datas:
+                now = t.data
+                if now.data_ptr() != old.data_ptr() or now.stride() != old.stride():
+                    self._copy_back(step, "the memory of a weight", old, now)
+                    t.data = old
+            for owner, name, old, where in slots:
+                new = _attribute(owner, name)
+                if new is old or not isinstance(old, torch.Tensor):
+                    continue
+                if not isinstance(new, torch.Tensor):
+                    raise FailedPreconditionError(
+                        f"deltasync: the post-load step {step.name} removed {name} of module "
+                        f"{type(owner).__name__}")
+                if new.data_ptr() != old.data_ptr() or new.stride() != old.stride():
+                    self._copy_back(step, f"{name} of module {type(owner).__name__}", old, new)
+                _place(owner, name, old, where)
+
+    @staticmethod
+    def _copy_back(step: PostLoadStep, what: str, old: torch.Tensor, new: torch.Tensor) -> None:
+        if tuple(new.shape) != tuple(old.shape) or new.dtype != old.dtype:
+            raise FailedPreconditionError(
+                f"deltasync: the post-load step {step.name} gave {what} another shape "
+                f"({old.dtype} {list(old.shape)} became {new.dtype} {list(new.shape)})")
+        old.data.copy_(new.data)
 
     def check_delta(self, name: str, positions: torch.Tensor, values: torch.Tensor) -> None:
         """Refuses (naming the tensor) a delta that does not fit the checkpoint."""
@@ -255,7 +470,9 @@ class EngineWeights:
                     )
 
     def apply_delta(self, name: str, positions: torch.Tensor, values: torch.Tensor) -> None:
-        """Writes the changed elements of one tensor (check_delta first)."""
+        """Writes the changed elements of one tensor (check_delta first). A
+        tensor a post-load step reads is written (or its shadow updated), and
+        the step left to :meth:`flush`."""
         self._current(name)
         if name in self.map.skipped:
             self.stats["skipped_deltas"] += 1
@@ -268,6 +485,9 @@ class EngineWeights:
                     f"tensor '{name}': its parameter moved and it now takes the stock path, "
                     "which needs a full copy of it (send it whole)")
             shadow.view(-1)[positions.to(shadow.device)] = values.to(shadow.device)
+            if self.map.steps_of.get(name):
+                self._pending.add(name)  # loaded with its group, then the step: flush
+                return
             # A tensor its loader takes only with others goes with them.
             names = self.map.groups.get(name, [name])
             dev = self._device()
@@ -283,6 +503,7 @@ class EngineWeights:
             flat[dest] = values.to(param.device)[held]
         self.stats["scattered_tensors"] += 1
         self.stats["scattered_elements"] += int(dest.numel())
+        self._touch(name)
 
     def _device(self) -> torch.device:
         for p in self.model.parameters():
@@ -325,10 +546,14 @@ class EngineWeights:
         self._cannot_follow = None
 
     def reload_shadows(self) -> None:
-        """Loads every shadow through the stock load_weights (after a receive)."""
-        if not self.shadows:
-            return
-        dev = self._device()
-        with torch.no_grad():
-            self.load_weights([(n, s.to(dev)) for n, s in self.shadows.items()])
-        self.stats["stock_loads"] += len(self.shadows)
+        """After a receive: loads every shadow through the stock load_weights
+        (in one call), then runs every post-load step again (the receiver
+        wrote into the parameters it reads)."""
+        if self.shadows:
+            dev = self._device()
+            with torch.no_grad():
+                self.load_weights([(n, s.to(dev)) for n, s in self.shadows.items()])
+            self.stats["stock_loads"] += len(self.shadows)
+        self._pending.clear()
+        self._dirty.update(st.name for st in self.map.steps)
+        self.flush()

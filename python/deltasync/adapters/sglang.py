@@ -44,6 +44,16 @@ What SGLang does around the loader, and what this adapter does about it
   already is a no-op. A draft model whose ``load_weights`` cannot take the
   trainer's checkpoint refuses (the pusher raises, naming its class);
   ``SGLangPusher(skip_models=[class name])`` leaves such models alone.
+* ``models/deepseek_v2.py`` (3e4a39ee73308590c5c753108bdcb8d333f7f1c6),
+  ``DeepseekV2ForCausalLM.load_weights``: ``q_a_proj`` and
+  ``kv_a_proj_with_mqa`` are written (as one fused copy) only when one call
+  holds both, and ``post_load_weights`` derives ``w_kc``/``w_vc`` from each
+  ``kv_b_proj`` the call loaded. A push may split the pair across calls, so
+  both are mapped into the fused parameter (:mod:`.weight_map`) and written
+  there whole or by delta; ``kv_b_proj`` takes the stock path, whose
+  ``load_weights`` derives them again. The model loader's post-load steps
+  (each quant method's ``process_weights_after_loading``) are followed as
+  :mod:`.engine` describes.
 * ``update_weights_from_distributed`` (same ``model_runner.py`` and
   ``weight_updater.py``) loads through ``model.load_weights`` only and never
   calls a custom loader, so deltasync's payload has the tensor path only,
@@ -98,7 +108,7 @@ from ..errors import (
     InvalidArgumentError,
     UnsupportedError,
 )
-from .engine import EngineWeights, torch_dtype
+from .engine import EngineWeights, post_load_steps, torch_dtype
 
 log = logging.getLogger("deltasync.adapters")
 
@@ -208,7 +218,8 @@ def _plan(model: torch.nn.Module, sync: _Sync, m: dict, parts: dict) -> tuple:
                 ckpt = [(e["name"], e.get("dtype"), e.get("shape")) for e in entries]
             meta = {n: (d, [int(x) for x in s]) for n, d, s in ckpt}
             if state is None or state.meta != meta:
-                new_state = EngineWeights(model, [(n, d, s) for n, (d, s) in meta.items()])
+                new_state = EngineWeights(model, [(n, d, s) for n, (d, s) in meta.items()],
+                                          post_load=post_load_steps)
                 state = new_state
         else:
             if state is None:
@@ -321,11 +332,11 @@ def _write(state: EngineWeights, pending: dict, whole: list, ranges: list, delta
             state.shadows[name] = shadow
         shadow.view(-1)[first:first + t.numel()] = t.to(shadow.device)
         if pending["ranged"].get(name) == shadow.numel():
-            with torch.no_grad():
-                state.load_weights([(name, shadow.to(state._device()))])
-            state.stats["stock_loads"] += 1
+            state.load_shadow(name)
     for name, pos, val in deltas:
         state.apply_delta(name, pos, val)
+    # Stock-path groups left waiting, and the post-load steps the call touched.
+    state.flush()
 
 
 def _apply(model: torch.nn.Module, named_tensors: Iterable) -> tuple[Optional[dict], Optional[Exception], str]:

@@ -27,8 +27,16 @@ current CUDA device, and registers the parameters themselves as the
 destinations, so each sync's changed elements land in place. Tensors the
 dry run cannot map are received into host copies and loaded through the
 stock ``load_weights`` (reported in
-:attr:`DeltasyncWeightTransferEngine.fallback`). A speculative-decoding
-draft model is not updated (``supports_draft_weight_update`` is False).
+:attr:`DeltasyncWeightTransferEngine.fallback`). vLLM's post-load
+processing (``process_weights_after_loading`` of each quant method, then
+of each attention layer) is dry-run too: after each sync the steps that
+derive weights from loaded ones run again (MLA's ``W_UK_T``/``W_UV``),
+a parameter a step rewrites into the kernel's layout (the unquantized MoE's
+``w13`` on FlashInfer-CUTLASS or AITER) is loaded whole from its host
+copies and the step run again, every weight keeping its memory; a model
+neither keeps right is refused at ``init_transfer_engine``, naming the
+tensor (:mod:`.engine`). A speculative-decoding draft model is not updated
+(``supports_draft_weight_update`` is False).
 
 **Trainer side.** :class:`DeltasyncTrainer` drives the round trip
 (``init_weight_transfer_engine`` once, then ``start_weight_update``,
@@ -67,7 +75,7 @@ from ..errors import (
 )
 from ..stream import Group, StreamReceiver, StreamSender
 from .._tensors import dtype_name, named
-from .engine import EngineWeights
+from .engine import EngineWeights, post_load_steps
 
 log = logging.getLogger("deltasync.adapters")
 
@@ -184,6 +192,7 @@ class DeltasyncWeightTransferEngine(_Base):
         super().__init__(config, vllm_config, device, model)
         self.model = model
         self.device = device
+        self.vllm_config = vllm_config
         self.parallel_config = getattr(vllm_config, "parallel_config", vllm_config)
         self.weights: Optional[EngineWeights] = None
         self.receiver: Optional[StreamReceiver] = None
@@ -217,7 +226,8 @@ class DeltasyncWeightTransferEngine(_Base):
                 f"{init_info.size}: the trainer's workers= counts every worker of every "
                 "data-parallel replica"
             )
-        self.weights = EngineWeights(self.model, [tuple(e) for e in init_info.checkpoint])
+        self.weights = EngineWeights(self.model, [tuple(e) for e in init_info.checkpoint],
+                                     post_load=self._post_load)
         if self.receiver is not None:
             self.receiver.close()
         # A worker that holds none of some tensors (other experts, other
@@ -228,6 +238,16 @@ class DeltasyncWeightTransferEngine(_Base):
                                        partial=bool(self.weights.skipped))
         self.rank = rank
         self.weights.register(self.receiver)
+
+    def _post_load(self, model: torch.nn.Module) -> list:
+        """vLLM's post-load processing of ``model``, one step per module:
+        each quant method's, then each attention layer's with the model's
+        dtype (:func:`.engine.post_load_steps`)."""
+        dtype = getattr(getattr(self.vllm_config, "model_config", None), "dtype", None)
+        if not isinstance(dtype, torch.dtype):
+            dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()),
+                         torch.get_default_dtype())
+        return post_load_steps(model, dtype)
 
     @property
     def fallback(self) -> list[str]:
@@ -253,6 +273,8 @@ class DeltasyncWeightTransferEngine(_Base):
             raise FailedPreconditionError(
                 f"deltasync: received sync {stats['sync_id']}, expected {update_info.sync_id}"
             )
+        # The stock-path tensors, then the post-load steps (derived weights,
+        # kernel layouts) over what the receiver wrote.
         self.weights.reload_shadows()
         self.last = stats
 

@@ -45,10 +45,38 @@ an ``lm_head`` tied to the embedding. It is reported in
 A tensor the dry run cannot map (its loader computes on it rather than
 copying a view of it, copies it into two parameters, converts its dtype,
 or writes in any other way) is reported in :attr:`WeightMap.unmapped` with
-the reason; callers take the stock ``load_weights`` path for it. Tensors
-its loader uses only together (two projections fused once both are there)
-are listed in :attr:`WeightMap.groups`: the stock path loads them in one
-call.
+the reason; callers take the stock ``load_weights`` path for it.
+
+**Tensors written only together.** Tensors its loader uses only together
+(SGLang's DeepSeek concatenates ``q_a_proj`` and ``kv_a_proj_with_mqa``
+and copies the result into ``fused_qkv_a_proj_with_mqa`` only when one
+call gives it both) get one more dry run with all of them, each a probe of
+its own memory whose elements are followed through the operations that
+only move them (``torch.cat``, ``stack``, ``clone``, ``flip``, copies into
+memory the loader made): replayed on element ids, they say which element
+of the copied result comes from which checkpoint element, so each tensor
+gets a placement of its own (:attr:`WeightMap.joint`). A group that cannot
+be followed so (its loader computes on them) is listed in
+:attr:`WeightMap.groups`: the stock path loads them in one call.
+
+**Post-load steps.** What the kernel reads need not be what
+``load_weights`` wrote: the engine's model loader runs a post-load step on
+modules afterwards (``post_load``: vLLM's and SGLang's quant methods'
+``process_weights_after_loading``, vLLM's attention layers'). Each step is
+dry-run like a loader, on the model as it is (its writes refused), with
+every write it tries recorded and, for each value written, the parameters
+it was computed from. A step that writes nothing, or only views of loaded
+weights, or constants, needs nothing. A step that derives other weights
+from loaded parameters (MLA's absorbed ``W_UK_T``/``W_UV`` from
+``kv_b_proj``) is listed in :attr:`WeightMap.steps`, to run again after
+the tensors it reads change. A step that rewrites a loaded parameter
+(vLLM's unquantized MoE swapping or shuffling ``w13`` for FlashInfer or
+AITER) cannot be followed by writing into the parameter: every tensor of
+that parameter moves to the stock path as one group, loaded whole again
+before the step runs again. Where neither is right (the step gives the
+parameter another shape or raises on its own result, part of the parameter
+is written by no tensor or by the stock path, or the step reads what it
+derives), the tensors are reported in :attr:`WeightMap.refused`.
 
 **Parameters that move.** :attr:`WeightMap.layout` records, for every
 parameter and buffer, the object, the module attribute that holds it and
@@ -79,7 +107,7 @@ from .._tensors import dtype_name
 from ..errors import InternalError
 
 
-__all__ = ["Placement", "WeightMap", "learn"]
+__all__ = ["Placement", "PostLoadStep", "WeightMap", "learn"]
 
 
 def _storage(t: torch.Tensor) -> Any:
@@ -186,19 +214,51 @@ class Placement:
 
 
 @dataclasses.dataclass
+class PostLoadStep:
+    """A step the engine runs on a module after ``load_weights`` (a quant
+    method's ``process_weights_after_loading``, an attention layer's
+    derivation of its absorbed weights) that writes weights from loaded
+    ones: ``transforms``, the loaded parameters it rewrites into another
+    layout; ``feeds``, those it derives other weights from; ``tensors``, the
+    checkpoint tensors whose change needs it run again; ``what``, its first
+    such write. ``slots`` ((module, attribute)) and ``datas`` (tensors whose
+    ``.data`` it replaces): what it may replace, so that running it again
+    can keep every weight's memory."""
+
+    name: str
+    run: Callable[[], Any] = dataclasses.field(repr=False)
+    transforms: list[str]
+    feeds: list[str]
+    tensors: list[str]
+    what: str
+    slots: list = dataclasses.field(default_factory=list, repr=False)
+    datas: list = dataclasses.field(default_factory=list, repr=False)
+
+
+@dataclasses.dataclass
 class WeightMap:
     """The placements of every checkpoint tensor the dry run mapped, the
     reason for each it could not, the tensors this worker holds none of
     (``skipped``, with the reason), and the parameters' layout when the map
     was learned. ``groups``: for a tensor its loader takes only together
-    with others (two projections fused once both are there), all of them,
-    in checkpoint order: the stock path loads them in one call."""
+    with others (two projections fused once both are there, every tensor of
+    a parameter a post-load step rewrites), all of them, in checkpoint
+    order: the stock path loads them in one call. ``joint``: for a mapped
+    tensor its loader writes only together with others, all of them (a
+    whole tensor is written into its placement, not given to the loader
+    alone). ``steps``: the post-load steps to run again after the tensors
+    they read change (``steps_of``: tensor -> step names). ``refused``:
+    tensors no path keeps right, with why (the model is refused)."""
 
     placements: dict[str, Placement]
     unmapped: dict[str, str]
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     layout: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     groups: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    joint: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    steps: list[PostLoadStep] = dataclasses.field(default_factory=list)
+    steps_of: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    refused: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def report(self) -> str:
         """A few lines: how many tensors were mapped and skipped, and why each
@@ -208,6 +268,9 @@ class WeightMap:
                  f"{len(self.skipped)} held by no parameter of this worker"]
         for name, why in sorted(self.unmapped.items()):
             lines.append(f"  {name}: {why}")
+        for st in self.steps:
+            lines.append(f"  post-load step {st.name} runs again after a change to "
+                         f"{len(st.tensors)} tensors ({st.what})")
         return "\n".join(lines)
 
     def moved(self, model: torch.nn.Module) -> dict[str, str]:
@@ -310,6 +373,18 @@ def _holds(t: torch.Tensor, value: Any) -> bool:
     return bool((have == want).all())
 
 
+def _same_geometry(op: _Op, t: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+    """Whether a reshaping operation gives ``t`` the sizes and strides it has."""
+    if op.name.startswith("aten.as_strided_"):
+        size, stride = op.arg(1, args, kwargs), op.arg(2, args, kwargs)
+        offset = op.arg(3, args, kwargs) if len(op.args) > 3 else None
+        return (list(size) == list(t.shape) and list(stride) == list(t.stride())
+                and (offset is None or int(offset) == t.storage_offset()))
+    if op.name.startswith("aten.resize_"):
+        return list(op.arg(1, args, kwargs)) == list(t.shape) and t.is_contiguous()
+    return False
+
+
 _OPS: dict = {}
 
 
@@ -333,12 +408,45 @@ def _same(old: Any, new: Any) -> bool:
 
 _MISSING = object()
 
+# Operations that only move elements: the same call on tensors of element ids
+# says where each element of the result came from.
+_MOVES = ("aten.cat.default", "aten.stack.default", "aten.clone.default", "aten.flip.default")
+
+
+class _Write:
+    """A write into memory that existed before the dry run (refused, or
+    recorded as a copy): ``param`` names the parameter it targets (None for
+    other memory or a module attribute), ``old`` what the target held and
+    ``value`` what was written; ``deps`` the parameters ``value`` was
+    computed from."""
+
+    __slots__ = ("kind", "what", "param", "owner", "name", "old", "value", "deps")
+
+    def __init__(self, kind: str, what: str, param: Optional[str], owner: Any, name: str,
+                 old: Any, value: Any, deps: frozenset) -> None:
+        self.kind = kind  # "copy", "op" (another in-place operation), "data", "attr"
+        self.what = what
+        self.param = param
+        self.owner = owner
+        self.name = name
+        self.old = old
+        self.value = value
+        self.deps = deps
+
 
 class _Session:
     """One dry run: the probes it gives the loader (by memory), what the
-    loader copied from them, what it was refused, and the memory it made."""
+    loader copied from them, what it was refused, and the memory it made.
 
-    def __init__(self, probes: dict, params: dict, modules: set, weights: set) -> None:
+    With ``mirrors`` (memory key -> (element ids over that memory, element
+    size)) it follows the probes' elements through operations that only move
+    them (``_MOVES``, and copies into memory the loader made): a copy of such
+    a result into a parameter is then a placement too. With ``track`` it
+    records every write into memory that existed before and which
+    parameters each value was computed from (a post-load step's dry run)."""
+
+    def __init__(self, probes: dict, params: dict, modules: set, weights: set, *,
+                 mirrors: Optional[dict] = None, track: bool = False) -> None:
         self.probes = probes  # memory key -> checkpoint name
         self.params = params  # memory key -> (parameter name, parameter)
         self.modules = modules  # ids of the model's modules
@@ -351,12 +459,115 @@ class _Session:
         self.changed: set = set()  # probes the loader wrote into
         self.together: list[set] = []  # probes one operation read at once
         self.pending = 0  # work on other threads not finished
+        self.targets: set = set()  # parameters a write targeted
+        self.seen: set = set()  # parameters an operation took as input (a view of one too)
+        self.mirrors = mirrors
+        self.sources: dict = {}  # loader-made memory key -> probe names whose elements it holds
+        self.track = track
+        self.deps: dict = {}  # loader-made memory key -> parameters its values come from
+        self.reads: set = set()  # keys of memory that existed before, read by an operation
+        self.writes: list[_Write] = []
 
     # -- bookkeeping
 
     def refuse(self, why: str) -> None:
         with self.cond:
             self.refused.append(why)
+
+    def deps_of(self, tensors: Iterable[torch.Tensor]) -> frozenset:
+        """The parameters whose values ``tensors`` hold or were computed from."""
+        out: set = set()
+        for t in tensors:
+            k = _key(t)
+            hit = self.params.get(k)
+            if hit is not None:
+                out.add(hit[0])
+            else:
+                out |= self.deps.get(k, frozenset())
+        return frozenset(out)
+
+    def note(self, kind: str, what: str, target: Any, owner: Any = None, name: str = "",
+             old: Any = None, value: Any = None, deps: Iterable = ()) -> None:
+        """Records a write into memory that existed before: ``target`` is the
+        memory written ("copy", "op") or the tensor replaced ("data",
+        "attr": a parameter or buffer only if it is one of the model's)."""
+        hit = None
+        if isinstance(target, torch.Tensor) and (kind in ("copy", "op")
+                                                 or id(target) in self.weights):
+            hit = self.params.get(_key(target))
+        with self.cond:
+            if hit is not None:
+                self.targets.add(hit[0])
+            if self.track:
+                self.writes.append(_Write(kind, what, hit[0] if hit else None, owner, name, old,
+                                          value, frozenset(deps)))
+
+    # -- following elements through operations that only move them
+
+    def ids_of(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """The element ids ``t`` holds (None when its memory is not followed)."""
+        hit = self.mirrors.get(_key(t)) if self.mirrors is not None else None
+        if hit is None or hit[1] != t.element_size():
+            return None
+        return hit[0].as_strided(tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+    def mirror_for(self, t: torch.Tensor) -> torch.Tensor:
+        k = _key(t)
+        hit = self.mirrors.get(k)
+        if hit is None or hit[1] != t.element_size():
+            n = _storage(t).nbytes() // t.element_size()
+            hit = (torch.full((n,), -1, dtype=torch.int64), t.element_size())
+            self.mirrors[k] = hit
+        return hit[0].as_strided(tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+    def follow_copy(self, dst: torch.Tensor, src: Any) -> None:
+        """A copy into the loader's own memory: which elements it now holds."""
+        ids = self.ids_of(src) if isinstance(src, torch.Tensor) else None
+        if ids is None and _key(dst) not in self.mirrors:
+            return
+        target = self.mirror_for(dst)
+        if ids is not None and src.dtype == dst.dtype:
+            try:
+                target.copy_(ids.expand(tuple(dst.shape)))
+            except RuntimeError:
+                target.fill_(-1)
+            with self.cond:
+                self.sources[_key(dst)] = (self.sources.get(_key(dst), frozenset())
+                                           | self.sources.get(_key(src), frozenset()))
+        else:
+            target.fill_(-1)  # values not followed (converted, or of no probe)
+
+    def replay(self, func: Any, args: tuple, kwargs: dict, out: Any, inputs: list) -> bool:
+        """Runs an operation of ``_MOVES`` again on element ids: its result's
+        elements are then followed. False if that cannot be done."""
+        if not isinstance(out, torch.Tensor):
+            return False
+
+        def ids(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                got = self.ids_of(x)
+                if got is None:
+                    if _key(x) in self.mirrors:
+                        raise ValueError("another element size")
+                    return torch.full(tuple(x.shape), -1, dtype=torch.int64)
+                return got
+            if isinstance(x, (list, tuple)):
+                return type(x)(ids(y) for y in x)
+            return x
+
+        try:
+            got = func(*ids(args), **{k: ids(v) for k, v in kwargs.items()})
+        except (ValueError, RuntimeError, TypeError):
+            return False
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(out.shape):
+            return False
+        self.mirror_for(out).copy_(got)
+        srcs: frozenset = frozenset()
+        for t in inputs:
+            srcs = srcs | self.sources.get(_key(t), frozenset())
+        with self.cond:
+            self.sources[_key(out)] = srcs
+        return True
 
     def describe(self, t: torch.Tensor) -> str:
         hit = self.params.get(_key(t))
@@ -421,28 +632,56 @@ class _Session:
             if not theirs and targets and all(t.numel() == 0 for t in targets):
                 return func(*args, **kwargs)  # no element written, none read
             if theirs:
+                rest = [t for t in _tensors((args, kwargs)) if not any(t is w for w in targets)]
                 if op.copy:
+                    src = op.arg(1, args, kwargs)
                     with self.cond:
-                        self.copies.append(_Copy(args[0], op.arg(1, args, kwargs)))
+                        self.copies.append(_Copy(args[0], src))
+                    for t in theirs:
+                        self.note("copy", f"copy_ into {self.describe(t)}", t, owner=t,
+                                  value=src, deps=self.deps_of(rest))
+                elif op.reshaping and all(_same_geometry(op, t, args, kwargs) for t in theirs):
+                    pass  # the sizes and strides it has already: nothing changes
                 elif not (op.fill and all(_holds(t, op.fill_value(args, kwargs)) for t in theirs)):
                     self.refuse(f"its loader writes into {self.describe(theirs[0])} "
                                 f"with {op.name}")
+                    for t in theirs:
+                        self.note("op", f"{op.name} on {self.describe(t)}", t, owner=t,
+                                  deps=self.deps_of(rest))
                 return op.result(args, kwargs)
+            if self.mirrors is not None and op.copy:
+                self.follow_copy(args[0], op.arg(1, args, kwargs))
+                return func(*args, **kwargs)
         inputs = [t for t in _tensors((args, kwargs)) if not any(t is w for w in targets)]
-        read = [] if op.view else [self.probes[k] for k in {_key(t) for t in inputs}
-                                   if k in self.probes]
+        in_keys = {_key(t) for t in inputs}
+        hits = [self.params[k][0] for k in in_keys if k in self.params]
+        if hits:
+            with self.cond:
+                self.seen.update(hits)
+        read: set = set()
+        if not op.view:
+            for k in in_keys:
+                if k in self.probes:
+                    read.add(self.probes[k])
+                read |= self.sources.get(k, frozenset())
         out = func(*args, **kwargs)
         outs = list(_tensors(out))
+        if read and op.name in _MOVES and self.mirrors is not None and not op.write:
+            if self.replay(func, args, kwargs, out, inputs):
+                read = set()  # elements moved, not values read
         if read:
             # Reading a probe's values: anything but another view of it.
-            same = {_key(t) for t in inputs}
             if not isinstance(out, (torch.Tensor, list, tuple)) or not outs or any(
-                    _key(o) not in same for o in outs):
+                    _key(o) not in in_keys for o in outs):
                 with self.cond:
                     for name in read:
                         self.used.setdefault(name, op.name)
                     if len(read) > 1:
                         self.together.append(set(read))
+        deps = self.deps_of(inputs) if self.track and not op.view else frozenset()
+        if self.track and not op.view:
+            with self.cond:
+                self.reads |= {k for k in in_keys if k[2] != 0 and k not in self.fresh}
         if op.write:
             # A write into the loader's own memory may give it new memory.
             with self.cond:
@@ -450,13 +689,21 @@ class _Session:
                     k = _key(t)
                     if k[2] != 0 and k not in self.probes:
                         self.fresh.add(k)
+                        if deps:
+                            self.deps[k] = self.deps.get(k, frozenset()) | deps
+                        if self.mirrors is not None and k in self.mirrors:
+                            self.mirrors.pop(k)  # its elements no longer followed
+                            for name in self.sources.pop(k, ()):
+                                self.used.setdefault(name, op.name)
         elif op.lift or not op.view:
-            seen = set() if op.lift else {_key(t) for t in inputs}
+            seen = set() if op.lift else in_keys
             with self.cond:
                 for o in outs:
                     k = _key(o)
                     if k[2] != 0 and k not in seen:
                         self.fresh.add(k)
+                        if deps:
+                            self.deps[k] = deps
         return out
 
     # -- attribute writes
@@ -476,6 +723,9 @@ class _Session:
                     and value.dtype == t.dtype):
                 return True  # the same memory: nothing changes
             self.refuse(f"its loader replaces the memory of {self.describe(t)} (.data = ...)")
+            self.note("data", f"replaces the memory of {self.describe(t)} (.data = ...)", t,
+                      owner=t, name="data", old=t,
+                      value=value, deps=self.deps_of(_tensors(value)))
             return False
         if id(t) not in self.weights:
             return True
@@ -501,7 +751,19 @@ class _Session:
             if old is not _MISSING and _same(old, value):
                 return True
         self.refuse(f"its loader {what} {name} of module {type(m).__name__}")
+        old = _attribute(m, name)
+        self.note("attr", f"{what} {name} of module {type(m).__name__}", old, owner=m, name=name,
+                  old=old, value=value, deps=self.deps_of(_tensors(value)))
         return False
+
+
+def _attribute(m: torch.nn.Module, name: str) -> Any:
+    """What attribute ``name`` of module ``m`` holds (_MISSING if none)."""
+    for d in ("_parameters", "_buffers", "_modules"):
+        table = m.__dict__.get(d)
+        if table is not None and name in table:
+            return table[name]
+    return m.__dict__.get(name, _MISSING)
 
 
 class _Intercept(TorchDispatchMode):
@@ -622,15 +884,22 @@ def _hooks() -> Any:
 
 
 class _Outcome:
-    __slots__ = ("error", "copies", "refused", "used", "changed", "together", "left_running")
+    __slots__ = ("error", "copies", "refused", "used", "changed", "together", "left_running",
+                 "targets", "writes", "reads")
+
+    # ``targets``: the parameters its writes targeted, and those an operation
+    # took as input (the parameters a loader went for).
 
     def __init__(self, session: _Session, error: Optional[BaseException], left_running: bool):
         with session.cond:  # taken from the session: work still running sees none of it
             self.copies, session.copies = session.copies, []
+            self.writes, session.writes = session.writes, []
             self.refused = list(session.refused)
             self.used = dict(session.used)
             self.changed = set(session.changed)
             self.together = list(session.together)
+            self.targets = set(session.targets) | set(session.seen)
+            self.reads = set(session.reads)
         self.error = error
         self.left_running = left_running
 
@@ -832,17 +1101,84 @@ def _coalesce(runs: np.ndarray) -> np.ndarray:
     return np.array(out, dtype=np.int64).reshape(-1, 4)
 
 
+def _offsets(t: torch.Tensor) -> np.ndarray:
+    """The storage offsets of ``t``'s elements, in its row-major order."""
+    off = np.array([t.storage_offset()], dtype=np.int64)
+    for n, st in zip(t.shape, t.stride()):
+        off = (off[:, None] + np.arange(n, dtype=np.int64)[None, :] * st).reshape(-1)
+    return off
+
+
+def _pair_runs(pos: np.ndarray, dest: np.ndarray) -> np.ndarray:
+    """Runs for checkpoint elements ``pos`` written at parameter elements
+    ``dest`` (one each), before _coalesce joins what continues."""
+    if pos.size == 0:
+        return np.zeros((0, 4), dtype=np.int64)
+    order = np.argsort(pos, kind="stable")
+    pos, dest = pos[order], dest[order]
+    n = pos.size
+    brk = np.ones(n, dtype=bool)
+    if n > 1:
+        dp, dd = np.diff(pos), np.diff(dest)
+        cont = (dp == 1) & (dd > 0)
+        cont[1:] &= ~cont[:-1] | (dd[1:] == dd[:-1])  # one stride within a run
+        brk[1:] = ~cont
+    starts = np.flatnonzero(brk)
+    counts = np.diff(np.append(starts, n))
+    nxt = np.minimum(starts + 1, n - 1)
+    strides = np.where(counts > 1, dest[nxt] - dest[starts], 1)
+    return np.stack([pos[starts], counts, dest[starts], strides], axis=1).astype(np.int64)
+
+
+def _traced_runs(c: _Copy, session: _Session, base: int, numel: int, param: torch.Tensor,
+                 pname: str) -> np.ndarray:
+    """The runs of one checkpoint tensor (element ids ``base`` ..
+    ``base+numel-1``) in a recorded copy of memory the loader made from
+    the probes (a concatenation of two of them)."""
+    src, dst = c.src, c.dst
+    if src.dtype != dst.dtype:
+        raise ValueError(f"the loader converts {src.dtype} to {dst.dtype}")
+    ids = session.ids_of(src)
+    if ids is None:
+        raise ValueError("its loader copies a computed tensor, not its elements")
+    shape = tuple(dst.shape)
+    try:
+        ids = ids.expand(shape)
+    except RuntimeError:
+        raise ValueError(f"a copy of shape {list(src.shape)} into {list(shape)}") from None
+    for d, n in enumerate(shape):
+        if n > 1 and ids.stride(d) == 0:
+            raise ValueError("the loader broadcasts one element to several places")
+    flat = ids.reshape(-1).numpy()
+    if (flat < 0).any():
+        raise ValueError(f"its loader copies into parameter {pname} values that are not the "
+                         "checkpoint's")
+    dest = _offsets(dst) - param.storage_offset()
+    sel = (flat >= base) & (flat < base + numel)
+    return _pair_runs(flat[sel] - base, dest[sel])
+
+
 def _placement(name: str, probe: torch.Tensor, copies: list, params: dict,
-               layout: dict) -> Placement:
+               layout: dict, trace: Optional[tuple] = None) -> Placement:
+    """The placement of one probe from the copies a dry run recorded. With
+    ``trace`` ((session, id base) of a dry run that followed the probes'
+    elements), only the copies that hold some of this probe's elements
+    count, and those of memory the loader made count too."""
     probe_key = _key(probe)
     target = None
     all_runs = []
     for c in copies:
+        if trace is not None:
+            if not isinstance(c.src, torch.Tensor):
+                continue
+            sk = _key(c.src)
+            if sk != probe_key and name not in trace[0].sources.get(sk, ()):
+                continue
         hit = params.get(_key(c.dst))
         if hit is None:
             raise ValueError("its loader copies into a tensor that is not a parameter "
                              "(a weight derived after loading)")
-        if not isinstance(c.src, torch.Tensor) or _key(c.src) != probe_key:
+        if not isinstance(c.src, torch.Tensor) or (_key(c.src) != probe_key and trace is None):
             raise ValueError("its loader copies a computed tensor, not a view of it")
         pname, param = hit
         if target is not None and target[0] != pname:
@@ -850,7 +1186,12 @@ def _placement(name: str, probe: torch.Tensor, copies: list, params: dict,
         if not param.is_contiguous():
             raise ValueError(f"parameter {pname} is not contiguous")
         target = (pname, param)
-        all_runs.append(_copy_runs(c, probe, param))
+        if _key(c.src) == probe_key:
+            all_runs.append(_copy_runs(c, probe, param))
+        else:
+            all_runs.append(_traced_runs(c, trace[0], trace[1], probe.numel(), param, pname))
+    if target is None:
+        raise ValueError("its loader copies none of it")
     runs = _coalesce(np.concatenate(all_runs)) if all_runs else np.zeros((0, 4), np.int64)
     pname, param = target
     last = runs[:, 2] + (runs[:, 1] - 1) * runs[:, 3]
@@ -858,6 +1199,20 @@ def _placement(name: str, probe: torch.Tensor, copies: list, params: dict,
         raise ValueError(f"its runs leave parameter {pname}")
     return Placement(name, dtype_name(probe), list(probe.shape), pname, param, runs,
                      _weight=layout.get(pname))
+
+
+def _covered(placements: list, param: torch.Tensor) -> bool:
+    """Whether ``placements`` write every element of ``param`` once."""
+    seen = np.zeros(param.numel(), dtype=bool)
+    for pl in placements:
+        for first, count, offset, stride in pl.runs.tolist():
+            if count <= 0:
+                continue
+            part = seen[offset: offset + (count - 1) * stride + 1: stride]
+            if part.any():
+                return False
+            part[:] = True
+    return bool(seen.all())
 
 
 # --- learn ---------------------------------------------------------------------------
@@ -874,6 +1229,7 @@ def learn(
     device: Any = None,
     *,
     verify: bool = True,
+    post_load: Iterable[tuple[str, Any, Callable[[], Any]]] = (),
 ) -> WeightMap:
     """Learns where each checkpoint tensor lands in ``model``'s parameters.
 
@@ -884,7 +1240,9 @@ def learn(
     default) every parameter and buffer is fingerprinted before and after,
     and InternalError names any whose bytes changed. ``device`` is where
     probe tensors are made (default: the parameters' device, as the engines
-    pass tensors already moved there).
+    pass tensors already moved there). ``post_load`` lists the steps the
+    engine runs after loading, as (name, module, run) (see the module's
+    description: :attr:`WeightMap.steps`).
     """
     from .engine import torch_dtype
 
@@ -904,20 +1262,27 @@ def learn(
     placements: dict[str, Placement] = {}
     unmapped: dict[str, str] = {}
     skipped: dict[str, str] = {}
+    touches: dict[str, set] = {}  # tensors of the stock path -> parameters their loader writes
+    specs: dict[str, tuple] = {}
     alone: list[tuple[str, torch.dtype, list]] = []  # copy nothing when given alone
+    joint: dict[str, list[str]] = {}
+    steps: list[PostLoadStep] = []
+    refused: dict[str, str] = {}
     with _LOCK:
         guard = _Guard(model, named, verify)
         with _hooks():
             for name, dtype, shape in checkpoint:
                 tdtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
                 shape = [int(x) for x in shape]
+                specs[name] = (tdtype, shape)
                 if int(np.prod(shape, dtype=np.int64)) == 0:
                     skipped[name] = "it has no elements"
                     continue
-                why, placement = _one(loader, name, tdtype, shape, device, params, modules,
-                                      weights, layout)
+                why, placement, targets = _one(loader, name, tdtype, shape, device, params,
+                                               modules, weights, layout)
                 if why is not None:
                     unmapped[name] = why
+                    touches[name] = targets
                 elif placement is not None:
                     placements[name] = placement
                 else:
@@ -925,7 +1290,23 @@ def learn(
             groups: dict[str, list[str]] = {}
             if alone:
                 _together(loader, alone, device, params, modules, weights, unmapped, skipped,
-                          groups)
+                          groups, touches)
+            seen: set = set()
+            for name, group in list(groups.items()):
+                if name in seen:
+                    continue
+                seen.update(group)
+                got = _joint(loader, [(n, *specs[n]) for n in group], device, params, modules,
+                             weights, layout)
+                if got is not None:
+                    for n in group:
+                        placements[n] = got[n]
+                        del unmapped[n], groups[n]
+                        touches.pop(n, None)
+                        joint[n] = list(group)
+            if post_load:
+                steps = _post_load(list(post_load), list(specs), params, modules, weights,
+                                   placements, unmapped, touches, groups, joint, refused)
         replaced = guard.restore()
         if replaced:
             # A write no hook saw: nothing maps into those parameters, and
@@ -933,6 +1314,7 @@ def learn(
             for name, pl in list(placements.items()):
                 if pl.param_name in replaced:
                     del placements[name]
+                    joint.pop(name, None)
                     unmapped[name] = f"a dry run replaced parameter {pl.param_name}"
             for name in [n for n, why in skipped.items() if why != "it has no elements"]:
                 del skipped[name]
@@ -945,18 +1327,25 @@ def learn(
             f"({len(changed)} in all): its loader writes where the dry run cannot see it (a "
             "thread it neither started nor handed work to through ThreadPoolExecutor.submit); "
             "the weights must be loaded again")
-    return WeightMap(placements, unmapped, skipped, layout, groups)
+    steps_of: dict[str, list[str]] = {}
+    for st in steps:
+        for n in st.tensors:
+            steps_of.setdefault(n, []).append(st.name)
+    return WeightMap(placements, unmapped, skipped, layout, groups, joint, steps, steps_of,
+                     refused)
 
 
 def _one(loader: Callable, name: str, tdtype: torch.dtype, shape: list, device: Any,
          params: dict, modules: set, weights: set, layout: dict
-         ) -> tuple[Optional[str], Optional[Placement]]:
+         ) -> tuple[Optional[str], Optional[Placement], set]:
     """The dry run of one tensor: (why it takes the stock path, None) or
-    (None, its placement) or (None, None) when it copies none of it."""
+    (None, its placement) or (None, None) when it copies none of it, and
+    the parameters its loader wrote into (or tried to)."""
     probe = torch.empty(shape, dtype=tdtype, device=device)
     ref = StorageWeakRef(_storage(probe))
     out = _dry_run(loader, [(name, probe)], _Session({_key(probe): name}, params, modules,
                                                       weights))
+    targets = out.targets
     why = placement = None
     if out.error is not None:
         why = f"its load_weights raised on a dry run ({type(out.error).__name__}: {out.error})"
@@ -980,12 +1369,215 @@ def _one(loader: Callable, name: str, tdtype: torch.dtype, shape: list, device: 
         why = f"its loader computes on it ({out.used[name]}) and copies none of it"
     del out, probe
     if why is None and not _released(ref):
-        return "its loader keeps a reference to it", None
-    return why, placement
+        return "its loader keeps a reference to it", None, targets
+    return why, placement, targets
+
+
+# Tensors followed through a joint dry run: at most this many elements in all.
+_JOINT_MAX_ELEMENTS = 1 << 28
+
+
+def _joint(loader: Callable, members: list, device: Any, params: dict, modules: set,
+           weights: set, layout: dict) -> Optional[dict]:
+    """Tensors its loader writes only together (two projections fused into
+    one parameter once both are there): one dry run with all of them, each
+    a probe of its own memory whose elements are followed through the
+    operations that only move them (``_MOVES``). Their placements, or None
+    when any of them cannot be mapped so (the group keeps the stock path)."""
+    if sum(int(np.prod(shape, dtype=np.int64)) for _, _, shape in members) > _JOINT_MAX_ELEMENTS:
+        return None
+    probes: dict = {}
+    mirrors: dict = {}
+    pairs = []
+    refs = []
+    for i, (name, tdtype, shape) in enumerate(members):
+        p = torch.empty(shape, dtype=tdtype, device=device)
+        k = _key(p)
+        probes[k] = name
+        mirrors[k] = (torch.arange(p.numel(), dtype=torch.int64) + ((i + 1) << 40),
+                      p.element_size())
+        pairs.append((name, p))
+        refs.append(StorageWeakRef(_storage(p)))
+    session = _Session(probes, params, modules, weights, mirrors=mirrors)
+    session.sources.update({k: frozenset([n]) for k, n in probes.items()})
+    out = _dry_run(loader, pairs, session)
+    got: Optional[dict] = None
+    if (out.error is None and not out.refused and not out.changed and not out.left_running
+            and not any(n in out.used for n, _, _ in members)):
+        got = _joint_placements(pairs, out.copies, session, params, layout)
+    del out, pairs, session, mirrors, probes, p
+    if got is not None and not all(_released(r) for r in refs):
+        got = None  # its loader keeps a reference to them
+    return got
+
+
+def _joint_placements(pairs: list, copies: list, session: _Session, params: dict,
+                      layout: dict) -> Optional[dict]:
+    """The placements of a joint dry run's tensors, None if one fails."""
+    got = {}
+    try:
+        for i, (name, probe) in enumerate(pairs):
+            pl = _placement(name, probe, copies, params, layout, (session, (i + 1) << 40))
+            if not pl.elements:
+                return None  # its loader copies none of it
+            got[name] = pl
+        if any(not isinstance(c.src, torch.Tensor) or not session.sources.get(_key(c.src))
+               for c in copies):
+            return None  # a copy of a computed tensor
+    except ValueError:
+        return None
+    return got
+
+
+def _post_load(steps: list, order: list, params: dict, modules: set, weights: set,
+               placements: dict, unmapped: dict, touches: dict, groups: dict, joint: dict,
+               refused: dict) -> list:
+    """The dry run of each post-load step (its writes refused, as a
+    loader's): which loaded parameters it rewrites into another layout,
+    which it derives other weights from, and what it replaces. Tensors in
+    a rewritten parameter move to the stock path, grouped with every tensor
+    of that parameter; tensors whose parameter it cannot run again on go to
+    ``refused``. Returns the steps that need running again."""
+    by_param: dict[str, list[str]] = {}
+    for n in order:
+        pl = placements.get(n)
+        if pl is not None:
+            by_param.setdefault(pl.param_name, []).append(n)
+        elif n in unmapped:
+            for pname in sorted(touches.get(n, ())):
+                by_param.setdefault(pname, []).append(n)
+    tensor_of = {pname: p for pname, p in params.values()}
+    moved: dict[str, Placement] = {}  # placements an earlier step moved to the stock path
+    out_steps = []
+    for sname, module, run in steps:
+        session = _Session({}, params, modules, weights, track=True)
+        out = _dry_run(lambda pairs, run=run: run(), [], session)
+        del session
+        if out.error is not None or out.left_running:
+            why = (f"raised on a dry run ({type(out.error).__name__}: {out.error})"
+                   if out.error is not None else "leaves work running on another thread")
+            mine = set()
+            for p in list(module.parameters()) + list(module.buffers()) if module is not None \
+                    else []:
+                hit = params.get(_key(p))
+                if hit is not None:
+                    mine.add(hit[0])
+            for pname in sorted(mine):
+                for n in by_param.get(pname, []):
+                    refused.setdefault(
+                        n, f"it lands in parameter {pname}, whose post-load step {sname} {why}: "
+                           "what that step makes of the loaded layout cannot be followed")
+            continue
+        transforms: dict[str, str] = {}
+        reshaped: dict[str, str] = {}
+        feeds: set = set()
+        what: Optional[str] = None
+        derived: set = set()  # memory of the weights it derives
+        rewrites: Optional[str] = None  # an in-place operation on a weight it derives
+        slots: list = []
+        datas: list = []
+        for w in out.writes:
+            if w.kind == "attr":
+                slots.append((w.owner, w.name))
+            elif w.kind == "data":
+                datas.append(w.owner)
+            v = w.value
+            if w.param is not None and w.param in by_param:
+                old = tensor_of[w.param]
+                if (w.kind in ("attr", "data") and isinstance(v, torch.Tensor)
+                        and _key(v) == _key(old) and tuple(v.shape) == tuple(old.shape)
+                        and tuple(v.stride()) == tuple(old.stride()) and v.dtype == old.dtype):
+                    continue  # the same memory, the same layout
+                transforms.setdefault(w.param, w.what)
+                feeds |= w.deps
+                what = what or w.what
+                if w.kind in ("attr", "data"):
+                    if not isinstance(v, torch.Tensor):
+                        reshaped[w.param] = "it is removed"
+                    elif tuple(v.shape) != tuple(old.shape) or v.dtype != old.dtype:
+                        reshaped[w.param] = (f"{dtype_name(old)} {list(old.shape)} becomes "
+                                             f"{dtype_name(v)} {list(v.shape)}")
+                elif w.kind == "op" and _op_reshapes(w.what):
+                    reshaped[w.param] = w.what
+                continue
+            if w.kind == "op" and not w.what.startswith(("aten.fill_", "aten.zero_")):
+                rewrites = rewrites or w.what  # reads the values it writes over
+            if w.kind in ("attr", "data") and not isinstance(v, torch.Tensor):
+                continue  # an object (a kernel), made again whenever the step runs
+            if isinstance(v, torch.Tensor) and w.kind != "copy" and _key(v) in params:
+                continue  # a view of a loaded weight: it follows the weight
+            if not w.deps:
+                continue  # constants
+            feeds |= w.deps
+            what = what or w.what
+            if isinstance(w.old, torch.Tensor):
+                derived.add(_key(w.old))
+            elif w.kind in ("copy", "op") and isinstance(w.owner, torch.Tensor):
+                derived.add(_key(w.owner))
+        feeds -= set(transforms)
+        t_set = {n for pname in transforms for n in by_param.get(pname, [])}
+        f_set = {n for pname in feeds for n in by_param.get(pname, [])} - t_set
+        if not t_set and not f_set:
+            continue
+        bad: dict[str, str] = {}
+        if out.reads & derived or rewrites:
+            why = (f"the post-load step {sname} derives weights from it and reads what it "
+                   f"writes ({rewrites or what}): running the step again would not give what "
+                   "a fresh load gives")
+            bad = {n: why for n in t_set | f_set}
+        for pname in sorted(transforms):
+            names = by_param.get(pname, [])
+            stock = [n for n in names if n not in placements and n not in moved]
+            if pname in reshaped:
+                why = (f"it lands in parameter {pname}, whose layout the post-load step {sname} "
+                       f"changes ({reshaped[pname]}): the layout load_weights writes is gone, "
+                       "so a delta has no place to land")
+            elif stock:
+                why = (f"it lands in parameter {pname}, which the post-load step {sname} "
+                       f"rewrites ({transforms[pname]}), and tensor '{stock[0]}' that also "
+                       f"lands there takes the stock path ({unmapped[stock[0]]}): the step "
+                       "cannot run again on a parameter only partly reloaded")
+            elif not _covered([placements.get(n) or moved[n] for n in names],
+                              tensor_of[pname]):
+                why = (f"it lands in parameter {pname}, which the post-load step {sname} "
+                       f"rewrites ({transforms[pname]}), and the checkpoint does not write all "
+                       f"of {pname} once: running the step again would rewrite elements no "
+                       "load restores")
+            else:
+                continue
+            for n in names:
+                bad.setdefault(n, why)
+        if bad:
+            for n in order:
+                if n in bad:
+                    refused.setdefault(n, bad[n])
+            continue
+        members = set(t_set)
+        for n in t_set:
+            members.update(groups.get(n, ()))
+        group = [n for n in order if n in members]
+        for n in group:
+            groups[n] = group
+            if n not in t_set or n in moved:
+                continue
+            pl = moved[n] = placements.pop(n)
+            joint.pop(n, None)
+            unmapped[n] = (f"it lands in parameter {pl.param_name}, which the post-load step "
+                           f"{sname} rewrites into another layout ({transforms[pl.param_name]}): "
+                           "loaded with every tensor of that parameter through the stock path, "
+                           "then the step runs again")
+        out_steps.append(PostLoadStep(sname, run, sorted(set(transforms)), sorted(feeds),
+                                      [n for n in order if n in t_set or n in f_set],
+                                      what or "", slots, datas))
+    return out_steps
+
+
+def _op_reshapes(what: str) -> bool:
+    return any(what.startswith(f"aten.{n}") for n in ("set_", "resize_", "as_strided_"))
 
 
 def _together(loader: Callable, alone: list, device: Any, params: dict, modules: set,
-              weights: set, unmapped: dict, skipped: dict, groups: dict) -> None:
+              weights: set, unmapped: dict, skipped: dict, groups: dict, touches: dict) -> None:
     """The tensors that copy nothing when alone, given to the loader at once
     (each over one element of memory): those it then leaves untouched are
     held by no parameter of this worker; those it reads together with
@@ -1029,6 +1621,7 @@ def _together(loader: Callable, alone: list, device: Any, params: dict, modules:
                              "layer, a tied weight)")
         else:
             unmapped[name] = why
+            touches[name] = out.targets
     # Tensors read by one operation belong together, transitively.
     order = {name: i for i, (name, _, _) in enumerate(alone)}
     parent = {name: name for name in order}
