@@ -65,6 +65,8 @@ class DiffScratch {
   DiffScratch& operator=(DiffScratch&&) noexcept;
   struct Impl;
   Impl* impl() { return impl_.get(); }
+  // The bytes it holds.
+  uint64_t bytes() const;
 
  private:
   std::unique_ptr<Impl> impl_;

@@ -131,6 +131,10 @@ class ChangeBuffer {
   }
 
   void Commit(size_t added) { count_ += added; }
+  // The bytes its arrays hold.
+  uint64_t bytes() const {
+    return capacity_ * ((variant_.wide ? 8 : 4) + variant_.elem_size * (variant_.keep_old ? 2 : 1));
+  }
   size_t count() const { return count_; }
   void Reset() { count_ = 0; }
 
@@ -242,6 +246,7 @@ struct DiffScratch::Impl {
 };
 
 DiffScratch::DiffScratch() : impl_(std::make_unique<Impl>()) {}
+uint64_t DiffScratch::bytes() const { return impl_->buffer ? impl_->buffer->bytes() : 0; }
 DiffScratch::~DiffScratch() = default;
 DiffScratch::DiffScratch(DiffScratch&&) noexcept = default;
 DiffScratch& DiffScratch::operator=(DiffScratch&&) noexcept = default;

@@ -486,6 +486,10 @@ class Sender final : public StreamSender {
   // values: at most a bucket's worth.
   std::vector<uint32_t> staged_positions_;
   std::vector<uint8_t> staged_values_;
+  // The most StreamHostUnits held of kept changes, and of its threads'
+  // diff scratch, in the sync so far.
+  uint64_t host_kept_peak_ = 0;
+  uint64_t host_scratch_peak_ = 0;
   // Cancel's state, and the lock under which comm_ and trainers_ are set
   // and cleared (the calling thread reads them without it).
   mutable std::mutex mu_;

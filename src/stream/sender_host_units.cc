@@ -33,27 +33,36 @@ struct Piece {
   uint64_t count;
 };
 
+// The bytes a ChangeSet's vectors hold.
+uint64_t Held(const ChangeSet& c) {
+  return c.pos32.capacity() * 4 + c.pos64.capacity() * 8 + c.new_values.capacity() +
+         c.old_values.capacity();
+}
+
 // Runs task(piece index, changes, scratch) for every piece on the pool (or
 // inline), each thread with a ChangeSet and a diff scratch of its own; the
-// first error wins.
+// first error wins. *held: the most those held, all threads together.
 template <typename Task>
-Status RunPieces(ThreadPool* pool, size_t pieces, Task&& task) {
+Status RunPieces(ThreadPool* pool, size_t pieces, uint64_t* held, Task&& task) {
   core_internal::FirstError error;
   const size_t tasks = pool == nullptr ? 1 : std::min(pieces, pool->size() + 1);
   std::atomic<size_t> next{0};
+  std::atomic<uint64_t> bytes{0};
   const auto run = [&](size_t) {
     ChangeSet changes;
     DiffScratch scratch;
     for (size_t i; (i = next.fetch_add(1)) < pieces;) {
-      if (error.failed()) return;
+      if (error.failed()) break;
       error.Note(task(i, changes, scratch));
     }
+    bytes.fetch_add(Held(changes) + scratch.bytes());
   };
   if (pool == nullptr || tasks <= 1) {
     run(0);
   } else {
     pool->ParallelFor(tasks, run);
   }
+  *held = std::max(*held, bytes.load());
   return error.status();
 }
 
@@ -138,7 +147,8 @@ Status Sender::StreamHostUnits(TensorState& t, const UnitSource& src, Round* rou
     kept.resize(pieces.size());
     std::atomic<uint64_t> kept_bytes{0};
     DS_RETURN_IF_ERROR(RunPieces(
-        pool, pieces.size(), [&](size_t i, ChangeSet& cs, DiffScratch& scratch) -> Status {
+        pool, pieces.size(), &host_scratch_peak_,
+        [&](size_t i, ChangeSet& cs, DiffScratch& scratch) -> Status {
           const Piece& pc = pieces[i];
           DiffOptions o = options;
           o.keep_old_values = !moved.empty();
@@ -180,6 +190,7 @@ Status Sender::StreamHostUnits(TensorState& t, const UnitSource& src, Round* rou
           kp.kept = true;
           return Status::OK();
         }));
+    host_kept_peak_ = std::max(host_kept_peak_, kept_bytes.load());
     for (size_t i = 0; i < pieces.size(); ++i) {
       units[pieces[i].unit - w0].n += counts[i];
       for (size_t k = 0; k < moved.size(); ++k) *moved[k].digest += parts[i * moved.size() + k];
@@ -216,7 +227,8 @@ Status Sender::StreamHostUnits(TensorState& t, const UnitSource& src, Round* rou
       staged_positions_.resize(staged);
       staged_values_.resize(staged * t.w);
       DS_RETURN_IF_ERROR(RunPieces(
-          pool, wanted.size(), [&](size_t j, ChangeSet& cs, DiffScratch& scratch) -> Status {
+          pool, wanted.size(), &host_scratch_peak_,
+          [&](size_t j, ChangeSet& cs, DiffScratch& scratch) -> Status {
             const size_t i = wanted[j];
             const Piece& pc = pieces[i];
             uint32_t* positions = staged_positions_.data() + at[i];

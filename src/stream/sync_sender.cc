@@ -441,7 +441,10 @@ Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>&
   }
   stats.buffer_bytes = changes_.pos32.capacity() * 4 + changes_.pos64.capacity() * 8 +
                        changes_.new_values.capacity() + changes_.old_values.capacity() +
-                       scratch_.capacity();
+                       scratch_.capacity() + staged_positions_.capacity() * 4 +
+                       staged_values_.capacity() + host_kept_peak_ + host_scratch_peak_;
+  host_kept_peak_ = 0;
+  host_scratch_peak_ = 0;
   for (const std::unique_ptr<Group>& g : round->groups) {
     stats.buffer_bytes += g->bucket.capacity();
     if (g->device) stats.buffer_bytes += g->device->buffer_bytes();
