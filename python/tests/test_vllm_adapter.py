@@ -2,9 +2,10 @@
 and standins.py): the backend reaches workers that only load plugins, a
 worker's rank counts its data-parallel replica, an ``nccl`` group gets the
 worker's GPU, ``LLM`` and ``AsyncLLM`` clients each get the arguments they
-take, a failed round returns at once, draft models are refused, and what
+take, a failed round returns at once, draft models are refused, what
 vLLM's post-load processing makes of the loaded weights (a kernel layout,
-derived weights) follows every sync."""
+derived weights) follows every sync, and a worker that runs vLLM's
+layerwise reload itself is refused before anything is written."""
 
 import asyncio
 import importlib
@@ -376,3 +377,64 @@ def test_a_kernel_layout_and_weights_derived_after_loading_follow_every_sync(ren
         assert {n: p.data_ptr() for n, p in model.named_parameters()} == memory
     finally:
         shutdown(trainer, engines)
+
+
+# --- a worker that runs vLLM's layerwise reload itself --------------------------
+
+
+@pytest.mark.parametrize("checkpoint_format", [True, False])
+def test_a_layerwise_reload_round_is_refused_and_an_in_place_one_syncs(rendezvous,
+                                                                       checkpoint_format):
+    factory = sv.install()
+    ds_vllm = adapter()
+    ds_vllm.register()
+    shapes = sv.ReloadModel().shapes()
+
+    def change(ckpt, k):
+        g = torch.Generator().manual_seed(k)
+        for t in ckpt.values():
+            flat = t.view(-1)
+            mask = torch.rand(flat.numel(), generator=g) < 0.05
+            flat[mask] = (flat[mask].float() + 0.5).to(t.dtype)
+
+    g = torch.Generator().manual_seed(5)
+    ckpt = {n: torch.randn(s, generator=g).to(d) for n, (d, s) in shapes.items()}
+    model = sv.ReloadModel(seed=3)
+    sv.record_metadata_for_reloading(model)  # as vLLM's loader does
+    model.load_weights([(n, t.clone()) for n, t in ckpt.items()])
+    config = sv.VllmConfig(sv.ParallelConfig(), sv.ModelConfig(dtype=torch.bfloat16))
+    engine = factory.create_engine(sv.Config(), config, torch.device("cpu"), model)
+    worker = sv.LayerwiseReloadWorker(engine, model, config.model_config)
+    client = sv.LayerwiseReloadClient([worker], is_checkpoint_format=checkpoint_format)
+    params = dict(model.named_parameters())
+    memory = {n: p.data_ptr() for n, p in params.items()}
+    trainer = None
+    try:
+        trainer = ds_vllm.DeltasyncTrainer(client, ckpt, rendezvous=rendezvous, workers=1,
+                                           timeout_s=30)
+        if checkpoint_format:
+            before = {n: p.detach().clone() for n, p in params.items()}
+            change(ckpt, 1)
+            with pytest.raises(ds.FailedPreconditionError, match="layerwise reload"):
+                trainer.send_weights(ckpt)
+            client.finish_weight_update()  # the worker's own end of the round
+            for n, p in model.named_parameters():
+                assert p is params[n] and same_bits(p.data, before[n]), f"{n} was changed"
+            # What that flow expects instead: whole tensors through load_weights,
+            # processed per layer and copied into the same memory.
+            client.start_weight_update()
+            assert all(p.is_meta for _, p in model.named_parameters())
+            model.load_weights([(n, t.clone()) for n, t in ckpt.items()])
+            client.finish_weight_update()
+        else:
+            for k in range(1, 3):
+                change(ckpt, k)
+                trainer.send_weights(ckpt)
+        reference = sv.ReloadModel(seed=7)
+        reference.load_weights([(n, t.clone()) for n, t in ckpt.items()])
+        fresh = dict(reference.named_parameters())
+        for n, p in model.named_parameters():
+            assert p is params[n] and p.data_ptr() == memory[n], f"{n} moved"
+            assert same_bits(p.data, fresh[n].data), f"{n} differs from a fresh load"
+    finally:
+        shutdown(trainer, [engine])

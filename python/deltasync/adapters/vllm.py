@@ -38,6 +38,20 @@ neither keeps right is refused at ``init_transfer_engine``, naming the
 tensor (:mod:`.engine`). A speculative-decoding draft model is not updated
 (``supports_draft_weight_update`` is False).
 
+**Update flow.** From 0.25.0 vLLM's worker hands ``start_weight_update`` and
+``finish_weight_update`` to the engine, and an engine that writes weights in
+place leaves them as no-ops (``vllm/distributed/weight_transfer/base.py``);
+only an engine that loads checkpoint-format tensors runs vLLM's layerwise
+reload there. This engine writes in place, so vLLM never moves its layers.
+A worker that runs the layerwise reload itself, as vLLM's own did before the
+engines owned the update (``start_weight_update(is_checkpoint_format=True)``
+calling ``initialize_layerwise_reload``), puts every layer's weights on the
+meta device until ``finalize_layerwise_reload`` and expects them back whole
+through ``load_weights``: ``receive_weights`` refuses such a round before
+receiving or writing anything (FailedPreconditionError naming it), and the
+worker's finish puts the untouched weights back. Start such a worker's
+update with ``is_checkpoint_format=False``.
+
 **Trainer side.** :class:`DeltasyncTrainer` drives the round trip
 (``init_weight_transfer_engine`` once, then ``start_weight_update``,
 ``update_weights`` beside the sender's sync, ``finish_weight_update``)
@@ -198,6 +212,7 @@ class DeltasyncWeightTransferEngine(_Base):
         self.receiver: Optional[StreamReceiver] = None
         self.rank: Optional[int] = None
         self.last: Optional[dict] = None
+        self._meta_at_init: set[str] = set()
 
     def set_weight_update_target(self, model: torch.nn.Module, model_config: Any,
                                  **kwargs: Any) -> None:
@@ -228,6 +243,7 @@ class DeltasyncWeightTransferEngine(_Base):
             )
         self.weights = EngineWeights(self.model, [tuple(e) for e in init_info.checkpoint],
                                      post_load=self._post_load)
+        self._meta_at_init = {n for n, p in self.model.named_parameters() if p.is_meta}
         if self.receiver is not None:
             self.receiver.close()
         # A worker that holds none of some tensors (other experts, other
@@ -255,15 +271,38 @@ class DeltasyncWeightTransferEngine(_Base):
         return self.weights.fallback if self.weights else []
 
     def start_weight_update(self) -> None:
-        """Nothing to prepare: deltas are applied in place."""
+        """Nothing to prepare: deltas are written in place, so no layerwise
+        reload (vLLM's contract for an in-place engine)."""
+
+    def _in_layerwise_reload(self) -> Optional[str]:
+        """A parameter the worker moved to the meta device since
+        init_transfer_engine (vLLM's layerwise reload does so to every
+        layer), None if none."""
+        for name, p in self.model.named_parameters():
+            if p.is_meta and name not in self._meta_at_init:
+                return name
+        return None
 
     def receive_weights(self, update_info: DeltasyncUpdateInfo,
                         load_weights: Optional[Callable] = None) -> None:
         """Takes one sync from the stream (the changes land in the
         parameters), then loads the fallback tensors through the stock
-        load_weights. Raises if the sync is not the one announced."""
+        load_weights. Raises if the sync is not the one announced, and
+        before receiving anything if the worker started vLLM's layerwise
+        reload (see the module's *Update flow*). ``load_weights``, which a
+        worker running that reload passes, is not used."""
         if self.receiver is None or self.weights is None:
             raise FailedPreconditionError("deltasync: init_transfer_engine was not called")
+        on_meta = self._in_layerwise_reload()
+        if on_meta is not None:
+            raise FailedPreconditionError(
+                f"deltasync: parameter '{on_meta}' is on the meta device: the worker started "
+                "vLLM's layerwise reload (start_weight_update(is_checkpoint_format=True) runs "
+                "initialize_layerwise_reload), which takes whole checkpoint-format tensors "
+                "through load_weights, but deltasync writes changed elements into the live "
+                "parameters; start the update with is_checkpoint_format=False. Nothing was "
+                "received or written"
+            )
         # Parameters the engine moved since the last sync (a reload from
         # disk, sleep and wake, expert rebalancing) are found before any
         # write: the receiver follows them, or the round fails naming them.
