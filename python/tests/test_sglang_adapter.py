@@ -4,7 +4,8 @@ weight unchanged, the trainer learns why and its next push repairs; a push
 larger than the bucket bound takes several calls, each under it; the HTTP
 route's per-rank body; the tensor path as the only one; draft models that
 receive the same payload; the pair DeepSeek's loader fuses only when one
-call holds both, split across calls."""
+call holds both, split across calls; a worker of one pipeline stage keeps no
+copy of the other stages' tensors."""
 
 import pytest
 import torch
@@ -369,13 +370,13 @@ def test_a_draft_model_that_cannot_take_the_checkpoint_is_named_or_left_alone():
 
 class DeepseekEngine:
     """One TP worker running SGLang's DeepSeek loader (standins_engines.
-    PoolModel): each update_weights_from_tensor call reaches the custom
-    loader as one call of its own."""
+    PoolModel, or the model ``make()`` builds): each update_weights_from_tensor
+    call reaches the custom loader as one call of its own."""
 
-    def __init__(self):
+    def __init__(self, make=None):
         from standins_engines import PoolModel
 
-        self.model = PoolModel()
+        self.model = (make or PoolModel)()
         self.calls = []
 
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
@@ -384,17 +385,20 @@ class DeepseekEngine:
         return True, "Success"
 
 
-def _matches_fresh_load(model, ckpt):
-    """``model`` holds what a fresh one loaded whole from ``ckpt`` holds,
-    the weights its loader derives after loading included."""
-    from standins_engines import PoolModel, reference
+def _matches_fresh_load(model, ckpt, make=None):
+    """``model`` holds what a fresh one (``make(seed)``, by default a
+    PoolModel) loaded whole from ``ckpt`` holds, the weights its loader
+    derives after loading included."""
+    from standins_engines import PPMissingLayer, PoolModel, reference
 
-    ref = reference(PoolModel, ckpt)
+    ref = reference(make or PoolModel, ckpt)
     got, want = dict(model.named_parameters()), dict(ref.named_parameters())
     assert sorted(got) == sorted(want)
     for n in got:
         assert same_bits(got[n].data, want[n].data), f"parameter {n} differs from a fresh load"
     for a, b in zip(model.model.layers, ref.model.layers):
+        if isinstance(b, PPMissingLayer):  # another pipeline stage's layer
+            continue
         assert same_bits(a.self_attn.w_kc, b.self_attn.w_kc)
         assert same_bits(a.self_attn.w_vc, b.self_attn.w_vc)
 
@@ -421,3 +425,34 @@ def test_a_fused_pair_split_across_calls_and_a_delta_to_one_of_them_reach_the_fu
     rl_step(ckpt, 3)
     pusher.push(ckpt)
     _matches_fresh_load(engine.model, ckpt)
+
+
+# --- a worker that holds one pipeline stage ---------------------------------------
+
+
+def test_a_worker_of_one_pipeline_stage_keeps_no_copy_of_the_other_stages_tensors():
+    from standins_engines import PoolModel, layer_id, randn_checkpoint
+
+    def make(seed=7):  # the second of two stages: layers 2 and 3 of 4
+        return PoolModel(seed, pp_rank=1, pp_size=2)
+
+    engine = DeepseekEngine(make)
+    ckpt = randn_checkpoint(engine.model.shapes(), 32)
+    others = {n for n in ckpt if layer_id(n) in (0, 1)}
+    # A bound under the larger tensors: they travel as ranges, the other
+    # stages' too, and the stock-path ones are assembled on the host.
+    pusher = ds_sglang.SGLangPusher(engine, bucket_bytes=4096)
+    for k in range(3):
+        if k:
+            rl_step(ckpt, k)
+        assert pusher.push(ckpt)["full"] == (k == 0)
+        assert ds_sglang.sync_status(engine.model)["error"] is None
+        state = ds_sglang.engine_weights(engine.model)
+        assert set(state.skipped) == others
+        # Host copies only of this stage's stock-path tensors.
+        assert sorted(state.shadows) == [f"model.layers.{i}.self_attn.kv_b_proj.weight"
+                                         for i in (2, 3)]
+        _matches_fresh_load(engine.model, ckpt, make)
+    ranged = {n.split("#")[0] for names in engine.calls for n in names if "#range." in n}
+    assert ranged & others and ranged - others
+    assert state.stats["skipped_deltas"] > 0

@@ -4,8 +4,11 @@ worker's rank counts its data-parallel replica, an ``nccl`` group gets the
 worker's GPU, ``LLM`` and ``AsyncLLM`` clients each get the arguments they
 take, a failed round returns at once, draft models are refused, what
 vLLM's post-load processing makes of the loaded weights (a kernel layout,
-derived weights) follows every sync, and a worker that runs vLLM's
-layerwise reload itself is refused before anything is written."""
+derived weights) follows every sync, a worker that runs vLLM's
+layerwise reload itself is refused before anything is written, a worker
+that holds part of the model (its experts, its pipeline stage) syncs it and
+keeps nothing of the rest, and a weight the engine gives new memory between
+syncs is followed, its old memory never written."""
 
 import asyncio
 import importlib
@@ -438,3 +441,127 @@ def test_a_layerwise_reload_round_is_refused_and_an_in_place_one_syncs(rendezvou
             assert same_bits(p.data, fresh[n].data), f"{n} differs from a fresh load"
     finally:
         shutdown(trainer, [engine])
+
+
+# --- a worker that holds part of the model ---------------------------------------
+
+
+def change(ckpt, k):
+    """About 5% of every tensor's elements changed."""
+    g = torch.Generator().manual_seed(k)
+    for t in ckpt.values():
+        flat = t.view(-1)
+        mask = torch.rand(flat.numel(), generator=g) < 0.05
+        flat[mask] = (flat[mask].float() + 0.5).to(t.dtype)
+
+
+def assert_fresh(model, make, ckpt):
+    """``model`` holds what ``make``'s model loaded whole from ``ckpt`` holds."""
+    from standins_engines import reference
+
+    fresh = dict(reference(make, ckpt).named_parameters())
+    got = dict(model.named_parameters())
+    assert sorted(got) == sorted(fresh)
+    for n, p in got.items():
+        assert same_bits(p.data, fresh[n].data), f"{n} differs from a fresh load"
+
+
+@pytest.mark.parametrize("split", ["expert_parallel", "pipeline"])
+def test_a_worker_holding_part_of_the_model_syncs_it_and_keeps_nothing_of_the_rest(rendezvous,
+                                                                                  split):
+    from standins_engines import MoEModel, randn_checkpoint, reference
+
+    factory = sv.install()
+    ds_vllm = adapter()
+    ds_vllm.register()
+
+    def maker(r):  # experts split over two ranks (lm_head tied), or two pipeline stages
+        if split == "expert_parallel":
+            return lambda seed=7: MoEModel(seed, ep_rank=r, ep_size=2)
+        return lambda seed=7: MoEModel(seed, pp_rank=r, pp_size=2, tie=False)
+
+    makers = [maker(r) for r in range(2)]
+    ckpt = randn_checkpoint(makers[0]().shapes(), 43)
+    models = [reference(make, ckpt, seed=7) for make in makers]  # as loaded from disk
+    engines = build_engines(factory, [sv.ParallelConfig(rank=r, world_size=2) for r in range(2)],
+                            models)
+    trainer = None
+    try:
+        trainer = ds_vllm.DeltasyncTrainer(VLLMClientStandIn(engines), ckpt,
+                                           rendezvous=rendezvous, workers=2, timeout_s=30)
+        skipped = [set(e.weights.skipped) for e in engines]
+        assert all(skipped) and all(s < set(ckpt) for s in skipped)
+        # Every tensor is some worker's, but the tied lm_head (the embedding's parameter).
+        assert skipped[0] & skipped[1] == ({"lm_head.weight"} if split == "expert_parallel"
+                                           else set())
+        for k in range(3):
+            if k:
+                change(ckpt, k)
+            stats = trainer.send_weights(ckpt)
+            assert stats["partial_receivers"] == 2
+            for e, m, make, s in zip(engines, models, makers, skipped):
+                assert e.last["partial"] and e.last["tensors"] == len(ckpt) - len(s)
+                assert_fresh(m, make, ckpt)
+        for e, s in zip(engines, skipped):  # no host copy of what the worker skips
+            assert e.fallback == [] and not set(e.weights.shadows) & s
+    finally:
+        shutdown(trainer, engines)
+
+
+# --- a parameter the engine replaces between syncs --------------------------------
+
+
+@pytest.mark.parametrize("how", ["replaced", "reallocated"])
+def test_a_parameter_the_engine_replaces_is_followed_and_its_old_memory_gets_nothing(rendezvous,
+                                                                                     how):
+    from standins_engines import MoEModel, randn_checkpoint, reference, replace_parameter
+
+    factory = sv.install()
+    ds_vllm = adapter()
+    ds_vllm.register()
+
+    def make(seed=7):  # the whole model: every tensor held
+        return MoEModel(seed, tie=False)
+
+    ckpt = randn_checkpoint(make().shapes(), 44)
+    model = reference(make, ckpt, seed=7)
+    engines = build_engines(factory, [sv.ParallelConfig()], [model])
+    client = VLLMClientStandIn(engines)
+    trainer = None
+    try:
+        trainer = ds_vllm.DeltasyncTrainer(client, ckpt, rendezvous=rendezvous, workers=1,
+                                           timeout_s=30)
+        trainer.send_weights(ckpt)
+        change(ckpt, 1)
+        trainer.send_weights(ckpt)
+        assert_fresh(model, make, ckpt)
+        # Between two syncs the engine gives a weight new memory whose contents
+        # the stream cannot know (a wake from sleep that reloads, a reload):
+        # vLLM's replace_parameter sets a new Parameter, a quant method's
+        # processing sets ``.data``.
+        layer = model.model.layers[0].self_attn.qkv_proj
+        old = layer.weight
+        kept = old.detach().clone()
+        if how == "replaced":
+            replace_parameter(layer, "weight", torch.zeros_like(old))
+        else:
+            old_data = old.data
+            old.data = torch.zeros_like(old)
+            old = old_data
+        assert layer.weight.data_ptr() != old.data_ptr()
+        change(ckpt, 2)
+        # The receiver follows the new memory, which asks for a seed: this
+        # round is refused with nothing written, and the next one reseeds.
+        with pytest.raises(ds.FailedPreconditionError, match="asks for a seed"):
+            trainer.send_weights(ckpt)
+        assert same_bits(old.data, kept), "a write reached the old memory"
+        trainer._update.join(30)
+        for k in (None, 3):
+            if k:
+                change(ckpt, k)
+            trainer.send_weights(ckpt)
+            assert_fresh(model, make, ckpt)
+            assert same_bits(old.data, kept), "a write reached the old memory"
+        assert engines[0].weights.stats["relearned"] == 1
+    finally:
+        shutdown(trainer, engines)

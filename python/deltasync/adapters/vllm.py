@@ -489,6 +489,12 @@ class DeltasyncTrainer:
         self.timeout_s = timeout_s
         self._calls = _Calls(client, api, loop)
         self._update: Optional[threading.Thread] = None
+        # How long a sync may go on after the workers' update failed before
+        # the sender is closed to end it (a refusal ends it sooner).
+        self.cancel_grace_s = min(0.5, timeout_s)
+        # The sender numbers every sync it starts, one that fails too: after
+        # a failed sync the next one's id is not known here.
+        self._ids_known = True
         self.init_info = DeltasyncInitInfo(
             rendezvous=rendezvous, size=1 + workers,
             checkpoint=[[n, dtype_name(t), list(t.shape)] for n, t in pairs],
@@ -511,10 +517,11 @@ class DeltasyncTrainer:
                 "failed on the trainer's side; wait for it to end"
             )
         self._calls.start()
-        sync_id = self.sender.committed_sync_id + 1
+        sync_id = self.sender.committed_sync_id + 1 if self._ids_known else 0  # 0: unchecked
         lock = threading.Lock()
         state: dict[str, Any] = {"failure": None, "in_sync": True}
         done = threading.Event()
+        ended = threading.Event()  # the sender's sync returned
         sender = self.sender
 
         def workers() -> None:
@@ -523,9 +530,17 @@ class DeltasyncTrainer:
             except BaseException as e:
                 with lock:
                     state["failure"] = e
-                    cancel = state["in_sync"]
-                if cancel:  # the sync waits for these workers: end it now
-                    sender.close()
+                    waiting = state["in_sync"]
+                if waiting:
+                    # A worker that refused the round tells the sender too, whose
+                    # sync then ends on its own and the next round repairs it; one
+                    # that will never answer leaves the sync waiting: after a grace
+                    # period the sender is closed to end it.
+                    ended.wait(self.cancel_grace_s)
+                    with lock:
+                        close = state["in_sync"]
+                    if close:
+                        sender.close()
             finally:
                 done.set()
 
@@ -536,14 +551,18 @@ class DeltasyncTrainer:
         try:
             stats = self.sender.sync(weights)
         except BaseException as e:
+            self._ids_known = False
             with lock:
                 state["in_sync"] = False
                 failure = state["failure"]
+            ended.set()
             if failure is not None:
                 raise failure from e
             raise
+        self._ids_known = True
         with lock:
             state["in_sync"] = False
+        ended.set()
         if not done.wait(self.timeout_s):
             raise DeadlineExceededError(
                 f"deltasync: the workers' update_weights did not return within "
