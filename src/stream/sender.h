@@ -178,6 +178,18 @@ struct UnitSource {
 
 // A unit's dense values, read at most once (valid until the next unit).
 using DenseView = std::function<Result<std::span<const uint8_t>>()>;
+// The DenseView of elements [first, first + count) of `src`, kept in *cache
+// (which must outlive it) after the first read.
+inline DenseView DenseOnce(const UnitSource& src, uint64_t first, uint64_t count,
+                           std::optional<std::span<const uint8_t>>* cache) {
+  return [&src, first, count, cache]() -> Result<std::span<const uint8_t>> {
+    if (!*cache) {
+      DS_ASSIGN_OR_RETURN(std::span<const uint8_t> v, src.dense(first, count));
+      *cache = v;
+    }
+    return **cache;
+  };
+}
 
 // One unit of work as the groups take it: its range, its changed elements
 // (positions from `first`, new values; or on the device), and whether it

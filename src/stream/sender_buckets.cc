@@ -274,13 +274,7 @@ Status Sender::StreamUnits(TensorState& t, const UnitSource& src, Round* round, 
     c.count = std::min(t.unit, t.numel - c.first);
     const uint64_t first = c.first, count = c.count;
     std::optional<std::span<const uint8_t>> dense_view;
-    const DenseView dense = [&]() -> Result<std::span<const uint8_t>> {
-      if (!dense_view) {
-        DS_ASSIGN_OR_RETURN(std::span<const uint8_t> v, src.dense(first, count));
-        dense_view = v;
-      }
-      return *dense_view;
-    };
+    const DenseView dense = DenseOnce(src, first, count, &dense_view);
     changes_.Clear();
     stream::DeviceUnitChanges device_changes;
     const auto t0 = Clock::now();

@@ -33,6 +33,16 @@ struct Piece {
   uint64_t count;
 };
 
+// Writes the piece's changes `cs` as positions from its unit's first
+// element (the piece starts `from_unit` elements in) and new values.
+void StageChanges(const ChangeSet& cs, uint32_t from_unit, uint32_t elem_size, uint32_t* positions,
+                  uint8_t* values) {
+  for (uint64_t k = 0; k < cs.count(); ++k) {
+    positions[k] = from_unit + static_cast<uint32_t>(cs.position(k));
+  }
+  if (cs.count() != 0) std::memcpy(values, cs.new_values.data(), cs.count() * elem_size);
+}
+
 // The bytes a ChangeSet's vectors hold.
 uint64_t Held(const ChangeSet& c) {
   return c.pos32.capacity() * 4 + c.pos64.capacity() * 8 + c.new_values.capacity() +
@@ -121,7 +131,13 @@ Status Sender::StreamHostUnits(TensorState& t, const UnitSource& src, Round* rou
   std::vector<uint64_t> at;    // per piece: its first staged change
   std::vector<uint64_t> from;  // per unit: its first staged change
   constexpr uint64_t kNotStaged = UINT64_MAX;
-  for (uint64_t w0 = u_begin; w0 < u_end;) {
+  std::vector<size_t> wanted;  // pieces to stage
+  uint64_t w0 = u_begin;
+  // How far into its unit a piece of the current window starts.
+  const auto from_unit = [&](const Piece& pc) {
+    return static_cast<uint32_t>(pc.first - units[pc.unit - w0].first);
+  };
+  while (w0 < u_end) {
     const uint64_t w1 = std::min(u_end, w0 + window_units);
     pieces.clear();
     unit_pieces.clear();
@@ -181,12 +197,9 @@ Status Sender::StreamHostUnits(TensorState& t, const UnitSource& src, Round* rou
             return Status::OK();
           }
           Kept& kp = kept[i];
-          const uint32_t from_unit = static_cast<uint32_t>(pc.first - units[pc.unit - w0].first);
           kp.positions.resize(n);
-          for (uint64_t j = 0; j < n; ++j) {
-            kp.positions[j] = from_unit + static_cast<uint32_t>(cs.position(j));
-          }
-          kp.values.assign(cs.new_values.begin(), cs.new_values.end());
+          kp.values.resize(n * t.w);
+          StageChanges(cs, from_unit(pc), t.w, kp.positions.data(), kp.values.data());
           kp.kept = true;
           return Status::OK();
         }));
@@ -207,7 +220,7 @@ Status Sender::StreamHostUnits(TensorState& t, const UnitSource& src, Round* rou
       const auto t1 = Clock::now();
       uint64_t staged = 0;
       uint64_t v1 = v0;
-      std::vector<size_t> wanted;  // pieces to stage
+      wanted.clear();
       at.assign(pieces.size(), 0);
       from.assign(units.size(), kNotStaged);
       for (; v1 < w1; ++v1) {
@@ -249,11 +262,7 @@ Status Sender::StreamHostUnits(TensorState& t, const UnitSource& src, Round* rou
                   "tensor '" + t.name + "' changed while it was being synced (elements " +
                   std::to_string(pc.first) + " to " + std::to_string(pc.first + pc.count) + ")");
             }
-            const uint32_t from_unit = static_cast<uint32_t>(pc.first - units[pc.unit - w0].first);
-            for (uint64_t k = 0; k < cs.count(); ++k) {
-              positions[k] = from_unit + static_cast<uint32_t>(cs.position(k));
-            }
-            std::memcpy(values, cs.new_values.data(), cs.count() * t.w);
+            StageChanges(cs, from_unit(pc), t.w, positions, values);
             return Status::OK();
           }));
       stats->diff_s += SecondsSince(t1);
@@ -267,13 +276,7 @@ Status Sender::StreamHostUnits(TensorState& t, const UnitSource& src, Round* rou
         }
         const uint64_t first = c.first, count = c.count;
         std::optional<std::span<const uint8_t>> dense_view;
-        const DenseView dense = [&]() -> Result<std::span<const uint8_t>> {
-          if (!dense_view) {
-            DS_ASSIGN_OR_RETURN(std::span<const uint8_t> dv, src.dense(first, count));
-            dense_view = dv;
-          }
-          return *dense_view;
-        };
+        const DenseView dense = DenseOnce(src, first, count, &dense_view);
         if (!whole.empty()) {
           const auto t2 = Clock::now();
           for (auto& [key, d] : whole) {
