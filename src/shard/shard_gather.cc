@@ -285,7 +285,7 @@ Result<uint64_t> GatherBatchKey(std::span<const GatherTensor> tensors) {
 Result<std::vector<TensorChanges>> GatherChanges(Communicator& group, uint64_t batch_id,
                                                  std::span<const GatherTensor> tensors,
                                                  std::span<const TensorChanges> mine,
-                                                 const Status& refusal) {
+                                                 const Status& refusal, ThreadPool* pool) {
   const int rank = group.rank();
   const int size = group.size();
   const std::string me = "sharded gather of batch " + std::to_string(batch_id) + ", " + Rank(rank);
@@ -400,13 +400,20 @@ Result<std::vector<TensorChanges>> GatherChanges(Communicator& group, uint64_t b
             .WithContext(me));
   }
   std::vector<TensorChanges> out(tensors.size());
-  for (size_t t = 0; t < tensors.size(); ++t) {
+  std::vector<Status> merged(tensors.size());
+  const auto merge = [&](size_t t) {
     out[t].name = tensors[t].name;
     ChangeSet& cs = out[t].changes;
     cs.numel = listed[t].numel;
     cs.elem_size = listed[t].w;
-    DS_RETURN_IF_ERROR(MergeChangeRuns(tensors[t].name, runs[t], &cs).WithContext(me));
+    merged[t] = MergeChangeRuns(tensors[t].name, runs[t], &cs);
+  };
+  if (pool != nullptr && tensors.size() > 1) {
+    pool->ParallelFor(tensors.size(), merge);
+  } else {
+    for (size_t t = 0; t < tensors.size(); ++t) merge(t);
   }
+  for (const Status& s : merged) DS_RETURN_IF_ERROR(s.WithContext(me));
   return out;
 }
 

@@ -11,6 +11,7 @@
 #include "deltasync/communicator.h"
 #include "deltasync/dtype.h"
 #include "deltasync/status.h"
+#include "deltasync/thread_pool.h"
 #include "shard/shard_changes.h"
 
 namespace deltasync::stream {
@@ -53,10 +54,12 @@ Result<uint64_t> GatherBatchKey(std::span<const GatherTensor> tensors);
 //
 // A rank that could not make its changes passes its error as `refusal`: it
 // then refuses (sends no payload) and returns that error, and rank 0 fails
-// the batch naming it.
+// the batch naming it. Rank 0 merges the tensors' lists on `pool` when one
+// is given (the first error in list order is the one returned).
 Result<std::vector<TensorChanges>> GatherChanges(Communicator& group, uint64_t batch_id,
                                                  std::span<const GatherTensor> tensors,
                                                  std::span<const TensorChanges> mine,
-                                                 const Status& refusal = Status::OK());
+                                                 const Status& refusal = Status::OK(),
+                                                 ThreadPool* pool = nullptr);
 
 }  // namespace deltasync::stream

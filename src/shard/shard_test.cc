@@ -1180,7 +1180,7 @@ class ShardGatherGloo : public ::testing::Test {
     std::vector<Result<std::vector<TensorChanges>>> out(kRanks, Status::Internal("did not run"));
     comm_test::OnEveryRank(kRanks, [&](int r) {
       out[r] = GatherChanges(*comms_[r], batches ? (*batches)[r] : batch,
-                             lists ? (*lists)[r] : list, inputs[r]);
+                             lists ? (*lists)[r] : list, inputs[r], Status::OK(), pool_);
       return Status::OK();
     });
     return out;
@@ -1214,6 +1214,7 @@ class ShardGatherGloo : public ::testing::Test {
 
   comm_test::TempDir dir_;
   std::vector<std::unique_ptr<Communicator>> comms_;
+  ThreadPool* pool_ = nullptr;  // rank 0 merges on it when set
 };
 
 TEST_F(ShardGatherGloo, RankZeroGetsTheWholeTensorsDiffs) {
@@ -1239,6 +1240,20 @@ TEST_F(ShardGatherGloo, RankZeroGetsTheWholeTensorsDiffs) {
   // Every element changed.
   for (size_t i = 0; i < t.model.size(); ++i) MutateRandom(&t.model[i], 1.0, 200 + i);
   ExpectWholeDiffs(t, Gather(5, Inputs(t), t.list));
+}
+
+TEST_F(ShardGatherGloo, RankZeroMergesOnItsThreadsToTheSameListsAndErrors) {
+  ThreadPool pool(4);
+  pool_ = &pool;
+  Trainer t;
+  for (size_t i = 0; i < t.model.size(); ++i) MutateRandom(&t.model[i], 0.3, 500 + i);
+  ExpectWholeDiffs(t, Gather(1, Inputs(t), t.list));
+  for (size_t i = 0; i < t.model.size(); ++i) MutateRandom(&t.model[i], 1.0, 600 + i);
+  ExpectWholeDiffs(t, Gather(2, Inputs(t), t.list));
+  // The first bad tensor in list order is named, whichever thread found it.
+  const std::vector<Result<std::vector<TensorChanges>>> got = Gather(3, Inputs(t, true), t.list);
+  ExpectInvalid(got[0], "tensor 'norm': position ");
+  ExpectWholeDiffs(t, Gather(4, Inputs(t), t.list));
 }
 
 TEST_F(ShardGatherGloo, OverlappingShardsFailOnRankZeroAndTheGroupGoesOn) {

@@ -158,9 +158,12 @@ struct Peer {
 // unit's current values (valid until the next call). `whole_digest`, when
 // set, gives the unit's share of the whole tensor's digest (its change
 // since the snapshot, or before one its digest) in place of computing it
-// from the changes.
+// from the changes. `view`, when set, gives a unit's changes where they
+// already lie in place of `changes` (UnitChanges).
+struct UnitChanges;
 struct UnitSource {
   std::function<Status(uint64_t first, uint64_t count, ChangeSet* out)> changes;
+  std::function<Status(uint64_t first, uint64_t count, UnitChanges* out)> view;
   std::function<Result<std::span<const uint8_t>>(uint64_t first, uint64_t count)> dense;
   std::function<Result<StateDigest>(uint64_t first, uint64_t count, bool seed)> whole_digest;
   // Whether `dense` can give the unit's values, the unit having `changed`
@@ -174,6 +177,16 @@ struct UnitSource {
   bool host = false;
   std::span<const uint8_t> host_current;
   std::span<uint8_t> host_snapshot;  // diffed only, never written
+};
+
+// A unit's changes in place: absolute positions, their new and old
+// values, and, when the source has it, what they move a digest of every
+// element of the tensor by (computed ahead, on the sender's threads).
+struct UnitChanges {
+  Positions pos;
+  std::span<const uint8_t> new_values;
+  std::span<const uint8_t> old_values;
+  std::optional<StateDigest> digest_change;
 };
 
 // A unit's dense values, read at most once (valid until the next unit).

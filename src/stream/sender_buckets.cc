@@ -276,6 +276,7 @@ Status Sender::StreamUnits(TensorState& t, const UnitSource& src, Round* round, 
     std::optional<std::span<const uint8_t>> dense_view;
     const DenseView dense = DenseOnce(src, first, count, &dense_view);
     changes_.Clear();
+    UnitChanges in_place;
     stream::DeviceUnitChanges device_changes;
     const auto t0 = Clock::now();
     if (have_snapshot_) {
@@ -283,11 +284,18 @@ Status Sender::StreamUnits(TensorState& t, const UnitSource& src, Round* round, 
         DS_ASSIGN_OR_RETURN(device_changes, dev->DeviceChanges(first, count));
         c.n = device_changes.count;
         c.device = &device_changes;
+      } else if (src.view) {
+        DS_RETURN_IF_ERROR(src.view(first, count, &in_place));
       } else {
         DS_RETURN_IF_ERROR(src.changes(first, count, &changes_));
-        c.n = changes_.count();
-        c.pos = Positions::Of(changes_, first);
-        c.values = changes_.new_values;
+        in_place.pos = Positions::Of(changes_, first);
+        in_place.new_values = changes_.new_values;
+        in_place.old_values = changes_.old_values;
+      }
+      if (!dev) {
+        c.n = in_place.pos.size();
+        c.pos = in_place.pos;
+        c.values = in_place.new_values;
       }
       stats->changed += c.n;
       c.resend = t.dirty[u] != 0;
@@ -306,16 +314,18 @@ Status Sender::StreamUnits(TensorState& t, const UnitSource& src, Round* round, 
         } else if (dev) {
           DS_ASSIGN_OR_RETURN(StateDigest part, dev->BlockDigestChange(device_changes, b));
           d += part;
+        } else if (Covers(b, t.numel) && in_place.digest_change) {
+          d += *in_place.digest_change;
         } else if (Covers(b, t.numel)) {
           DS_RETURN_IF_ERROR(
-              stream::UpdateStateDigest(&d, c.pos, changes_.old_values, changes_.new_values, t.w));
+              stream::UpdateStateDigest(&d, c.pos, in_place.old_values, in_place.new_values, t.w));
         } else {
-          for (uint64_t k = 0; k < changes_.count(); ++k) {
-            const uint64_t p = first + changes_.position(k);
+          for (uint64_t k = 0; k < c.n; ++k) {
+            const uint64_t p = c.pos[k];
             if (!InBlock(b, p)) continue;
             d += stream::ElementChangeDigest(
-                p, LoadLeWidth(changes_.old_values.data() + k * t.w, t.w),
-                LoadLeWidth(changes_.new_values.data() + k * t.w, t.w), t.w);
+                p, LoadLeWidth(in_place.old_values.data() + k * t.w, t.w),
+                LoadLeWidth(in_place.new_values.data() + k * t.w, t.w), t.w);
           }
         }
       }

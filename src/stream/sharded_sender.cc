@@ -106,6 +106,12 @@ void SliceOf(const ChangeSet& cs, uint64_t first, uint64_t count, uint64_t* lo, 
   *hi = lower(first + count, *lo);
 }
 
+// Changes [lo, hi) of `cs`'s (absolute) positions, in place.
+Positions PositionsOf(const ChangeSet& cs, uint64_t lo, uint64_t hi) {
+  if (cs.wide) return Positions{{}, std::span(cs.pos64).subspan(lo, hi - lo), 0};
+  return Positions{std::span(cs.pos32).subspan(lo, hi - lo), {}, 0};
+}
+
 }  // namespace
 
 Status Sender::ConnectTrainers() {
@@ -409,18 +415,40 @@ Status Sender::StreamSegments(std::span<const Segment> segments, std::span<Tenso
     if (seg.first == 0) BeginTensor(t, &tr);
     const ChangeSet& cs = changes[s].changes;
     const bool have_dense = !dense.empty();
+    const uint64_t u_begin = seg.first / t.unit;
+    const uint64_t u_end = (seg.first + seg.count + t.unit - 1) / t.unit;
+    // Each unit's slice of the changes and, on the sender's threads, what
+    // it moves the tensor's digest by (rank 0's serial pass over the
+    // gathered changes would otherwise bound the sync).
+    std::vector<std::pair<uint64_t, uint64_t>> slices(u_end - u_begin);
+    std::vector<StateDigest> moved(u_end - u_begin);
+    std::vector<Status> failed(u_end - u_begin);
+    const bool digests = have_snapshot_ && !tr.delta.empty();
+    const auto slice = [&](size_t i) {
+      const uint64_t first = (u_begin + i) * t.unit;
+      const uint64_t count = std::min(t.unit, t.numel - first);
+      SliceOf(cs, first, count, &slices[i].first, &slices[i].second);
+      if (!digests) return;
+      const auto [lo, hi] = slices[i];
+      failed[i] = stream::UpdateStateDigest(
+          &moved[i], PositionsOf(cs, lo, hi),
+          std::span(cs.old_values).subspan(lo * t.w, (hi - lo) * t.w),
+          std::span(cs.new_values).subspan(lo * t.w, (hi - lo) * t.w), t.w);
+    };
+    if (ThreadPool* pool = Pool(); pool != nullptr && slices.size() > 1) {
+      pool->ParallelFor(slices.size(), slice);
+    } else {
+      for (size_t i = 0; i < slices.size(); ++i) slice(i);
+    }
+    for (const Status& f : failed) DS_RETURN_IF_ERROR(f);
     UnitSource src;
-    src.changes = [&](uint64_t first, uint64_t count, ChangeSet* out) -> Status {
-      uint64_t lo = 0, hi = 0;
-      SliceOf(cs, first, count, &lo, &hi);
-      out->Clear();
-      out->numel = count;
-      out->elem_size = t.w;
-      for (uint64_t k = lo; k < hi; ++k) {
-        out->pos32.push_back(static_cast<uint32_t>(cs.position(k) - first));
-      }
-      out->new_values.assign(cs.new_values.begin() + lo * t.w, cs.new_values.begin() + hi * t.w);
-      out->old_values.assign(cs.old_values.begin() + lo * t.w, cs.old_values.begin() + hi * t.w);
+    src.view = [&](uint64_t first, uint64_t, UnitChanges* out) -> Status {
+      const uint64_t i = first / t.unit - u_begin;
+      const auto [lo, hi] = slices[i];
+      out->pos = PositionsOf(cs, lo, hi);
+      out->new_values = std::span(cs.new_values).subspan(lo * t.w, (hi - lo) * t.w);
+      out->old_values = std::span(cs.old_values).subspan(lo * t.w, (hi - lo) * t.w);
+      if (digests) out->digest_change = moved[i];
       return Status::OK();
     };
     src.can_dense = [&](uint64_t, uint64_t count, uint64_t n) { return have_dense || n == count; };
@@ -436,8 +464,6 @@ Status Sender::StreamSegments(std::span<const Segment> segments, std::span<Tenso
       }
       return std::span<const uint8_t>(cs.new_values.data() + lo * t.w, count * t.w);
     };
-    const uint64_t u_begin = seg.first / t.unit;
-    const uint64_t u_end = (seg.first + seg.count + t.unit - 1) / t.unit;
     DS_RETURN_IF_ERROR(StreamUnits(t, src, round, &tr, u_begin, u_end));
     if (seg.first + seg.count == t.numel) {
       EndTensor(t, tr);
@@ -576,7 +602,7 @@ Result<SyncStats> Sender::SyncShardsAlone(std::span<const ModelTensor> model,
       Status diffed = local.ok() ? DiffSegments(shards, segs, &mine, &changed) : local;
       const std::vector<stream::GatherTensor> list = GatherList(segs, model);
       Result<std::vector<TensorChanges>> all =
-          stream::GatherChanges(*trainers_, batch_id, list, mine, diffed);
+          stream::GatherChanges(*trainers_, batch_id, list, mine, diffed, Pool());
       stats.diff_s += SecondsSince(t0);
       if (!trainers_->health().ok()) return lost(all.status(), "gathering the changes");
       if (!all.ok() && streamed.ok()) streamed = all.status();
