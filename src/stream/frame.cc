@@ -35,6 +35,31 @@ static_assert(kMaxShardNameBytes == kMaxTensorNameBytes);
 
 using namespace frame_wire;  // NOLINT(google-build-using-namespace): the frame's own fields
 
+namespace {
+
+// The values' count against the positions (or the range), and the
+// positions: strictly increasing, inside the range.
+Status CheckValuesOf(const std::string& what, const TensorRange& range, const Positions* positions,
+                     std::span<const uint8_t> values) {
+  const uint64_t w = DTypeSize(range.dtype);
+  const uint64_t n = positions ? positions->size() : range.count;
+  if (values.size() % w != 0 || values.size() / w != n) {
+    return Status::InvalidArgument(what + ": " + U64(values.size()) + " value bytes for " + U64(n) +
+                                   " elements of " + U64(w) + " bytes");
+  }
+  if (positions) {
+    Status checked = positions->Check(range.first + range.count);
+    if (!checked.ok()) return checked.WithContext(what);
+    if (n > 0 && (*positions)[0] < range.first) {
+      return Status::InvalidArgument(what + ": position " + U64((*positions)[0]) +
+                                     " is before the range's first element " + U64(range.first));
+    }
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
 std::string_view WireEncodingName(WireEncoding encoding) {
   switch (encoding) {
     case WireEncoding::kDense: return "dense";
@@ -47,12 +72,81 @@ std::string_view WireEncodingName(WireEncoding encoding) {
 // ---------------------------------------------------------------------------
 // Writer
 
-struct FlushWriter::ZstdContexts {
+struct SparseEncoder::Context {
   ZSTD_CCtx* cctx = ZSTD_createCCtx();
-  ~ZstdContexts() { ZSTD_freeCCtx(cctx); }
+  ~Context() { ZSTD_freeCCtx(cctx); }
 };
 
-FlushWriter::FlushWriter() : zstd_(std::make_unique<ZstdContexts>()) {}
+SparseEncoder::SparseEncoder() : zstd_(std::make_unique<Context>()) {}
+SparseEncoder::~SparseEncoder() = default;
+
+Result<bool> SparseEncoder::Build(const TensorRange& range, const Positions& positions,
+                                  std::span<const uint8_t> values, uint64_t decoded_limit) {
+  const uint64_t n = positions.size();
+  const uint32_t w = static_cast<uint32_t>(DTypeSize(range.dtype));
+  // Every gap takes a byte at least: refuse what cannot fit before building.
+  if (n + values.size() > decoded_limit) return false;
+  gaps_.clear();
+  uint64_t next = range.first;
+  for (uint64_t k = 0; k < n; ++k) {
+    AppendGap(&gaps_, positions[k] - next);
+    next = positions[k] + 1;
+  }
+  if (gaps_.size() + values.size() > decoded_limit) return false;
+  planes_.resize(values.size());
+  for (uint32_t j = 0; j < w; ++j) {
+    uint8_t* plane = planes_.data() + j * n;
+    for (uint64_t k = 0; k < n; ++k) plane[k] = values[k * w + j];
+  }
+  return true;
+}
+
+Result<size_t> SparseEncoder::Compress(std::span<const uint8_t> content, int zstd_level,
+                                       std::span<uint8_t> out) {
+  ZSTD_CCtx* cctx = zstd_->cctx;
+  ZSTD_CCtx_reset(cctx, ZSTD_reset_session_and_parameters);
+  ZSTD_CCtx_setParameter(cctx, ZSTD_c_compressionLevel, zstd_level);
+  ZSTD_CCtx_setParameter(cctx, ZSTD_c_contentSizeFlag, 1);
+  ZSTD_CCtx_setParameter(cctx, ZSTD_c_checksumFlag, 0);
+  const size_t written =
+      ZSTD_compress2(cctx, out.data(), out.size(), content.data(), content.size());
+  if (ZSTD_isError(written)) {
+    return Status::Internal("sparse encoder: zstd: " + std::string(ZSTD_getErrorName(written)));
+  }
+  return written;
+}
+
+Status SparseEncoder::Encode(const TensorRange& range, const Positions& positions,
+                             std::span<const uint8_t> values, int zstd_level,
+                             uint64_t decoded_limit, SparseRegions* out) {
+  const std::string what = "sparse encoder: tensor " + Quote(range.name);
+  DS_RETURN_IF_ERROR(CheckValuesOf(what, range, &positions, values));
+  out->name = std::string(range.name);
+  out->dtype = range.dtype;
+  out->first = range.first;
+  out->count = range.count;
+  out->n = positions.size();
+  out->decoded = 0;
+  out->positions.clear();
+  out->values.clear();
+  if (out->n == 0) return Status::OK();
+  DS_ASSIGN_OR_RETURN(bool built, Build(range, positions, values, decoded_limit));
+  if (!built) {
+    return Status::OutOfRange(what + ": " + U64(out->n) +
+                              " changes decode to more than a frame's " + U64(decoded_limit) +
+                              " sparse bytes");
+  }
+  out->decoded = gaps_.size() + planes_.size();
+  for (auto [content, region] : {std::pair{std::span<const uint8_t>(gaps_), &out->positions},
+                                 std::pair{std::span<const uint8_t>(planes_), &out->values}}) {
+    region->resize(ZSTD_compressBound(content.size()));
+    DS_ASSIGN_OR_RETURN(size_t written, Compress(content, zstd_level, *region));
+    region->resize(written);
+  }
+  return Status::OK();
+}
+
+FlushWriter::FlushWriter() = default;
 FlushWriter::~FlushWriter() = default;
 
 Status FlushWriter::Begin(const FlushHeader& header, uint64_t budget_bytes, FrameBuffer* out) {
@@ -168,23 +262,9 @@ Status FlushWriter::CheckRange(const TensorRange& range, WireEncoding encoding,
 
 Status FlushWriter::CheckValues(const TensorRange& range, const Positions* positions,
                                 std::span<const uint8_t> values) const {
-  const std::string what =
-      "flush writer: sync " + U64(header_.sync_id) + ": tensor " + Quote(range.name);
-  const uint64_t w = DTypeSize(range.dtype);
-  const uint64_t n = positions ? positions->size() : range.count;
-  if (values.size() % w != 0 || values.size() / w != n) {
-    return Status::InvalidArgument(what + ": " + U64(values.size()) + " value bytes for " + U64(n) +
-                                   " elements of " + U64(w) + " bytes");
-  }
-  if (positions) {
-    Status checked = positions->Check(range.first + range.count);
-    if (!checked.ok()) return checked.WithContext(what);
-    if (n > 0 && (*positions)[0] < range.first) {
-      return Status::InvalidArgument(what + ": position " + U64((*positions)[0]) +
-                                     " is before the range's first element " + U64(range.first));
-    }
-  }
-  return Status::OK();
+  return CheckValuesOf(
+      "flush writer: sync " + U64(header_.sync_id) + ": tensor " + Quote(range.name), range,
+      positions, values);
 }
 
 void FlushWriter::AppendEntry(const TensorRange& range, WireEncoding encoding, uint64_t n,
@@ -277,23 +357,6 @@ void FlushWriter::CopyIn(std::span<const uint8_t> values) {
   });
 }
 
-Result<size_t> FlushWriter::Compress(std::span<const uint8_t> content, uint64_t offset) {
-  ResizeZeroed(out_, offset);
-  out_->resize(offset + ZSTD_compressBound(content.size()));
-  ZSTD_CCtx* cctx = zstd_->cctx;
-  ZSTD_CCtx_reset(cctx, ZSTD_reset_session_and_parameters);
-  ZSTD_CCtx_setParameter(cctx, ZSTD_c_compressionLevel, zstd_level_);
-  ZSTD_CCtx_setParameter(cctx, ZSTD_c_contentSizeFlag, 1);
-  ZSTD_CCtx_setParameter(cctx, ZSTD_c_checksumFlag, 0);
-  const size_t written = ZSTD_compress2(cctx, out_->data() + offset, out_->size() - offset,
-                                        content.data(), content.size());
-  if (ZSTD_isError(written)) {
-    return Status::Internal("flush writer: zstd: " + std::string(ZSTD_getErrorName(written)));
-  }
-  out_->resize(offset + written);
-  return written;
-}
-
 Result<bool> FlushWriter::AddSparse(const TensorRange& range, const Positions& positions,
                                     std::span<const uint8_t> values) {
   uint64_t numel = 0;
@@ -304,48 +367,75 @@ Result<bool> FlushWriter::AddSparse(const TensorRange& range, const Positions& p
   const uint64_t n = positions.size();
   const uint64_t start = out_->size();
   const uint64_t pos_off = Align8(start);
-  if (n == 0) {
-    if (!Fits(pos_off, entry_bytes)) return false;
-    ResizeZeroed(out_, pos_off);
-    end_ = pos_off;
-    AppendEntry(range, WireEncoding::kSparse, 0, pos_off, 0, pos_off, 0);
-    return true;
-  }
-  const uint32_t w = static_cast<uint32_t>(DTypeSize(range.dtype));
-  // Every gap takes a byte at least: refuse what cannot fit before building.
-  if (sparse_decoded_ + n + values.size() > sparse_decoded_limit_) return false;
-  gaps_.clear();
-  uint64_t next = range.first;
-  for (uint64_t k = 0; k < n; ++k) {
-    AppendGap(&gaps_, positions[k] - next);
-    next = positions[k] + 1;
-  }
-  if (sparse_decoded_ + gaps_.size() + values.size() > sparse_decoded_limit_) return false;
-  planes_.resize(values.size());
-  for (uint32_t j = 0; j < w; ++j) {
-    uint8_t* plane = planes_.data() + j * n;
-    for (uint64_t k = 0; k < n; ++k) plane[k] = values[k * w + j];
-  }
-  // A frame cannot exceed its budget by more than one entry's compressed
-  // bytes before it is cut back, so an entry that does not fit costs its
-  // compression but no lasting memory.
-  Result<size_t> compressed = Compress(gaps_, pos_off);
+  if (n == 0) return AddEmptySparse(range, pos_off, entry_bytes);
+  const uint64_t room =
+      sparse_decoded_ >= sparse_decoded_limit_ ? 0 : sparse_decoded_limit_ - sparse_decoded_;
+  DS_ASSIGN_OR_RETURN(bool built, sparse_.Build(range, positions, values, room));
+  if (!built) return false;
+  // Compressed straight into the frame. A frame cannot exceed its budget by
+  // more than one entry's compressed bytes before it is cut back, so an
+  // entry that does not fit costs its compression but no lasting memory.
+  const auto compress = [&](std::span<const uint8_t> content, uint64_t offset) -> Result<size_t> {
+    ResizeZeroed(out_, offset);
+    out_->resize(offset + ZSTD_compressBound(content.size()));
+    Result<size_t> written = sparse_.Compress(
+        content, zstd_level_, std::span<uint8_t>(out_->data() + offset, out_->size() - offset));
+    if (written.ok()) out_->resize(offset + *written);
+    return written;
+  };
+  Result<size_t> compressed = compress(sparse_.gaps(), pos_off);
   if (!compressed.ok()) {
     out_->resize(start);
     return compressed.status();
   }
   const size_t pos_bytes = *compressed;
   const uint64_t val_off = Align8(pos_off + pos_bytes);
-  Result<size_t> val_bytes = Compress(planes_, val_off);
+  Result<size_t> val_bytes = compress(sparse_.planes(), val_off);
   if (!val_bytes.ok() || !Fits(val_off + *val_bytes, entry_bytes)) {
     out_->resize(start);
     if (!val_bytes.ok()) return val_bytes.status();
     return false;
   }
-  // Compress zeroed the padding before each region.
-  sparse_decoded_ += gaps_.size() + values.size();
+  sparse_decoded_ += sparse_.gaps().size() + values.size();
   end_ = out_->size();
   AppendEntry(range, WireEncoding::kSparse, n, pos_off, pos_bytes, val_off, *val_bytes);
+  return true;
+}
+
+Result<bool> FlushWriter::AddSparseRegions(const TensorRange& range, const SparseRegions& r) {
+  uint64_t numel = 0;
+  DS_RETURN_IF_ERROR(CheckMode(false));
+  DS_RETURN_IF_ERROR(CheckRange(range, WireEncoding::kSparse, &numel));
+  if (r.name != range.name || r.dtype != range.dtype || r.first != range.first ||
+      r.count != range.count) {
+    return Status::InvalidArgument(
+        "flush writer: sync " + U64(header_.sync_id) + ": tensor " + Quote(range.name) +
+        ": sparse regions made for another range (tensor " + Quote(r.name) + ", elements " +
+        U64(r.first) + " to " + U64(r.first + r.count) + ")");
+  }
+  const size_t entry_bytes = kEntryFixedBytes + 8 * range.shape.size() + range.name.size();
+  const uint64_t pos_off = Align8(out_->size());
+  if (r.n == 0) return AddEmptySparse(range, pos_off, entry_bytes);
+  if (sparse_decoded_ + r.decoded > sparse_decoded_limit_) return false;
+  const uint64_t val_off = Align8(pos_off + r.positions.size());
+  if (!Fits(val_off + r.values.size(), entry_bytes)) return false;
+  ResizeZeroed(out_, pos_off);
+  out_->insert(out_->end(), r.positions.begin(), r.positions.end());
+  ResizeZeroed(out_, val_off);
+  CopyIn(r.values);
+  sparse_decoded_ += r.decoded;
+  end_ = out_->size();
+  AppendEntry(range, WireEncoding::kSparse, r.n, pos_off, r.positions.size(), val_off,
+              r.values.size());
+  return true;
+}
+
+Result<bool> FlushWriter::AddEmptySparse(const TensorRange& range, uint64_t pos_off,
+                                         size_t entry_bytes) {
+  if (!Fits(pos_off, entry_bytes)) return false;
+  ResizeZeroed(out_, pos_off);
+  end_ = pos_off;
+  AppendEntry(range, WireEncoding::kSparse, 0, pos_off, 0, pos_off, 0);
   return true;
 }
 

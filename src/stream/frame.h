@@ -89,6 +89,55 @@ struct PlacedEntry {
   uint64_t values_bytes = 0;
 };
 
+// A sparse entry's two regions, compressed ahead of the frame that takes
+// them (FlushWriter::AddSparseRegions): a sender compresses many units'
+// entries at once on its threads, a SparseEncoder per thread. Records the
+// range it was made for; a writer refuses it for another.
+struct SparseRegions {
+  std::string name;
+  DType dtype = DType::kU8;
+  uint64_t first = 0;
+  uint64_t count = 0;
+  uint64_t n = 0;                  // changed elements
+  uint64_t decoded = 0;            // gap and value bytes once decompressed
+  std::vector<uint8_t> positions;  // one zstd frame of the gap-coded positions
+  std::vector<uint8_t> values;     // one zstd frame of the value planes
+};
+
+// Gap-codes and compresses sparse entries (docs/format.md, "sparse"): its
+// scratch and zstd context are kept from entry to entry. Not thread-safe.
+class SparseEncoder {
+ public:
+  SparseEncoder();
+  ~SparseEncoder();
+  SparseEncoder(const SparseEncoder&) = delete;
+  SparseEncoder& operator=(const SparseEncoder&) = delete;
+
+  // The elements at `positions` (absolute, strictly increasing, inside the
+  // range) and their values, as AddSparse takes them, into *out; the same
+  // refusals (InvalidArgument). `decoded_limit`: OutOfRange when the
+  // decompressed regions would exceed it (no frame could take them).
+  Status Encode(const TensorRange& range, const Positions& positions,
+                std::span<const uint8_t> values, int zstd_level, uint64_t decoded_limit,
+                SparseRegions* out);
+  // The gap section of the last Encode (or Build), before compression.
+  std::span<const uint8_t> gaps() const { return gaps_; }
+  std::span<const uint8_t> planes() const { return planes_; }
+  // Only the gap section and the value planes, uncompressed (checked as
+  // Encode checks): false when they exceed `decoded_limit`.
+  Result<bool> Build(const TensorRange& range, const Positions& positions,
+                     std::span<const uint8_t> values, uint64_t decoded_limit);
+  // One zstd frame of `content`, its size recorded, into `out` (at least
+  // ZSTD_compressBound(content.size()) bytes): the bytes written.
+  Result<size_t> Compress(std::span<const uint8_t> content, int zstd_level, std::span<uint8_t> out);
+
+ private:
+  std::vector<uint8_t> gaps_;
+  std::vector<uint8_t> planes_;
+  struct Context;
+  std::unique_ptr<Context> zstd_;
+};
+
 // Builds one frame at a time into a caller's buffer, appending each entry's
 // positions and values straight into it, up to a byte budget. Reusable: its
 // scratch buffers (sparse staging, the zstd context) are kept from frame to
@@ -145,6 +194,9 @@ class FlushWriter {
   // zstd frame. Not in a seed frame.
   Result<bool> AddSparse(const TensorRange& range, const Positions& positions,
                          std::span<const uint8_t> values);
+  // A sparse entry compressed ahead (SparseEncoder::Encode) for this
+  // range: InvalidArgument when it was made for another.
+  Result<bool> AddSparseRegions(const TensorRange& range, const SparseRegions& regions);
   // The expected digest of a block of a tensor. A frame holds at most one
   // record per tensor and block.
   Result<bool> AddDigest(std::string_view name, const DigestBlock& block,
@@ -185,7 +237,8 @@ class FlushWriter {
   bool Fits(uint64_t payload_end, size_t manifest_add) const;
   void AppendEntry(const TensorRange& range, WireEncoding encoding, uint64_t n, uint64_t pos_off,
                    uint64_t pos_bytes, uint64_t val_off, uint64_t val_bytes);
-  Result<size_t> Compress(std::span<const uint8_t> content, uint64_t offset);
+  // A sparse entry of no changes: no regions.
+  Result<bool> AddEmptySparse(const TensorRange& range, uint64_t pos_off, size_t entry_bytes);
   // Appends `values` to the frame, on the pool when they are large.
   void CopyIn(std::span<const uint8_t> values);
 
@@ -202,10 +255,7 @@ class FlushWriter {
   uint64_t sparse_decoded_ = 0;
   std::map<std::string, TensorEntries, std::less<>> tensors_;
   std::set<std::tuple<std::string, uint64_t, uint64_t, uint64_t, uint64_t>> digest_keys_;
-  std::vector<uint8_t> gaps_;
-  std::vector<uint8_t> planes_;
-  struct ZstdContexts;
-  std::unique_ptr<ZstdContexts> zstd_;
+  SparseEncoder sparse_;
   int zstd_level_ = 1;
   uint64_t sparse_decoded_limit_ = kMaxSparseDecodedBytes;
 };

@@ -616,6 +616,56 @@ TEST(FlushFrame, SparseDecodeLimitIsAFitNotAnError) {
   EXPECT_TRUE(reader.Read(frame).ok());
 }
 
+TEST(FlushFrame, SparseRegionsCompressedAheadMakeTheSameFrame) {
+  const auto shape = Shape({5000});
+  std::vector<uint64_t> positions;
+  for (uint64_t i = 7; i < 5000; i += 13) positions.push_back(i);
+  const Bytes values = RandomBytes(positions.size() * 2, 3);
+  const TensorRange a{"a", DType::kBF16, shape, 0, 5000};
+  const TensorRange empty{"b", DType::kBF16, shape, 1000, 10};
+  SparseEncoder encoder;
+  SparseRegions ra, rb;
+  ASSERT_TRUE(
+      encoder.Encode(a, Positions::Absolute(positions), values, 1, kMaxSparseDecodedBytes, &ra)
+          .ok());
+  ASSERT_TRUE(
+      encoder.Encode(empty, Positions::Absolute({}), {}, 1, kMaxSparseDecodedBytes, &rb).ok());
+  FlushWriter writer;
+  Bytes direct, ahead;
+  ASSERT_TRUE(writer.Begin({3}, 1 << 20, &direct).ok());
+  ASSERT_TRUE(*writer.AddSparse(a, Positions::Absolute(positions), values));
+  ASSERT_TRUE(*writer.AddSparse(empty, Positions::Absolute({}), {}));
+  ASSERT_TRUE(writer.Finish().ok());
+  ASSERT_TRUE(writer.Begin({3}, 1 << 20, &ahead).ok());
+  // Regions made for another range: refused, the frame as it was.
+  const uint64_t before = writer.frame_bytes();
+  ExpectCode(writer.AddSparseRegions({"a", DType::kBF16, shape, 0, 4999}, ra).status(),
+             StatusCode::kInvalidArgument, "sparse regions made for another range");
+  ExpectCode(writer.AddSparseRegions({"c", DType::kBF16, shape, 0, 5000}, ra).status(),
+             StatusCode::kInvalidArgument, "sparse regions made for another range");
+  EXPECT_EQ(writer.frame_bytes(), before);
+  EXPECT_EQ(writer.entry_count(), 0u);
+  ASSERT_TRUE(*writer.AddSparseRegions(a, ra));
+  ASSERT_TRUE(*writer.AddSparseRegions(empty, rb));
+  ASSERT_TRUE(writer.Finish().ok());
+  EXPECT_EQ(ahead, direct);
+
+  // A frame's decode limit is a fit for them too; the encoder refuses what
+  // no frame could take, and bad positions as the writer does.
+  writer.set_sparse_decoded_limit(ra.decoded - 1);
+  ASSERT_TRUE(writer.Begin({4}, 1 << 20, &ahead).ok());
+  EXPECT_FALSE(*writer.AddSparseRegions(a, ra));
+  ExpectCode(encoder.Encode(a, Positions::Absolute(positions), values, 1, ra.decoded - 1, &rb),
+             StatusCode::kOutOfRange, "sparse bytes");
+  const std::vector<uint64_t> backwards = {5, 4};
+  ExpectCode(
+      encoder.Encode(a, Positions::Absolute(backwards), Bytes(4), 1, kMaxSparseDecodedBytes, &rb),
+      StatusCode::kInvalidArgument, "sparse encoder: tensor 'a'");
+  ExpectCode(
+      encoder.Encode(a, Positions::Absolute(positions), Bytes(3), 1, kMaxSparseDecodedBytes, &rb),
+      StatusCode::kInvalidArgument, "value bytes");
+}
+
 TEST(FlushFrame, WriterRefusesWhatTheReaderWould) {
   Bytes frame;
   FlushWriter writer;

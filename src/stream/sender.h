@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/parallel.h"
 #include "core/raw_bytes.h"
 #include "deltasync/diff.h"
 #include "deltasync/shard.h"
@@ -215,6 +216,9 @@ struct UnitOut {
   Positions pos;
   std::span<const uint8_t> values;
   const stream::DeviceUnitChanges* device = nullptr;
+  // Its sparse entry, compressed ahead on the sender's threads (else
+  // compressed as the frame takes it).
+  const stream::SparseRegions* sparse = nullptr;
 };
 
 // The host diff's pieces and how many of them run per pass: a window of
@@ -434,6 +438,10 @@ class Sender final : public StreamSender {
   // Adds the unit to the frame of every group that holds the tensor.
   Status EmitUnit(TensorState& t, const UnitSource& src, Round* round, stream::DeviceSource* dev,
                   const UnitOut& c, const DenseView& dense);
+  // The sparse entries of units[which[...]], compressed on the threads
+  // (sparse_regions_), each unit pointing at its own.
+  Status EncodeSparse(const TensorState& t, ThreadPool* pool, std::span<const size_t> which,
+                      std::vector<UnitOut>* units, SyncStats* stats);
   // StreamUnits for a host tensor with a snapshot (sender_host_units.cc):
   // a window of units counted and its digests moved in one pass on the
   // sender's threads, then their positions taken a bucket's worth at a
@@ -515,6 +523,10 @@ class Sender final : public StreamSender {
   // diff scratch, in the sync so far.
   uint64_t host_kept_peak_ = 0;
   uint64_t host_scratch_peak_ = 0;
+  // StreamHostUnits' sparse entries of the staged units, compressed ahead
+  // (at most the staged changes' size), and an encoder per thread.
+  std::vector<stream::SparseRegions> sparse_regions_;
+  core_internal::FreeList<stream::SparseEncoder> sparse_encoders_;
   // Cancel's state, and the lock under which comm_ and trainers_ are set
   // and cleared (the calling thread reads them without it).
   mutable std::mutex mu_;

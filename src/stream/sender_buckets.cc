@@ -246,7 +246,9 @@ Status Sender::EmitUnit(TensorState& t, const UnitSource& src, Round* round,
         switch (e) {
           case StreamEncoding::kDense: return w.AddDense(range, xu);
           case StreamEncoding::kIndices: return w.AddIndices(range, c.pos, c.values);
-          case StreamEncoding::kSparse: return w.AddSparse(range, c.pos, c.values);
+          case StreamEncoding::kSparse:
+            return c.sparse ? w.AddSparseRegions(range, *c.sparse)
+                            : w.AddSparse(range, c.pos, c.values);
         }
         return Status::Internal("unknown stream encoding");
       }));

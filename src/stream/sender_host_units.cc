@@ -78,6 +78,31 @@ Status RunPieces(ThreadPool* pool, size_t pieces, uint64_t* held, Task&& task) {
 
 }  // namespace
 
+Status Sender::EncodeSparse(const TensorState& t, ThreadPool* pool, std::span<const size_t> which,
+                            std::vector<UnitOut>* units, SyncStats* stats) {
+  if (which.empty()) return Status::OK();
+  const auto t0 = Clock::now();
+  if (sparse_regions_.size() < which.size()) sparse_regions_.resize(which.size());
+  core_internal::FirstError error;
+  const auto encode = [&](size_t j) {
+    if (error.failed()) return;
+    std::unique_ptr<stream::SparseEncoder> encoder = sparse_encoders_.Take();
+    UnitOut& c = (*units)[which[j]];
+    const TensorRange range{t.name, t.dtype, t.shape, c.first, c.count};
+    error.Note(encoder->Encode(range, c.pos, c.values, options_.zstd_level,
+                               stream::kMaxSparseDecodedBytes, &sparse_regions_[j]));
+    c.sparse = &sparse_regions_[j];
+    sparse_encoders_.Give(std::move(encoder));
+  };
+  if (pool != nullptr && which.size() > 1) {
+    pool->ParallelFor(which.size(), encode);
+  } else {
+    for (size_t j = 0; j < which.size(); ++j) encode(j);
+  }
+  stats->encode_s += SecondsSince(t0);
+  return error.status();
+}
+
 Status Sender::StreamHostUnits(TensorState& t, const UnitSource& src, Round* round, TensorRound* tr,
                                uint64_t u_begin, uint64_t u_end) {
   SyncStats* stats = &round->stats;
@@ -131,7 +156,8 @@ Status Sender::StreamHostUnits(TensorState& t, const UnitSource& src, Round* rou
   std::vector<uint64_t> at;    // per piece: its first staged change
   std::vector<uint64_t> from;  // per unit: its first staged change
   constexpr uint64_t kNotStaged = UINT64_MAX;
-  std::vector<size_t> wanted;  // pieces to stage
+  std::vector<size_t> wanted;        // pieces to stage
+  std::vector<size_t> sparse_units;  // staged units that go sparse
   uint64_t w0 = u_begin;
   // How far into its unit a piece of the current window starts.
   const auto from_unit = [&](const Piece& pc) {
@@ -266,14 +292,20 @@ Status Sender::StreamHostUnits(TensorState& t, const UnitSource& src, Round* rou
             return Status::OK();
           }));
       stats->diff_s += SecondsSince(t1);
+      sparse_units.clear();
       for (uint64_t v = v0; v < v1; ++v) {
         UnitOut& c = units[v - w0];
-        if (from[v - w0] != kNotStaged) {
-          c.pos = Positions{
-              std::span<const uint32_t>(staged_positions_).subspan(from[v - w0], c.n), {}, c.first};
-          c.values =
-              std::span<const uint8_t>(staged_values_).subspan(from[v - w0] * t.w, c.n * t.w);
+        if (from[v - w0] == kNotStaged) continue;
+        c.pos = Positions{
+            std::span<const uint32_t>(staged_positions_).subspan(from[v - w0], c.n), {}, c.first};
+        c.values = std::span<const uint8_t>(staged_values_).subspan(from[v - w0] * t.w, c.n * t.w);
+        if (EncodingOf(t, src, c.first, c.count, c.n) == StreamEncoding::kSparse) {
+          sparse_units.push_back(v - w0);
         }
+      }
+      DS_RETURN_IF_ERROR(EncodeSparse(t, pool, sparse_units, &units, stats));
+      for (uint64_t v = v0; v < v1; ++v) {
+        UnitOut& c = units[v - w0];
         const uint64_t first = c.first, count = c.count;
         std::optional<std::span<const uint8_t>> dense_view;
         const DenseView dense = DenseOnce(src, first, count, &dense_view);

@@ -443,6 +443,9 @@ Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>&
                        changes_.new_values.capacity() + changes_.old_values.capacity() +
                        scratch_.capacity() + staged_positions_.capacity() * 4 +
                        staged_values_.capacity() + host_kept_peak_ + host_scratch_peak_;
+  for (const stream::SparseRegions& r : sparse_regions_) {
+    stats.buffer_bytes += r.positions.capacity() + r.values.capacity();
+  }
   host_kept_peak_ = 0;
   host_scratch_peak_ = 0;
   for (const std::unique_ptr<Group>& g : round->groups) {
