@@ -144,6 +144,13 @@ Status Sender::StreamHostUnits(TensorState& t, const UnitSource& src, Round* rou
     std::vector<uint8_t> values;
   };
   const uint64_t half_bucket = options_.bucket_bytes / 2;
+  // Whether a piece of `count` elements, `n` changed, looks like part of a
+  // unit that goes by positions (EncodingOf's rule on the piece alone).
+  const uint64_t pw = t.numel >= (uint64_t{1} << 31) ? 8 : 4;
+  const auto likely_by_positions = [&](uint64_t count, uint64_t n) {
+    if (options_.encoding == StreamEncoding::kDense) return false;
+    return options_.encoding == StreamEncoding::kSparse || n * (pw + t.w) < count * t.w;
+  };
   const uint64_t change_bytes = 4 + t.w;  // a staged or kept change
   const uint64_t piece_numel = std::max<uint64_t>(1, kParallelDiffBytes / t.w);
   const uint64_t window_units = std::max<uint64_t>(1, kHostWindowBytes / (t.unit * t.w));
@@ -216,7 +223,9 @@ Status Sender::StreamHostUnits(TensorState& t, const UnitSource& src, Round* rou
                                                t.w);
             }
           }
-          if (!any_delta) return Status::OK();
+          // Kept only for a unit that will likely go by positions: dense
+          // ones take their values from the tensor.
+          if (!any_delta || !likely_by_positions(pc.count, n)) return Status::OK();
           const uint64_t bytes = n * change_bytes;
           if (kept_bytes.fetch_add(bytes) + bytes > half_bucket) {
             kept_bytes.fetch_sub(bytes);
