@@ -35,9 +35,14 @@ if torch is not None:
         torch.int64: "I64",
         torch.float64: "F64",
     }
+    # Where this torch has them: the FP8 types from torch 2.1, the ue8m0
+    # scale type (float8_e8m0fnu) from 2.7, the wide unsigned ones from 2.3.
+    # Without them, such data is held as uint8 (or uint16, ...) tensors and
+    # passed as ``Raw(t, "F8_E4M3")``.
     for _name, _code in (
         ("float8_e4m3fn", "F8_E4M3"),
         ("float8_e5m2", "F8_E5M2"),
+        ("float8_e8m0fnu", "F8_E8M0"),
         ("uint16", "U16"),
         ("uint32", "U32"),
         ("uint64", "U64"),
@@ -65,20 +70,28 @@ _NUMPY_DTYPES = {
 
 
 class Raw:
-    """Host memory of a dtype numpy has no type for: ``Raw(uint16_array, "BF16")``.
+    """Memory of a dtype the array's library has no type for:
+    ``Raw(uint16_array, "BF16")``, or ``Raw(uint8_tensor, "F8_E4M3")`` on a
+    torch without float8 types.
 
-    The array's bytes are taken as ``dtype`` elements; the shape is the
-    array's (its item size must be the dtype's).
+    The array's (a numpy array's or a torch tensor's) bytes are taken as
+    ``dtype`` elements; the shape is the array's (its item size must be the
+    dtype's).
     """
 
-    def __init__(self, array: np.ndarray, dtype: str) -> None:
-        if not isinstance(array, np.ndarray):
-            raise InvalidArgumentError(f"Raw: expected a numpy array, got {type(array).__name__}")
-        size = _deltasync.dtype_size(dtype)
-        if array.dtype.itemsize != size:
+    def __init__(self, array: Any, dtype: str) -> None:
+        if is_torch(array):
+            itemsize, kind = array.element_size(), array.dtype
+        elif isinstance(array, np.ndarray):
+            itemsize, kind = array.dtype.itemsize, array.dtype
+        else:
             raise InvalidArgumentError(
-                f"Raw: a {array.dtype} array has {array.dtype.itemsize}-byte items, "
-                f"{dtype} has {size}"
+                f"Raw: expected a numpy array or a torch tensor, got {type(array).__name__}"
+            )
+        size = _deltasync.dtype_size(dtype)
+        if itemsize != size:
+            raise InvalidArgumentError(
+                f"Raw: a {kind} array has {itemsize}-byte items, {dtype} has {size}"
             )
         self.array = array
         self.dtype = dtype
@@ -225,6 +238,8 @@ def host(obj: Any) -> Any:
     """``obj`` in host memory: a CUDA tensor is copied (for the disk transport)."""
     if is_torch(obj) and obj.device.type != "cpu":
         return obj.detach().to("cpu")
+    if isinstance(obj, Raw) and is_torch(obj.array) and obj.array.device.type != "cpu":
+        return Raw(obj.array.detach().to("cpu"), obj.dtype)
     return obj
 
 

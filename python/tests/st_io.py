@@ -6,16 +6,18 @@ import struct
 
 import torch
 
-from deltasync._tensors import dtype_name
-from deltasync.adapters.engine import torch_dtype
+from deltasync._tensors import Raw, dtype_name
+from deltasync.adapters.engine import _TORCH_MISSING, torch_dtype
 
 
 def write(path, tensors: dict) -> None:
     header, blobs, offset = {}, [], 0
     for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        header[name] = {"dtype": dtype_name(t), "shape": list(t.shape),
+        t = tensors[name]
+        code = dtype_name(t)
+        t = (t.array if isinstance(t, Raw) else t).contiguous()
+        data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        header[name] = {"dtype": code, "shape": list(t.shape),
                         "data_offsets": [offset, offset + len(data)]}
         blobs.append(data)
         offset += len(data)
@@ -36,7 +38,10 @@ def read(path) -> dict:
             continue
         a, b = e["data_offsets"]
         buf = bytearray(raw[8 + n + a:8 + n + b])
-        dt = torch_dtype(e["dtype"])
+        # An FP8 type this torch lacks: its bytes as uint8, named by Raw.
+        raw_view = e["dtype"] in _TORCH_MISSING
+        dt = torch.uint8 if raw_view else torch_dtype(e["dtype"])
         t = torch.frombuffer(buf, dtype=torch.uint8).view(dt) if buf else torch.zeros(0, dtype=dt)
-        out[name] = t.reshape(e["shape"])
+        t = t.reshape(e["shape"])
+        out[name] = Raw(t, e["dtype"]) if raw_view else t
     return out

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import deltasync as ds
+from deltasync._tensors import dtype_name
 
 
 def changed_pair(dtype=np.float32, n=1000, seed=0):
@@ -140,3 +141,100 @@ def test_errors_are_the_builtin_kinds_callers_catch():
     assert ds.dtype_size("BF16") == 2
     with pytest.raises(ds.UnsupportedError):
         ds.dtype_size("F7")
+
+
+# FP8: E4M3 weights with E8M0 ("ue8m0") block scales, as block-scaled FP8
+# checkpoints store them. torch has float8_e4m3fn and float8_e5m2 from 2.1
+# and float8_e8m0fnu from 2.7; without them the bytes travel as uint8 views
+# named by Raw.
+FP8_TORCH = [("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
+             ("F8_E8M0", "float8_e8m0fnu")]
+
+
+def fp8_layer(seed):
+    """(weight codes [256, 256], scale codes [2, 2]) as uint8, and the next
+    step's: ~3% of the weight codes move by one, one block's scale doubles."""
+    rng = np.random.default_rng(seed)
+    w = rng.integers(0, 256, (256, 256), dtype=np.uint8)
+    s = rng.integers(110, 120, (2, 2), dtype=np.uint8)
+    w2 = w.copy()
+    flip = rng.random(w.shape) < 0.03
+    w2[flip] ^= 1
+    s2 = s.copy()
+    s2[1, 1] += 1
+    return w, s, w2, s2
+
+
+@pytest.mark.parametrize("encoding", ds.encodings())
+def test_fp8_as_raw_uint8_views_round_trips_bit_exactly(encoding):
+    assert [ds.dtype_size(code) for code, _ in FP8_TORCH] == [1, 1, 1]
+    w, s, w2, s2 = fp8_layer(3)
+    for code, base, cur in (("F8_E4M3", w, w2), ("F8_E8M0", s, s2)):
+        enc = ds.encode(ds.Raw(cur, code), ds.Raw(base, code), encoding)
+        target = base.copy()
+        ds.decode_apply(enc, ds.Raw(target, code), encoding)
+        assert target.tobytes() == cur.tobytes(), code
+        # The same bytes as uint8 torch tensors: a torch without float8 types.
+        target_t = torch.from_numpy(base.copy())
+        enc_t = ds.encode(ds.Raw(torch.from_numpy(cur), code),
+                          ds.Raw(torch.from_numpy(base), code), encoding)
+        assert enc_t == enc
+        ds.decode_apply(enc_t, ds.Raw(target_t, code), encoding)
+        assert target_t.numpy().tobytes() == cur.tobytes(), code
+
+
+def test_raw_refuses_a_tensor_of_another_item_size():
+    with pytest.raises(ds.InvalidArgumentError, match="2-byte items, F8_E8M0 has 1"):
+        ds.Raw(torch.zeros(4, dtype=torch.int16), "F8_E8M0")
+
+
+@pytest.mark.parametrize("code,name", FP8_TORCH)
+def test_fp8_torch_dtypes_map_both_ways(code, name):
+    from deltasync.adapters.engine import torch_dtype
+
+    dt = getattr(torch, name, None)
+    if dt is None:
+        pytest.skip(f"torch {torch.__version__} has no torch.{name}")
+    assert dtype_name(torch.empty(2, dtype=dt)) == code
+    assert torch_dtype(code) is dt
+    w, s, w2, s2 = fp8_layer(5)
+    base, cur = (s, s2) if code == "F8_E8M0" else (w, w2)
+    tb = torch.from_numpy(base.copy()).view(dt)
+    tc = torch.from_numpy(cur.copy()).view(dt)
+    for encoding in ds.encodings():
+        enc = ds.encode(tc, tb, encoding)
+        assert enc == ds.encode(ds.Raw(cur, code), ds.Raw(base, code), encoding), encoding
+        target = tb.clone()
+        ds.decode_apply(enc, target, encoding)
+        assert target.view(torch.uint8).numpy().tobytes() == cur.tobytes(), encoding
+    pos, val = ds.diff(tc, tb).as_torch(dt)
+    assert val.dtype == dt
+    assert torch.equal(val.view(torch.uint8), tc.view(torch.uint8).reshape(-1)[pos])
+
+
+@pytest.mark.parametrize("code,name", FP8_TORCH)
+def test_fp8_without_the_torch_dtype_points_to_raw(code, name):
+    from deltasync.adapters.engine import torch_dtype
+
+    if hasattr(torch, name):
+        pytest.skip(f"torch {torch.__version__} has torch.{name}")
+    with pytest.raises(ds.InvalidArgumentError, match=f"torch.{name}.*Raw"):
+        torch_dtype(code)
+
+
+def test_fp8_safetensors_files_keep_every_bit(tmp_path):
+    import st_io
+
+    w, s, _, _ = fp8_layer(7)
+    scale = torch.tensor(0.0123, dtype=torch.float32)
+    tensors = {"l.weight": ds.Raw(torch.from_numpy(w), "F8_E4M3"),
+               "l.weight_scale_inv": ds.Raw(torch.from_numpy(s), "F8_E8M0"),
+               "l.input_scale": scale}
+    st_io.write(tmp_path / "fp8.safetensors", tensors)
+    back = st_io.read(tmp_path / "fp8.safetensors")
+    for name, want in (("l.weight", w), ("l.weight_scale_inv", s)):
+        got = back[name]
+        got = got.array if isinstance(got, ds.Raw) else got.view(torch.uint8)
+        assert got.numpy().tobytes() == want.tobytes(), name
+        assert dtype_name(back[name]) == dtype_name(tensors[name])
+    assert back["l.input_scale"].view(torch.int32).item() == scale.view(torch.int32).item()

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "codec/codec_test_util.h"
+#include "core/fp8_test_util.h"
 
 namespace deltasync {
 namespace {
@@ -421,6 +422,42 @@ TEST(RoundTrip, FirstAndLastElement) {
     for (Encoding e : AllEncodings()) {
       EXPECT_TRUE(AppliesTo(e, EncodeOrDie(e, pair, changes), pair.old_bytes, pair.new_bytes, es))
           << EncodingName(e) << " es " << es;
+    }
+  }
+}
+
+// Block-scaled FP8 (E4M3 weights, E8M0 block scales, an F32 per-tensor
+// scale) as a trainer re-quantizes it step after step: every encoding, in
+// every sparse mode and encoded whole or by ranges, brings each tensor to
+// the next step's exact bytes.
+TEST(RoundTrip, BlockScaledFp8Steps) {
+  std::vector<std::vector<fp8_test::Tensor>> steps;
+  for (int step = 0; step <= 2; ++step) steps.push_back(fp8_test::BlockScaledLayer("l", 5, step));
+  for (int step = 1; step <= 2; ++step) {
+    for (size_t i = 0; i < steps[step].size(); ++i) {
+      const fp8_test::Tensor& t = steps[step][i];
+      SCOPED_TRACE(t.name + " step " + std::to_string(step));
+      TensorPair pair;
+      pair.elem_size = static_cast<uint32_t>(DTypeSize(t.dtype));
+      pair.old_bytes = steps[step - 1][i].bytes;
+      pair.new_bytes = t.bytes;
+      const ChangeSet changes = DiffPair(pair);
+      ASSERT_GT(changes.count(), 0u);  // each tensor moves every step
+      for (Encoding e : AllEncodings()) {
+        SCOPED_TRACE(std::string(EncodingName(e)));
+        for (SparseMode mode :
+             {SparseMode::kAuto, SparseMode::kPositions, SparseMode::kXorPlanes}) {
+          if (e != Encoding::kSparse && mode != SparseMode::kAuto) continue;
+          EncodeOptions options;
+          options.sparse_mode = mode;
+          const std::vector<uint8_t> encoded = EncodeOrDie(e, pair, changes, options);
+          EXPECT_TRUE(AppliesTo(e, encoded, pair.old_bytes, pair.new_bytes, pair.elem_size));
+          std::vector<uint8_t> probe;
+          if (GetCodec(e).NewEncodeStream(pair.numel(), pair.elem_size, options, &probe)) {
+            EXPECT_EQ(codec_test::EncodeByRanges(e, pair, options, 4096), encoded);
+          }
+        }
+      }
     }
   }
 }

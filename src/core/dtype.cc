@@ -30,6 +30,10 @@ constexpr std::array<DTypeInfo, kNumDTypes> kTable = {{
     {DType::kI64, "I64", 8, false},
     {DType::kU64, "U64", 8, false},
     {DType::kF64, "F64", 8, true},
+    // The OCP MX "ue8m0" scale of block-scaled FP8 checkpoints, named as
+    // huggingface/safetensors names it (safetensors/src/tensor.rs, `enum
+    // Dtype`: F8_E8M0, 8 bits). A float: see DTypeIsFloat.
+    {DType::kF8_E8M0, "F8_E8M0", 1, true},
 }};
 
 constexpr bool TableInEnumOrder() {

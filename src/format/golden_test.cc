@@ -200,6 +200,8 @@ TEST(GoldenFiles, AllDTypesHoldTheirKnownValues) {
             (std::vector<uint8_t>{0x38, 0xB8}));
   EXPECT_EQ(Values<uint8_t>(get("t_f8_e5m2", DType::kF8_E5M2, {2})),
             (std::vector<uint8_t>{0x3C, 0x7C}));
+  EXPECT_EQ(Values<uint8_t>(get("t_f8_e8m0", DType::kF8_E8M0, {4})),
+            (std::vector<uint8_t>{0x7F, 0x00, 0xFE, 0xFF}));  // 1.0, 2^-127, 2^127, NaN
   EXPECT_EQ(Values<int16_t>(get("t_i16", DType::kI16, {2})), (std::vector<int16_t>{-2, 32767}));
   EXPECT_EQ(Values<uint16_t>(get("t_u16", DType::kU16, {2})), (std::vector<uint16_t>{1, 65535}));
   EXPECT_EQ(Values<uint16_t>(get("t_f16", DType::kF16, {2})),

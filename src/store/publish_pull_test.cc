@@ -6,6 +6,7 @@
 #include <fstream>
 #include <thread>
 
+#include "core/fp8_test_util.h"
 #include "deltasync/checkpoint.h"
 #include "deltasync/codec.h"
 #include "deltasync/safetensors.h"
@@ -143,6 +144,71 @@ INSTANTIATE_TEST_SUITE_P(EveryEncodingAndChecksum, RoundTrip,
                                               std::string(ChecksumAlgoName(info.param.checksum));
                            std::replace(name.begin(), name.end(), '-', '_');
                            return name;
+                         });
+
+// A block-scaled FP8 checkpoint (two layers of E4M3 weights with E8M0
+// block scales and F32 per-tensor scales, beside a BF16 tensor that never
+// changes), re-quantized at each step, published and pulled bit-exactly
+// with each encoding: one version at a time and all at once.
+class Fp8RoundTrip : public ::testing::TestWithParam<Encoding> {};
+
+Model Fp8Model(int step) {
+  Model m;
+  for (const char* layer : {"model.layers.0.mlp.down_proj", "model.layers.0.self_attn.o_proj"}) {
+    const uint64_t seed = std::string_view(layer).size() * 7 + 1;
+    for (fp8_test::Tensor& t : fp8_test::BlockScaledLayer(layer, seed, step)) {
+      m.push_back({std::move(t.name), t.dtype, std::move(t.shape), std::move(t.bytes)});
+    }
+  }
+  m.push_back({"model.norm.weight", DType::kBF16, {64}, std::vector<uint8_t>(128, 0x3F)});
+  return m;
+}
+
+TEST_P(Fp8RoundTrip, PublishAndPullEveryVersion) {
+  const Encoding encoding = GetParam();
+  Fixture f;
+  f.base_model = Fp8Model(0);
+  auto publisher = f.MakePublisher(f.PublisherOpts(encoding));
+  ASSERT_NE(publisher, nullptr);
+  std::vector<Model> models{f.base_model};
+  for (int step = 1; step <= 2; ++step) {
+    models.push_back(Fp8Model(step));
+    Result<PublishResult> r = publisher->Publish(Views(models.back()));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->tensors_changed, 6u);  // every FP8 tensor and scale, not the norm
+  }
+  Result<std::optional<VersionManifest>> m = ReadVersionManifest(f.VersionPath(1));
+  ASSERT_TRUE(m.ok() && m->has_value());
+  EXPECT_EQ((*m)->tensors.at("model.layers.0.mlp.down_proj.weight").dtype, DType::kF8_E4M3);
+  EXPECT_EQ((*m)->tensors.at("model.layers.0.mlp.down_proj.weight_scale_inv").dtype,
+            DType::kF8_E8M0);
+
+  auto local = f.OpenLocal();
+  ASSERT_NE(local, nullptr);
+  for (int64_t v = 0; v <= 2; ++v) {
+    Result<PullResult> r = local->Pull(v);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_TRUE(HoldsModel(f.local, models[v])) << "version " << v;
+  }
+  LocalCheckpointOptions lo = f.LocalOpts();
+  lo.local = f.tmp.Join("local2");
+  auto local2 = LocalCheckpoint::Open(lo);
+  DS_ASSERT_OK(local2);
+  Result<PullResult> r = (*local2)->Pull(std::nullopt);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->version, 2);
+  EXPECT_TRUE(HoldsModel(lo.local, models[2]));
+  // The pulled checkpoint names the FP8 dtypes as the base did.
+  Result<std::unique_ptr<Checkpoint>> pulled = Checkpoint::Open(lo.local);
+  DS_ASSERT_OK(pulled);
+  for (const OwnedTensor& t : models[2]) {
+    EXPECT_EQ((*pulled)->tensors().at(t.name).dtype, t.dtype) << t.name;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryEncoding, Fp8RoundTrip, ::testing::ValuesIn(AllEncodings()),
+                         [](const ::testing::TestParamInfo<Encoding>& info) {
+                           return std::string(EncodingName(info.param));
                          });
 
 TEST(Publish, DenseAndIndicesEncodingsRoundTripToo) {

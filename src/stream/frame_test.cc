@@ -816,7 +816,7 @@ TEST(FlushFrameRejects, EntryFields) {
   ExpectCorrupt(with(e0 + 64 + 16, 0xFF, 1),
                 "entry 0 ('\\xffodel.embed.weight'): name is not UTF-8");
   ExpectCorrupt(with(e0 + 6, 1, 1), "entry 0 ('model.embed.weight'): reserved bytes are not 0");
-  ExpectCorrupt(with(e0 + 2, 15, 1), "entry 0 ('model.embed.weight'): unknown dtype code 15");
+  ExpectCorrupt(with(e0 + 2, 16, 1), "entry 0 ('model.embed.weight'): unknown dtype code 16");
   ExpectCorrupt(with(e0 + 3, 3, 1), "unknown encoding 3");
   ExpectCorrupt(with(e0 + 64, (uint64_t{1} << 56) + 1, 8),
                 "a dimension or the element count is past 2^56");

@@ -26,7 +26,7 @@ GOLDEN_DIR = HERE
 SEED_DIR = os.path.join(ROOT, "fuzz", "corpus", "safetensors_header")
 
 ELEMENT_SIZE = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
     "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
     "I32": 4, "U32": 4, "F32": 4,
     "I64": 8, "U64": 8, "F64": 8,
@@ -93,6 +93,8 @@ ALL_DTYPES = [
     ("t_i8", "I8", [3], struct.pack("<3b", -128, -1, 127)),
     ("t_f8_e4m3", "F8_E4M3", [2], bytes([0x38, 0xB8])),  # 1.0, -1.0
     ("t_f8_e5m2", "F8_E5M2", [2], bytes([0x3C, 0x7C])),  # 1.0, +inf
+    # ue8m0 scales 2^(e - 127): 1.0, 2^-127 (the smallest), 2^127, NaN.
+    ("t_f8_e8m0", "F8_E8M0", [4], bytes([0x7F, 0x00, 0xFE, 0xFF])),
     ("t_i16", "I16", [2], struct.pack("<2h", -2, 32767)),
     ("t_u16", "U16", [2], struct.pack("<2H", 1, 65535)),
     ("t_f16", "F16", [2], struct.pack("<2e", 1.0, -2.0)),

@@ -78,11 +78,23 @@ def _code(dtype: Any) -> str:
     return dtype if isinstance(dtype, str) else dtype_name(torch.empty(0, dtype=dtype))
 
 
+# The FP8 types older torch lacks: float8_e4m3fn and float8_e5m2 came with
+# torch 2.1, float8_e8m0fnu (the ue8m0 scale) with 2.7.
+_TORCH_MISSING = {code: name for name, code in (("float8_e4m3fn", "F8_E4M3"),
+                                                ("float8_e5m2", "F8_E5M2"),
+                                                ("float8_e8m0fnu", "F8_E8M0"))
+                  if not hasattr(torch, name)}
+
+
 def torch_dtype(code: str) -> torch.dtype:
     """The torch dtype of a safetensors dtype name."""
     for t, c in _TORCH_DTYPES.items():
         if c == code:
             return t
+    if code in _TORCH_MISSING:
+        raise InvalidArgumentError(
+            f"dtype {code} needs torch.{_TORCH_MISSING[code]} (this is torch {torch.__version__}); "
+            f"hold it as uint8 and pass deltasync.Raw(tensor, {code!r})")
     raise InvalidArgumentError(f"dtype {code} has no torch counterpart")
 
 
