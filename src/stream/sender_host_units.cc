@@ -78,6 +78,11 @@ Status RunPieces(ThreadPool* pool, size_t pieces, uint64_t* held, Task&& task) {
 
 }  // namespace
 
+// One change in this many elements or more: a piece's digest move is
+// computed from both states whole (0.55 ns an element for the two, against
+// 5.2 ns a change for the update, measured on an AVX-512 host).
+constexpr uint64_t kWholeDigestDensity = 8;
+
 Status Sender::EncodeSparse(const TensorState& t, ThreadPool* pool, std::span<const size_t> which,
                             std::vector<UnitOut>* units, SyncStats* stats) {
   if (which.empty()) return Status::OK();
@@ -208,8 +213,26 @@ Status Sender::StreamHostUnits(TensorState& t, const UnitSource& src, Round* rou
           counts[i] = n;
           if (n == 0) return Status::OK();
           const Positions pos = Positions::Of(cs, pc.first);
+          // A dense piece's digest moves by the whole piece's digest, now
+          // less then: two vector passes cost less than a scalar update
+          // per change from about one change in kWholeDigestDensity.
+          std::optional<StateDigest> whole_move;
+          if (n * kWholeDigestDensity >= pc.count) {
+            const auto bytes = [&](std::span<const uint8_t> of) {
+              return of.subspan(pc.first * t.w, pc.count * t.w);
+            };
+            DS_ASSIGN_OR_RETURN(StateDigest now,
+                                stream::ComputeStateDigest(bytes(x), t.w, pc.first));
+            DS_ASSIGN_OR_RETURN(StateDigest then,
+                                stream::ComputeStateDigest(bytes(snap), t.w, pc.first));
+            whole_move = now - then;
+          }
           for (size_t k = 0; k < moved.size(); ++k) {
             StateDigest& d = parts[i * moved.size() + k];
+            if (moved[k].covers && whole_move) {
+              d += *whole_move;
+              continue;
+            }
             if (moved[k].covers) {
               DS_RETURN_IF_ERROR(
                   stream::UpdateStateDigest(&d, pos, cs.old_values, cs.new_values, t.w));
