@@ -632,24 +632,7 @@ TEST_F(SyncTest, ATensorWhoseTailFitsTheRoomItsBatchLeftSyncsBitExact) {
   whole.Start();
   for (int step = 0; step < 3; ++step) {
     if (step > 0) m.Step(700 + step, 0.05);
-    std::vector<Status> results(kRanks);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < kRanks; ++r) {
-      threads.emplace_back([&, r] {
-        std::vector<std::vector<uint8_t>> bytes;
-        std::vector<ShardedTensor> shards;
-        for (const SyncTensor& t : m.tensors) {
-          Result<ShardSpec> spec = ShardSpec::Shard(t.name, t.dtype, t.shape, 0, r, kRanks);
-          ASSERT_TRUE(spec.ok()) << spec.status().ToString();
-          bytes.push_back(Extract(*spec, m));
-          shards.push_back({std::move(*spec), {}, {}});
-        }
-        for (size_t i = 0; i < shards.size(); ++i) shards[i].data = bytes[i];
-        Result<SyncStats> got = ranks[r]->SyncShards(model, shards);
-        results[r] = got.ok() ? Status::OK() : got.status();
-      });
-    }
-    for (std::thread& t : threads) t.join();
+    const std::vector<Status> results = SyncRowShards(ranks, model, m);
     for (int r = 0; r < kRanks; ++r) {
       EXPECT_TRUE(results[r].ok())
           << "step " << step << " rank " << r << ": " << results[r].ToString();

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -221,6 +222,38 @@ inline std::vector<uint8_t> Extract(const ShardSpec& spec, const Model& m) {
     }
   }
   return out;
+}
+
+// Every rank's SyncShards at once, each holding its rows (Shard(0)) of
+// every tensor of `m` (a 0-dim tensor replicated, the last rank sending
+// it): the ranks' results.
+inline std::vector<Status> SyncRowShards(const std::vector<std::unique_ptr<StreamSender>>& ranks,
+                                         const std::vector<ModelTensor>& model, const Model& m) {
+  const int n = static_cast<int>(ranks.size());
+  std::vector<Status> results(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      std::vector<std::vector<uint8_t>> bytes;
+      std::vector<ShardedTensor> shards;
+      for (const SyncTensor& t : m.tensors) {
+        Result<ShardSpec> spec = t.shape.empty()
+                                     ? ShardSpec::Replicate(t.name, t.dtype, t.shape, r == n - 1)
+                                     : ShardSpec::Shard(t.name, t.dtype, t.shape, 0, r, n);
+        if (!spec.ok()) {
+          results[r] = spec.status();
+          return;
+        }
+        bytes.push_back(Extract(*spec, m));
+        shards.push_back({std::move(*spec), {}, {}});
+      }
+      for (size_t i = 0; i < shards.size(); ++i) shards[i].data = bytes[i];
+      Result<SyncStats> got = ranks[r]->SyncShards(model, shards);
+      results[r] = got.ok() ? Status::OK() : got.status();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return results;
 }
 
 }  // namespace deltasync::sync_test
