@@ -73,7 +73,7 @@ TEST(DTypeTest, FloatClassification) {
 
 // The FP8 test data's quantizer, against codes worked out by hand from the
 // E4M3 and E8M0 definitions (docs/format.md, the safetensors dtypes).
-TEST(Fp8TestData, QuantizesAsTorchDoes) {
+TEST(Fp8TestData, QuantizesByTheDefinitions) {
   using fp8_test::E4M3Code;
   EXPECT_EQ(E4M3Code(1.0f), 0x38);
   EXPECT_EQ(E4M3Code(-1.0f), 0xB8);
