@@ -82,6 +82,21 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
         param.data.copy_(loaded_weight)
 
 
+# The expert loop of vLLM's MoE load_weights: an expert's HF tensor goes to
+# the layer's stacked w13/w2 parameter through the FusedMoE weight loader
+# (shard w1, w3 or w2, expert id). True when `name` was an expert's.
+_EXPERT_SHARDS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def _load_expert(model, params, name, w) -> bool:
+    m = re.match(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight", name)
+    if not m:
+        return False
+    pname = m.group(1) + (".w2_weight" if m.group(3) == "down_proj" else ".w13_weight")
+    moe = model.get_submodule(m.group(1))
+    moe.weight_loader(params[pname], w, _EXPERT_SHARDS[m.group(3)], int(m.group(2)))
+    return True
+
 class Weight(nn.Module):
     def __init__(self, gen: torch.Generator, *shape: int, dtype: torch.dtype = DT) -> None:
         super().__init__()
@@ -499,19 +514,13 @@ class MoEModel(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set:
         params = dict(self.named_parameters())
         qkv = {"q_proj": (0, H), "k_proj": (H, KV), "v_proj": (H + KV, KV)}
-        shards = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
         done = set()
         for name, w in weights:
             if self.tie and name.startswith("lm_head."):
                 continue  # the embedding's parameter
             if is_pp_missing_parameter(name, self):
                 continue
-            m = re.match(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight", name)
-            if m:
-                pname = m.group(1) + (".w2_weight" if m.group(3) == "down_proj" else ".w13_weight")
-                moe = self.get_submodule(m.group(1))
-                moe.weight_loader(params[pname], w, shards[m.group(3)], int(m.group(2)))
-            else:
+            if not _load_expert(self, params, name, w):
                 for shard, (off, n) in qkv.items():
                     if shard in name:
                         params[name.replace(shard, "qkv_proj")].data.narrow(0, off, n).copy_(w)
@@ -740,15 +749,9 @@ class VLLMModel(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set:
         params = dict(self.named_parameters())
-        shards = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
         done = set()
         for name, w in weights:
-            m = re.match(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight", name)
-            if m:
-                pname = m.group(1) + (".w2_weight" if m.group(3) == "down_proj" else ".w13_weight")
-                moe = self.get_submodule(m.group(1))
-                moe.weight_loader(params[pname], w, shards[m.group(3)], int(m.group(2)))
-            else:
+            if not _load_expert(self, params, name, w):
                 default_weight_loader(params[name], w)
             done.add(name)
         return done

@@ -544,17 +544,25 @@ def _vllm_sync(state, ckpt, snap, make, attrs=()):
         assert_same(state.model, _vllm_reference(make, ckpt), attrs)
 
 
+def _loaded_state(make, ckpt_seed):
+    """A processed vLLM model loaded from a fresh checkpoint and its
+    EngineWeights (whose mapping writes nothing): shapes, checkpoint, model,
+    state."""
+    shapes = make().shapes()
+    ckpt = randn_checkpoint(shapes, ckpt_seed)
+    model = vllm_process(loaded(make(), ckpt))
+    before = snapshot(model)
+    state = EngineWeights(model, meta(shapes), post_load=_vllm_steps)
+    assert_untouched(model, before)
+    return shapes, ckpt, model, state
+
+
 @pytest.mark.parametrize("backend", ["flashinfer_cutlass", "aiter"])
 def test_a_kernel_layout_made_after_loading_is_made_again_from_the_loaded_one(backend):
     def make(seed=7):
         return VLLMModel(seed, backend=backend)
 
-    shapes = make().shapes()
-    ckpt = randn_checkpoint(shapes, 23)
-    model = vllm_process(loaded(make(), ckpt))
-    before = snapshot(model)
-    state = EngineWeights(model, meta(shapes), post_load=_vllm_steps)
-    assert_untouched(model, before)
+    shapes, ckpt, model, state = _loaded_state(make, 23)
     kinds = ("gate_proj", "up_proj") + (("down_proj",) if backend == "aiter" else ())
     rewritten = sorted(n for n in shapes if n.split(".")[-2] in kinds)
     assert state.fallback == rewritten
@@ -596,12 +604,7 @@ def test_mla_weights_derived_from_kv_b_proj_follow_its_deltas(derive):
     def make(seed=7):
         return VLLMModel(seed, derive=derive)
 
-    shapes = make().shapes()
-    ckpt = randn_checkpoint(shapes, 25)
-    model = vllm_process(loaded(make(), ckpt))
-    before = snapshot(model)
-    state = EngineWeights(model, meta(shapes), post_load=_vllm_steps)
-    assert_untouched(model, before)
+    shapes, ckpt, model, state = _loaded_state(make, 25)
     kvb = "model.layers.0.self_attn.kv_b_proj.weight"
     assert kvb in state.map.placements and state.fallback == []
     if derive == "view":  # views of kv_b_proj: they follow it
