@@ -84,7 +84,8 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
 
 # The expert loop of vLLM's MoE load_weights: an expert's HF tensor goes to
 # the layer's stacked w13/w2 parameter through the FusedMoE weight loader
-# (shard w1, w3 or w2, expert id). True when `name` was an expert's.
+# (shard w1, w3 or w2, expert id), as MoEModel in the module docstring
+# cites. True when `name` was an expert's.
 _EXPERT_SHARDS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
