@@ -434,7 +434,8 @@ Result<SizeFigures> MeasureSize(cuda::Workspace& ws, const GpuBenchConfig& confi
   f.changed = last->count;
   cudaMemcpy(dest.data(), cur[k ^ 1].data, f.bytes, cudaMemcpyDeviceToDevice);
   cuda::DeviceTensor dest_t{"dest", DType::kBF16, shape, dest.data(), nullptr, {}};
-  const cuda::DeviceChanges changes{positions.data(), last->wide, values.data(), last->count};
+  const cuda::DeviceChanges changes{positions.data(), last->wide ? 8u : 4u, values.data(),
+                                    last->count};
   f.scatter_s = Median(
       config.repeat, [&] { return note(cuda::ScatterOnDevice(ws, dest_t, changes)); }, &ok);
   f.digest_s = Median(

@@ -163,12 +163,13 @@ struct DiffResult {
 Result<DiffResult> DiffOnDevice(Workspace& ws, const DeviceTensor& current, DeviceTensor& snapshot,
                                 const DiffOutput& out);
 
-// Changes to apply on the device: `count` positions (int32, or int64 with
-// `wide`) into `dest`'s elements, strictly ascending, and their values, all
-// in device memory.
+// Changes to apply on the device: `count` positions into `dest`'s
+// elements, strictly ascending, of `width` bytes each (3: u24, a flush
+// frame's positions in a tensor of at most 2^24 elements; 4: int32; 8:
+// int64), and their values, all in device memory.
 struct DeviceChanges {
   const void* positions = nullptr;
-  bool wide = false;
+  uint32_t width = 4;
   const void* values = nullptr;
   uint64_t count = 0;
 };
@@ -209,7 +210,7 @@ Status ScatterRunsOnDevice(DeviceTensor& dest, const DeviceChanges& changes, con
 
 // Checks of a flush frame's payload in device memory (docs/format.md,
 // "Rules the reader enforces", 9 and 10): `bytes` bytes at base + offset
-// are 0 (padding), or `count` positions of `width` bytes (4 or 8) at base +
+// are 0 (padding), or `count` positions of `width` bytes (3, 4 or 8) at base +
 // offset are strictly increasing inside [first, end).
 struct ZeroCheck {
   uint64_t offset = 0;
@@ -232,11 +233,13 @@ Result<std::optional<uint64_t>> CheckFrameOnDevice(Workspace& ws, std::string_vi
                                                    const std::vector<PositionCheck>& positions,
                                                    StreamHandle stream);
 
-// Copies `count` positions (int32, or int64 with src_wide) to `dest` (int32,
-// or int64 with dest_wide), adding `add` to each: a chunk's diff positions
-// made a frame's absolute ones. Device memory. Enqueues only.
-Status CopyPositionsOnDevice(std::string_view name, void* dest, bool dest_wide, const void* src,
-                             bool src_wide, uint64_t count, uint64_t add, StreamHandle stream);
+// Copies `count` positions (int32, or int64 with src_wide) to `dest`
+// (`dest_width` bytes each: 3 for u24, 4 or 8), adding `add` to each: a
+// chunk's diff positions made a frame's absolute ones. Device memory.
+// Enqueues only.
+Status CopyPositionsOnDevice(std::string_view name, void* dest, uint32_t dest_width,
+                             const void* src, bool src_wide, uint64_t count, uint64_t add,
+                             StreamHandle stream);
 
 // For `count` ascending positions (int32, or int64 with `wide`) in device
 // memory, offsets[k] = how many are below k * unit, for k = 0 .. units:

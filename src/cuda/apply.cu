@@ -10,17 +10,12 @@
 namespace deltasync::cuda::internal {
 namespace {
 
-__device__ __forceinline__ long long PositionAt(const void* positions, bool wide, uint64_t i) {
-  return wide ? static_cast<const long long*>(positions)[i]
-              : static_cast<long long>(static_cast<const int32_t*>(positions)[i]);
-}
-
 __global__ void CheckPositionsKernel(ScatterLaunch p) {
   const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
   for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < p.count; i += stride) {
-    const long long pos = PositionAt(p.positions, p.wide, i);
+    const long long pos = PositionOfWidth(p.positions, p.width, i);
     bool bad = pos < 0 || static_cast<uint64_t>(pos) >= p.limit;
-    if (!bad && i > 0) bad = PositionAt(p.positions, p.wide, i - 1) >= pos;
+    if (!bad && i > 0) bad = PositionOfWidth(p.positions, p.width, i - 1) >= pos;
     if (bad) atomicMin(&p.results->count, static_cast<unsigned long long>(i));
   }
 }
@@ -32,7 +27,7 @@ __global__ void ScatterKernel(ScatterLaunch p) {
   T* dest = static_cast<T*>(p.dest);
   const T* values = static_cast<const T*>(p.values);
   for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < p.count; i += stride) {
-    dest[PositionAt(p.positions, p.wide, i)] = values[i];
+    dest[PositionOfWidth(p.positions, p.width, i)] = values[i];
   }
 }
 
@@ -43,7 +38,7 @@ __global__ void ScatterRunsKernel(ScatterRunsLaunch p) {
   T* dest = static_cast<T*>(p.dest);
   const T* values = static_cast<const T*>(p.values);
   for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < p.count; i += stride) {
-    const uint64_t pos = static_cast<uint64_t>(PositionAt(p.positions, p.wide, i));
+    const uint64_t pos = static_cast<uint64_t>(PositionOfWidth(p.positions, p.width, i));
     // The last run starting at or before pos.
     uint64_t lo = 0, hi = p.nruns;
     while (lo < hi) {

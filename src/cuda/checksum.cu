@@ -64,9 +64,7 @@ __global__ void __launch_bounds__(kDigestThreads) DigestChangeKernel(DigestLaunc
   unsigned long long a = 0, b = 0;
   const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
   for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < p.numel; i += stride) {
-    const uint64_t pos =
-        p.base + (p.wide ? static_cast<uint64_t>(static_cast<const long long*>(p.positions)[i])
-                         : static_cast<uint64_t>(static_cast<const int32_t*>(p.positions)[i]));
+    const uint64_t pos = p.base + static_cast<uint64_t>(PositionOfWidth(p.positions, p.width, i));
     if (p.block_rows > 0) {
       // Only the block's elements: rows of block_count at block_row_stride.
       if (pos < p.block_first) continue;

@@ -77,7 +77,7 @@ struct ScatterLaunch {
   void* dest = nullptr;
   uint32_t elem_size = 2;
   const void* positions = nullptr;
-  bool wide = false;
+  uint32_t width = 4;  // position bytes: 3 (u24), 4 (int32) or 8 (int64)
   const void* values = nullptr;
   uint64_t count = 0;
   uint64_t limit = 0;  // positions must be below it
@@ -103,7 +103,7 @@ struct ScatterRunsLaunch {
   uint64_t dest_numel = 0;
   uint32_t elem_size = 2;
   const void* positions = nullptr;
-  bool wide = false;
+  uint32_t width = 4;  // position bytes: 3, 4 or 8
   const void* values = nullptr;
   uint64_t count = 0;
   const RunLaunch* runs = nullptr;
@@ -141,10 +141,11 @@ struct FrameCheckLaunch {
 };
 cudaError_t LaunchFrameCheck(const FrameCheckLaunch& launch);
 
-// dest[i] = src[i] + add, for int32 or int64 on either side.
+// dest[i] = src[i] + add: int32 or int64 sources, u24, int32 or int64
+// destinations (dest_width 3, 4 or 8).
 struct CopyPositionsLaunch {
   void* dest = nullptr;
-  bool dest_wide = false;
+  uint32_t dest_width = 4;
   const void* src = nullptr;
   bool src_wide = false;
   uint64_t count = 0;
@@ -177,7 +178,7 @@ struct DigestLaunch {
   uint64_t first_position = 0;
   // Digest change: positions (+ base) with old and new values.
   const void* positions = nullptr;
-  bool wide = false;
+  uint32_t width = 4;  // position bytes: 3, 4 or 8
   const void* old_values = nullptr;
   const void* new_values = nullptr;
   uint64_t base = 0;

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "cuda/cuda_internal.h"
+#include "cuda/kernel_util.cuh"
 
 namespace deltasync::cuda::internal {
 namespace {
@@ -18,7 +19,9 @@ unsigned Grid(uint64_t work) {
 }
 
 __device__ __forceinline__ uint64_t RawAt(const uint8_t* p, uint64_t width, uint64_t k) {
-  // Regions are 8-byte aligned in the frame, so loads are natural.
+  // Regions are 8-byte aligned in the frame, so 4- and 8-byte loads are
+  // natural; u24 ones go a byte at a time.
+  if (width == 3) return static_cast<uint64_t>(PositionOfWidth(p, 3, k));
   return width == 4 ? static_cast<uint64_t>(reinterpret_cast<const uint32_t*>(p)[k])
                     : reinterpret_cast<const unsigned long long*>(p)[k];
 }
@@ -67,8 +70,13 @@ __global__ void CopyPositionsKernel(CopyPositionsLaunch p) {
         (p.src_wide ? static_cast<uint64_t>(static_cast<const long long*>(p.src)[i])
                     : static_cast<uint64_t>(static_cast<const uint32_t*>(p.src)[i])) +
         p.add;
-    if (p.dest_wide) {
+    if (p.dest_width == 8) {
       static_cast<unsigned long long*>(p.dest)[i] = v;
+    } else if (p.dest_width == 3) {
+      uint8_t* b = static_cast<uint8_t*>(p.dest) + 3 * i;
+      b[0] = static_cast<uint8_t>(v);
+      b[1] = static_cast<uint8_t>(v >> 8);
+      b[2] = static_cast<uint8_t>(v >> 16);
     } else {
       static_cast<uint32_t*>(p.dest)[i] = static_cast<uint32_t>(v);
     }

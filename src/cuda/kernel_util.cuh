@@ -10,6 +10,19 @@ namespace deltasync::cuda::internal {
 
 template <int W>
 struct ElemType;
+
+// Position i of an array of `width`-byte positions (3: u24, 4: int32, 8:
+// int64, all little-endian), the signed ones sign-extended: a flush frame's
+// indices (u24 ones are read a byte at a time) or a diff's output.
+__device__ __forceinline__ long long PositionOfWidth(const void* positions, uint32_t width,
+                                                     uint64_t i) {
+  if (width == 3) {
+    const uint8_t* b = static_cast<const uint8_t*>(positions) + 3 * i;
+    return static_cast<long long>(uint32_t{b[0]} | uint32_t{b[1]} << 8 | uint32_t{b[2]} << 16);
+  }
+  return width == 8 ? static_cast<const long long*>(positions)[i]
+                    : static_cast<long long>(static_cast<const int32_t*>(positions)[i]);
+}
 template <>
 struct ElemType<1> {
   using T = uint8_t;

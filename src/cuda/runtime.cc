@@ -446,15 +446,27 @@ Result<DiffResult> DiffOnDevice(Workspace& ws, const DeviceTensor& current, Devi
 
 namespace {
 
+// The alignment a change list's positions need (u24 ones: none).
+uint32_t PositionAlign(const DeviceChanges& changes) {
+  return changes.width == 3 ? 1 : changes.width == 8 ? 8 : 4;
+}
+
+Status CheckPositionWidth(std::string_view name, const DeviceChanges& changes) {
+  if (changes.width == 3 || changes.width == 4 || changes.width == 8) return Status::OK();
+  return Status::InvalidArgument(Quoted(name) + ": positions of " + std::to_string(changes.width) +
+                                 " bytes (3, 4 or 8)");
+}
+
 // Checks changes for `name` against `limit` on the device; InvalidArgument
 // naming the first bad index.
 Status CheckChanges(WorkspaceImpl& ws, std::string_view name, const DeviceChanges& changes,
                     uint64_t limit, StreamHandle stream) {
-  DS_RETURN_IF_ERROR(
-      CheckDevicePointer(changes.positions, name, "positions", changes.wide ? 8 : 4, ws.device()));
+  DS_RETURN_IF_ERROR(CheckPositionWidth(name, changes));
+  DS_RETURN_IF_ERROR(CheckDevicePointer(changes.positions, name, "positions",
+                                        PositionAlign(changes), ws.device()));
   internal::ScatterLaunch check;
   check.positions = changes.positions;
-  check.wide = changes.wide;
+  check.width = changes.width;
   check.count = changes.count;
   check.limit = limit;
   check.results = ws.results();
@@ -487,7 +499,7 @@ Status ScatterOnDevice(Workspace& ws, DeviceTensor& dest, const DeviceChanges& c
   launch.dest = dest.data;
   launch.elem_size = w;
   launch.positions = changes.positions;
-  launch.wide = changes.wide;
+  launch.width = changes.width;
   launch.values = changes.values;
   launch.count = changes.count;
   launch.limit = numel;
@@ -546,8 +558,9 @@ Status ScatterRunsOnDevice(DeviceTensor& dest, const DeviceChanges& changes, con
   }
   DS_RETURN_IF_ERROR(CheckTensor(dest, "destination", Place::kDevice, device).status());
   const uint32_t w = static_cast<uint32_t>(DTypeSize(dest.dtype));
-  DS_RETURN_IF_ERROR(
-      CheckDevicePointer(changes.positions, dest.name, "positions", changes.wide ? 8 : 4, device));
+  DS_RETURN_IF_ERROR(CheckPositionWidth(dest.name, changes));
+  DS_RETURN_IF_ERROR(CheckDevicePointer(changes.positions, dest.name, "positions",
+                                        PositionAlign(changes), device));
   DS_RETURN_IF_ERROR(CheckDevicePointer(changes.values, dest.name, "values", w, device));
   DS_RETURN_IF_ERROR(CheckDevicePointer(runs, dest.name, "runs", 8, device));
   static_assert(sizeof(DeviceRun) == sizeof(internal::RunLaunch));
@@ -556,7 +569,7 @@ Status ScatterRunsOnDevice(DeviceTensor& dest, const DeviceChanges& changes, con
   launch.dest_numel = dest.numel();
   launch.elem_size = w;
   launch.positions = changes.positions;
-  launch.wide = changes.wide;
+  launch.width = changes.width;
   launch.values = changes.values;
   launch.count = changes.count;
   launch.runs = reinterpret_cast<const internal::RunLaunch*>(runs);
@@ -585,7 +598,7 @@ Result<std::optional<uint64_t>> CheckFrameOnDevice(Workspace& ws, std::string_vi
   std::vector<uint64_t> starts;
   for (size_t k = 0; k < positions.size(); ++k) {
     const PositionCheck& c = positions[k];
-    if ((c.width != 4 && c.width != 8) || c.offset % 8 != 0) {
+    if ((c.width != 3 && c.width != 4 && c.width != 8) || c.offset % 8 != 0) {
       return Status::InvalidArgument(who + ": position check " + std::to_string(k) + " has width " +
                                      std::to_string(c.width) + " at offset " +
                                      std::to_string(c.offset));
@@ -618,15 +631,20 @@ Result<std::optional<uint64_t>> CheckFrameOnDevice(Workspace& ws, std::string_vi
   return std::optional<uint64_t>(r.count);
 }
 
-Status CopyPositionsOnDevice(std::string_view name, void* dest, bool dest_wide, const void* src,
-                             bool src_wide, uint64_t count, uint64_t add, StreamHandle stream) {
+Status CopyPositionsOnDevice(std::string_view name, void* dest, uint32_t dest_width,
+                             const void* src, bool src_wide, uint64_t count, uint64_t add,
+                             StreamHandle stream) {
   if (count == 0) return Status::OK();
+  if (dest_width != 3 && dest_width != 4 && dest_width != 8) {
+    return Status::InvalidArgument(Quoted(name) + ": positions of " + std::to_string(dest_width) +
+                                   " bytes (3, 4 or 8)");
+  }
   if (dest == nullptr || src == nullptr) {
     return Status::InvalidArgument(Quoted(name) + ": a position copy with a null pointer");
   }
   internal::CopyPositionsLaunch launch;
   launch.dest = dest;
-  launch.dest_wide = dest_wide;
+  launch.dest_width = dest_width;
   launch.src = src;
   launch.src_wide = src_wide;
   launch.count = count;
@@ -744,7 +762,7 @@ Result<Digest> DigestChangeOnDevice(Workspace& ws, std::string_view name, uint32
   launch.numel = changes.count;
   launch.elem_size = elem_size;
   launch.positions = changes.positions;
-  launch.wide = changes.wide;
+  launch.width = changes.width;
   launch.old_values = old_values;
   launch.new_values = changes.values;
   launch.base = base;

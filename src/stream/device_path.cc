@@ -171,7 +171,7 @@ class SourceImpl final : public DeviceSource {
 
   Result<StateDigest> BlockDigestChange(const DeviceUnitChanges& c,
                                         const DigestBlock& block) override {
-    const cuda::DeviceChanges changes{c.positions, c.wide, c.values, c.count};
+    const cuda::DeviceChanges changes{c.positions, c.wide ? 8u : 4u, c.values, c.count};
     const cuda::PositionBlock b{block.first, block.count, block.rows, block.row_stride};
     DS_ASSIGN_OR_RETURN(cuda::Digest d,
                         cuda::DigestChangeOnDevice(ctx_.ws(), name_, w_, changes, c.old_values,
@@ -370,7 +370,7 @@ class DestinationImpl final : public DeviceDestination {
       // Straight from the device bucket, through the runs: the frame's
       // check proved the positions inside the entry's range.
       cuda::DeviceTensor dest = View(0, map_.dest_extent());
-      const cuda::DeviceChanges changes{e.positions.data(), e.position_width == 8, e.values.data(),
+      const cuda::DeviceChanges changes{e.positions.data(), e.position_width, e.values.data(),
                                         e.value_count};
       DS_RETURN_IF_ERROR(cuda::ScatterRunsOnDevice(
           dest, changes, static_cast<const cuda::DeviceRun*>(runs_.data()), runs.size()));
@@ -396,12 +396,12 @@ class DestinationImpl final : public DeviceDestination {
       return written;
     }
     const void* positions = nullptr;
-    bool wide = true;
+    uint32_t width = 8;  // the gathered destination positions below are int64
     const void* values = e.values.data();
     uint64_t n = e.value_count;
     if (whole_ && e.encoding == WireEncoding::kIndices) {
       positions = e.positions.data();
-      wide = e.position_width == 8;
+      width = e.position_width;
     } else {
       // Destination positions of the held elements, in order (the runs
       // ascend in the destination), and their values.
@@ -421,7 +421,7 @@ class DestinationImpl final : public DeviceDestination {
       n = dest_positions_.size();
     }
     if (n == 0) return uint64_t{0};
-    const uint64_t pos_bytes = n * (wide ? 8 : 4);
+    const uint64_t pos_bytes = n * width;
     const uint64_t val_bytes = n * w_;
     DS_RETURN_IF_ERROR(Reserve(&ctx_.staging, pos_bytes + val_bytes, -1));
     DS_RETURN_IF_ERROR(Reserve(&ctx_.positions, pos_bytes, ctx_.device()));
@@ -434,7 +434,7 @@ class DestinationImpl final : public DeviceDestination {
     DS_RETURN_IF_ERROR(
         cuda::CopyBytes(name_, ctx_.values.data(), host + pos_bytes, val_bytes, stream_, false));
     cuda::DeviceTensor dest = View(0, map_.dest_extent());
-    const cuda::DeviceChanges changes{ctx_.positions.data(), wide, ctx_.values.data(), n};
+    const cuda::DeviceChanges changes{ctx_.positions.data(), width, ctx_.values.data(), n};
     DS_RETURN_IF_ERROR(cuda::ScatterOnDevice(ctx_.ws(), dest, changes));
     return n;
   }
@@ -517,8 +517,8 @@ class FrameImpl final : public DeviceFrame {
     if (!e) return false;
     DS_RETURN_IF_ERROR(On(stream));
     DS_RETURN_IF_ERROR(cuda::CopyPositionsOnDevice(range.name, Bytes(bucket_) + e->positions_offset,
-                                                   e->position_width == 8, c.positions, c.wide,
-                                                   c.count, c.base, stream));
+                                                   e->position_width, c.positions, c.wide, c.count,
+                                                   c.base, stream));
     DS_RETURN_IF_ERROR(cuda::CopyBytes(range.name, Bytes(bucket_) + e->values_offset, c.values,
                                        e->values_bytes, stream, false));
     return true;

@@ -321,6 +321,8 @@ Result<bool> FlushWriter::AddDense(const TensorRange& range, std::span<const uin
   return true;
 }
 
+uint32_t WrittenPositionWidth(uint64_t numel) { return PositionWidth(numel, kFlushFrameVersion); }
+
 Result<bool> FlushWriter::AddIndices(const TensorRange& range, const Positions& positions,
                                      std::span<const uint8_t> values) {
   uint64_t numel = 0;
@@ -328,14 +330,23 @@ Result<bool> FlushWriter::AddIndices(const TensorRange& range, const Positions& 
   DS_RETURN_IF_ERROR(CheckRange(range, WireEncoding::kIndices, &numel));
   DS_RETURN_IF_ERROR(CheckValues(range, &positions, values));
   const size_t entry_bytes = kEntryFixedBytes + 8 * range.shape.size() + range.name.size();
-  const uint32_t width = PositionWidth(numel);
+  const uint32_t width = PositionWidth(numel, kFlushFrameVersion);
   const uint64_t n = positions.size();
   const uint64_t pos_off = Align8(end_);
   const uint64_t val_off = Align8(pos_off + n * width);
   if (!Fits(val_off + values.size(), entry_bytes)) return false;
   ResizeZeroed(out_, val_off);
   uint8_t* p = out_->data() + pos_off;
-  for (uint64_t k = 0; k < n; ++k) StoreLeWidth(p + k * width, positions[k], width);
+  switch (width) {
+    case 3:
+      for (uint64_t k = 0; k < n; ++k) StoreLeWidth(p + 3 * k, positions[k], 3);
+      break;
+    case 4:
+      for (uint64_t k = 0; k < n; ++k) StoreLe<uint32_t>(p + 4 * k, uint32_t(positions[k]));
+      break;
+    default:
+      for (uint64_t k = 0; k < n; ++k) StoreLe<uint64_t>(p + 8 * k, positions[k]);
+  }
   CopyIn(values);
   end_ = out_->size();
   AppendEntry(range, WireEncoding::kIndices, n, pos_off, n * width, val_off, values.size());
@@ -466,7 +477,7 @@ Result<std::optional<PlacedEntry>> FlushWriter::PlaceIndices(const TensorRange& 
   }
   const size_t entry_bytes = kEntryFixedBytes + 8 * range.shape.size() + range.name.size();
   PlacedEntry e;
-  e.position_width = PositionWidth(numel);
+  e.position_width = PositionWidth(numel, kFlushFrameVersion);
   e.positions_offset = Align8(end_);
   e.positions_bytes = n * e.position_width;
   e.values_offset = Align8(e.positions_offset + e.positions_bytes);

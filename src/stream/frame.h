@@ -38,7 +38,14 @@ namespace deltasync::stream {
 // (the writer writes or zeroes every byte it adds).
 using FrameBuffer = core_internal::RawBytes;
 
-inline constexpr uint16_t kFlushFrameVersion = 1;
+inline constexpr uint16_t kFlushFrameVersion = 2;
+// Readers also take frames of this version and later (version 1: indices
+// positions are never u24).
+inline constexpr uint16_t kOldestFlushFrameVersion = 1;
+
+// The bytes of each position FlushWriter gives an indices entry of a tensor
+// of `numel` elements: 3 (u24) up to 2^24 elements, 4 below 2^31, else 8.
+uint32_t WrittenPositionWidth(uint64_t numel);
 inline constexpr size_t kFlushHeaderBytes = 64;
 inline constexpr size_t kFlushTrailerBytes = 16;
 inline constexpr uint32_t kMaxFlushEntries = uint32_t{1} << 20;
@@ -272,7 +279,7 @@ struct FlushEntry {
   uint64_t count = 0;
   WireEncoding encoding = WireEncoding::kDense;
   uint64_t value_count = 0;     // n: values carried
-  uint32_t position_width = 0;  // indices: 4 or 8; otherwise 0
+  uint32_t position_width = 0;  // indices: 3, 4 or 8; otherwise 0
   // indices: n little-endian positions of position_width bytes; sparse: the
   // decompressed gap section; dense: empty.
   std::span<const uint8_t> positions;
@@ -457,7 +464,9 @@ void ForEachPosition(const FlushEntry& entry, Fn&& fn) {
       return;
     case WireEncoding::kIndices: {
       const uint8_t* p = entry.positions.data();
-      if (entry.position_width == 4) {
+      if (entry.position_width == 3) {
+        for (uint64_t k = 0; k < n; ++k) fn(k, LoadPosition<3>(p + 3 * k));
+      } else if (entry.position_width == 4) {
         for (uint64_t k = 0; k < n; ++k) fn(k, LoadLe<uint32_t>(p + 4 * k));
       } else {
         for (uint64_t k = 0; k < n; ++k) fn(k, LoadLe<uint64_t>(p + 8 * k));

@@ -105,12 +105,12 @@ std::string CheckIndexPositions(const FlushEntry& entry) {
   const uint8_t* p = entry.positions.data();
   uint64_t next = entry.first;  // the smallest allowed position
   for (uint64_t k = 0; k < entry.value_count; ++k) {
-    const uint64_t raw = LoadLe<UintOfWidth<W>>(p + k * W);
+    const uint64_t raw = LoadPosition<W>(p + k * W);
     if (raw >= next && raw < end) {  // end <= 2^56: a negative one is never below it
       next = raw + 1;
       continue;
     }
-    const bool negative = raw >> (8 * W - 1);
+    const bool negative = W != 3 && raw >> (8 * W - 1);  // u24 is unsigned
     const std::string shown =
         negative ? "-" + U64((~raw + 1) & (W == 4 ? 0xFFFFFFFFull : ~uint64_t{0})) : U64(raw);
     if (!negative && raw < next && k > 0) {
@@ -181,9 +181,9 @@ Status FlushReader::ReadParts(
   // 3. Header fields.
   if (std::memcmp(f, kMagic, 4) != 0) return bad("bad magic " + ToHex(frame_head.first(4)));
   const uint16_t version = LoadLe<uint16_t>(f + 4);
-  if (version != kFlushFrameVersion) {
+  if (version < kOldestFlushFrameVersion || version > kFlushFrameVersion) {
     return Status::Unsupported(where + ": protocol version " + U64(version) +
-                               " (this reader knows version 1)");
+                               " (this reader knows versions 1 and 2)");
   }
   const uint16_t flags = LoadLe<uint16_t>(f + 6);
   if (flags & ~kKnownFlags) return bad("unknown flags " + U64(flags & ~kKnownFlags));
@@ -359,7 +359,7 @@ Status FlushReader::ReadParts(
     switch (entry.encoding) {
       case WireEncoding::kDense: break;
       case WireEncoding::kIndices:
-        entry.position_width = PositionWidth(entry.numel);
+        entry.position_width = PositionWidth(entry.numel, version);
         pos_expected = n * entry.position_width;
         break;
       case WireEncoding::kSparse: sparse = n > 0; break;
@@ -394,8 +394,9 @@ Status FlushReader::ReadParts(
       check_problems.push_back(what + ": positions not strictly increasing inside the range [" +
                                U64(entry.first) + ", " + U64(entry.first + entry.count) + ")");
     } else if (entry.encoding == WireEncoding::kIndices) {
-      const std::string problem =
-          entry.position_width == 4 ? CheckIndexPositions<4>(entry) : CheckIndexPositions<8>(entry);
+      const std::string problem = entry.position_width == 3   ? CheckIndexPositions<3>(entry)
+                                  : entry.position_width == 4 ? CheckIndexPositions<4>(entry)
+                                                              : CheckIndexPositions<8>(entry);
       if (!problem.empty()) return bad(what + ": " + problem);
     } else if (entry.encoding == WireEncoding::kSparse && n > 0 && check != nullptr) {
       // zstd content is decoded on the host: the caller reads the frame
@@ -537,9 +538,9 @@ Result<uint64_t> PeekFlushFrameBytes(std::span<const uint8_t> header) {
     return Status::Corruption("flush frame header: bad magic " + ToHex(header.first(4)));
   }
   const uint16_t version = LoadLe<uint16_t>(header.data() + 4);
-  if (version != kFlushFrameVersion) {
+  if (version < kOldestFlushFrameVersion || version > kFlushFrameVersion) {
     return Status::Unsupported("flush frame header: protocol version " + U64(version) +
-                               " (this reader knows version 1)");
+                               " (this reader knows versions 1 and 2)");
   }
   const uint64_t total = LoadLe<uint64_t>(header.data() + 32);
   if (total < kFlushHeaderBytes + kFlushTrailerBytes || total > kMaxFlushFrameBytes) {

@@ -96,6 +96,7 @@ struct RawDigest {
 };
 
 struct RawFrame {
+  uint16_t version = 2;
   uint16_t flags = 2 | 4;  // delta, last
   uint64_t sync_id = 7;
   uint32_t flush_index = 3;
@@ -141,7 +142,7 @@ struct RawFrame {
     f.insert(f.end(), m.begin(), m.end());
     const uint64_t total = f.size() + 16;
     std::memcpy(f.data(), "DSFL", 4);
-    Set(f, 4, 1, 2);
+    Set(f, 4, version, 2);
     Set(f, 6, flags, 2);
     Set(f, 8, sync_id, 8);
     Set(f, 16, flush_index, 4);
@@ -276,7 +277,7 @@ TEST(FlushFrame, WriterMatchesTheDocumentedLayout) {
   raw.sync_id = 42;
   raw.flush_index = 5;
   raw.entries.push_back({"model.embed.weight", 8, 0, {4, 8}, 0, 32, 32, {}, embed});
-  raw.entries.push_back({"model.layers.0.w", 11, 1, {64}, 0, 64, 3, Le({1, 5, 63}, 4), w});
+  raw.entries.push_back({"model.layers.0.w", 11, 1, {64}, 0, 64, 3, Le({1, 5, 63}, 3), w});
   raw.entries.push_back({"model.bias", 1, 0, {3}, 0, 3, 3, {}, bias});
   raw.digests.push_back({"model.bias", 0, 3, 1, 0, 0x1122334455667788ull, 0x99});
 
@@ -337,7 +338,7 @@ TEST(FlushFrame, ReadExposesWhatWasWritten) {
   EXPECT_EQ(Bytes(e0.values.begin(), e0.values.end()), base.embed);
   const FlushEntry& e1 = reader.entries()[1];
   EXPECT_EQ(e1.encoding, WireEncoding::kIndices);
-  EXPECT_EQ(e1.position_width, 4u);
+  EXPECT_EQ(e1.position_width, 3u);  // u24: 64 elements
   EXPECT_EQ(EntryPositions(e1), base.w_positions);
   EXPECT_EQ(Bytes(e1.values.begin(), e1.values.end()), base.w_values);
   const FlushEntry& e2 = reader.entries()[2];
@@ -454,6 +455,8 @@ TEST(FlushFrame, WidePositionsForHugeTensors) {
     uint32_t width;
   };
   const Case cases[] = {
+      {{int64_t{1} << 24}, uint64_t{1} << 24, 3},
+      {{(int64_t{1} << 24) + 1}, (uint64_t{1} << 24) + 1, 4},
       {{(int64_t{1} << 31) - 1}, (uint64_t{1} << 31) - 1, 4},
       {{int64_t{1} << 31}, uint64_t{1} << 31, 8},
       {{1 << 16, 1 << 16}, uint64_t{1} << 32, 8},
@@ -775,8 +778,9 @@ TEST(FlushFrameRejects, HeaderFields) {
   ExpectCorrupt(with(0, 'X', 1), "bad magic 5853464c");
   {
     FlushReader reader;
-    ExpectCode(reader.Read(with(4, 2, 2)), StatusCode::kUnsupported,
-               "flush frame of sync 7, flush 3: protocol version 2");
+    ExpectCode(reader.Read(with(4, 3, 2)), StatusCode::kUnsupported,
+               "flush frame of sync 7, flush 3: protocol version 3");
+    ExpectCode(reader.Read(with(4, 0, 2)), StatusCode::kUnsupported, "protocol version 0");
   }
   ExpectCorrupt(with(6, 2 | 4 | 16, 2), "unknown flags 16");
   ExpectCorrupt(with(6, 1 | 2, 2), "exactly one of seed and delta");
@@ -886,10 +890,10 @@ TEST(FlushFrameRejects, Regions) {
   };
   const uint64_t pos1 = Get(base.frame, e1 + 32, 8);
   ExpectCorrupt(with(e1 + 32, pos1 + 8, 8), "entry 1 ('model.layers.0.w'): positions at offset");
-  ExpectCorrupt(with(e1 + 40, 8, 8), "entry 1 ('model.layers.0.w'): positions of 8 bytes, not 12");
+  ExpectCorrupt(with(e1 + 40, 8, 8), "entry 1 ('model.layers.0.w'): positions of 8 bytes, not 9");
   ExpectCorrupt(with(e1 + 56, 16, 8), "values of 16 bytes, not 12");
   ExpectCorrupt(with(e2 + 56, uint64_t{1} << 40, 8), "run past the payload's end");
-  // Entry 1's 12 position bytes are padded to 16 before its values.
+  // Entry 1's 9 position bytes (u24) are padded to 16 before its values.
   ExpectCorrupt(with(pos1 + 13, 1, 1),
                 "entry 1 ('model.layers.0.w'): padding before its values is not 0");
   // Entry 3's three values end the payload, padded to 8.
@@ -916,16 +920,23 @@ TEST(FlushFrameRejects, IndicesPositions) {
     Rehash(f);
     return f;
   };
-  ExpectCorrupt(with(pos1 + 4, 1, 4),
+  // u24 positions (a tensor of 64 elements): unsigned, never negative.
+  ExpectCorrupt(with(pos1 + 3, 1, 3),
                 "entry 1 ('model.layers.0.w'): positions not strictly increasing at 1 (1 after 1)");
-  ExpectCorrupt(with(pos1 + 8, 64, 4), "position 2 (64) is outside the range [0, 64)");
-  ExpectCorrupt(with(pos1, 0xFFFFFFFFu, 4), "position 0 (-1) is outside the range [0, 64)");
+  ExpectCorrupt(with(pos1 + 6, 64, 3), "position 2 (64) is outside the range [0, 64)");
+  ExpectCorrupt(with(pos1, 0xFFFFFF, 3), "position 0 (16777215) is outside the range [0, 64)");
   // In a range that does not start at 0, a position before it.
   RawFrame raw;
-  raw.entries.push_back({"x", 1, 1, {100}, 10, 20, 2, Le({5, 12}, 4), {1, 2}});
+  raw.entries.push_back({"x", 1, 1, {100}, 10, 20, 2, Le({5, 12}, 3), {1, 2}});
   ExpectCorrupt(raw.Build(), "position 0 (5) is outside the range [10, 30)");
+  // An older sender's frame: i32 positions in the same tensor, where a
+  // negative one is out of range.
+  raw.version = 1;
   raw.entries[0].positions = Le({static_cast<uint64_t>(-3), 12}, 4);
   ExpectCorrupt(raw.Build(), "position 0 (-3) is outside");
+  raw.entries[0].positions = Le({11, 12}, 4);
+  EXPECT_TRUE(FlushReader().Read(raw.Build()).ok());
+  raw.version = 2;
   // int64 positions of a tensor of 2^31 elements.
   raw.entries[0] = {"x", 1, 1, {uint64_t{1} << 31}, 10, 20, 2, Le({~uint64_t{0}, 12}, 8), {1, 2}};
   ExpectCorrupt(raw.Build(), "position 0 (-1) is outside");
@@ -1294,7 +1305,33 @@ TEST(FlushFrameCorpus, SeedsAreFramesTheReaderAccepts) {
     EXPECT_TRUE(reader.Read(std::span(bytes).subspan(1)).ok()) << e.path();
     ++seen;
   }
-  EXPECT_GE(seen, 8u);
+  EXPECT_GE(seen, 9u);
+}
+
+// A version 1 frame (an older sender's: i32 positions in a small tensor)
+// is still read, as written; the same bytes called version 2 are refused,
+// since their positions region has the size of i32 ones, not u24 ones.
+TEST(FlushFrameCorpus, VersionOneFramesAreStillRead) {
+  const std::filesystem::path path =
+      std::filesystem::path(DS_SOURCE_DIR) / "fuzz/corpus/flush_frame/every_encoding_v1";
+  std::ifstream in(path, std::ios::binary);
+  ASSERT_TRUE(in) << path;
+  const Bytes seed((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_GT(seed.size(), 1u);
+  const Bytes v1(seed.begin() + 1, seed.end());
+  ASSERT_EQ(Get(v1, 4, 2), 1u);
+  FlushReader reader;
+  ASSERT_TRUE(reader.Read(v1).ok()) << reader.Read(v1).ToString();
+  const BaseFrame base;  // the frame the seed was written as, at version 1
+  ASSERT_EQ(reader.entries().size(), 4u);
+  const FlushEntry& e1 = reader.entries()[1];
+  EXPECT_EQ(e1.position_width, 4u);
+  EXPECT_EQ(EntryPositions(e1), base.w_positions);
+  EXPECT_EQ(Bytes(e1.values.begin(), e1.values.end()), base.w_values);
+  Bytes v2 = v1;
+  Set(v2, 4, 2, 2);
+  Rehash(v2);
+  ExpectCorrupt(v2, "positions");
 }
 
 // ---------------------------------------------------------------------------
@@ -1350,7 +1387,7 @@ struct PlacedCase {
     put((*e)->values_offset, dense);
     e = w.PlaceIndices(A(300, 700), a_pos.size());
     EXPECT_TRUE(e.ok() && e->has_value());
-    EXPECT_EQ((*e)->position_width, 4u);
+    EXPECT_EQ((*e)->position_width, 3u);
     put_positions(**e, a_pos);
     put((*e)->values_offset, a_val);
     e = w.PlaceIndices(B(), b_pos.size());

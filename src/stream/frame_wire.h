@@ -24,6 +24,7 @@ constexpr uint16_t kKnownFlags = kFlagSeed | kFlagDelta | kFlagLast | kFlagVerif
 constexpr size_t kEntryFixedBytes = 64;
 constexpr size_t kDigestFixedBytes = 56;
 constexpr uint64_t kWidePositionsFrom = uint64_t{1} << 31;
+constexpr uint64_t kU24PositionsUpTo = uint64_t{1} << 24;
 // A gap is below 2^56: FF and at most 8 LEB128 bytes.
 constexpr uint64_t kMaxGapBytes = 9;
 
@@ -117,7 +118,12 @@ inline std::optional<uint64_t> ShapeElements(std::span<const uint64_t> shape) {
   return numel;
 }
 
-inline uint32_t PositionWidth(uint64_t numel) { return numel < kWidePositionsFrom ? 4 : 8; }
+// The width of an indices entry's positions (docs/format.md, "Encodings"):
+// u24 for tensors of at most 2^24 elements from protocol version 2 on.
+inline uint32_t PositionWidth(uint64_t numel, uint16_t version) {
+  if (version >= 2 && numel <= kU24PositionsUpTo) return 3;
+  return numel < kWidePositionsFrom ? 4 : 8;
+}
 
 // The gap code of docs/format.md: g < 255 as one byte, else FF and g - 255
 // as minimal LEB128.

@@ -188,7 +188,7 @@ StreamEncoding Sender::EncodingOf(const TensorState& t, const UnitSource& src, u
                                   uint64_t count, uint64_t n) const {
   // The encoding asked for, or dense when positions would cost more than
   // the values (and the values can be had).
-  const uint64_t pw = t.numel >= (uint64_t{1} << 31) ? 8 : 4;
+  const uint64_t pw = stream::WrittenPositionWidth(t.numel);
   StreamEncoding e = options_.encoding;
   if (e == StreamEncoding::kIndices && n * (pw + t.w) >= count * t.w &&
       (!src.can_dense || src.can_dense(first, count, n))) {

@@ -232,7 +232,7 @@ TEST_F(CudaTest, ScatterWritesEveryBitPatternInPlace) {
     DeviceCopy dest = ToDevice(old_bytes, 0), pos = ToDevice(pos_bytes, 0),
                vals = ToDevice(changes.new_values, 0), olds = ToDevice(changes.old_values, 0);
     DeviceTensor t = Tensor("w", w, n, dest.data);
-    const DeviceChanges c{pos.data, false, vals.data, changes.count()};
+    const DeviceChanges c{pos.data, 4, vals.data, changes.count()};
     ASSERT_TRUE(ScatterOnDevice(*ws_, t, c).ok());
     EXPECT_EQ(ToHost(dest.data, n * w), new_bytes) << "w=" << w;
 
@@ -258,8 +258,7 @@ TEST_F(CudaTest, ScatterRefusesBadPositionsAndWritesNothing) {
     std::vector<uint8_t> pos_bytes(positions.size() * 4), vals(positions.size() * 2, 0x7F);
     std::memcpy(pos_bytes.data(), positions.data(), pos_bytes.size());
     DeviceCopy pos = ToDevice(pos_bytes, 0), v = ToDevice(vals, 0);
-    const Status s =
-        ScatterOnDevice(*ws_, t, DeviceChanges{pos.data, false, v.data, positions.size()});
+    const Status s = ScatterOnDevice(*ws_, t, DeviceChanges{pos.data, 4, v.data, positions.size()});
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
     EXPECT_NE(s.message().find("model.layers.3.mlp.up_proj.weight"), std::string::npos)
         << s.message();
@@ -425,26 +424,70 @@ TEST_F(CudaTest, FrameChecksFindTheFirstBadPaddingOrPositionRun) {
   EXPECT_NE(r.status().message().find("host"), std::string::npos) << r.status().message();
 }
 
-TEST_F(CudaTest, PositionCopiesAddTheBaseAtEitherWidth) {
+TEST_F(CudaTest, PositionCopiesAddTheBaseAtEveryWidth) {
   std::vector<uint32_t> narrow(1000);
   for (size_t k = 0; k < narrow.size(); ++k) narrow[k] = static_cast<uint32_t>(7 * k + 1);
   DeviceCopy src = ToDevice(AsBytes(narrow), 0);
   auto dest = Buffer::Device(narrow.size() * 8);
   ASSERT_TRUE(dest.ok());
   ASSERT_TRUE(
-      CopyPositionsOnDevice("p", dest->data(), false, src.data, false, narrow.size(), 500, nullptr)
+      CopyPositionsOnDevice("p", dest->data(), 4, src.data, false, narrow.size(), 500, nullptr)
           .ok());
   std::vector<uint32_t> got32(narrow.size());
   std::memcpy(got32.data(), ToHost(dest->data(), narrow.size() * 4).data(), got32.size() * 4);
   for (size_t k = 0; k < narrow.size(); ++k) ASSERT_EQ(got32[k], narrow[k] + 500) << k;
   const uint64_t base = uint64_t{3} << 32;
   ASSERT_TRUE(
-      CopyPositionsOnDevice("p", dest->data(), true, src.data, false, narrow.size(), base, nullptr)
+      CopyPositionsOnDevice("p", dest->data(), 8, src.data, false, narrow.size(), base, nullptr)
           .ok());
   std::vector<uint64_t> got64(narrow.size());
   std::memcpy(got64.data(), ToHost(dest->data(), narrow.size() * 8).data(), got64.size() * 8);
   for (size_t k = 0; k < narrow.size(); ++k) ASSERT_EQ(got64[k], narrow[k] + base) << k;
-  EXPECT_FALSE(CopyPositionsOnDevice("p", nullptr, true, src.data, false, 1, 0, nullptr).ok());
+  // u24: three little-endian bytes each, packed.
+  ASSERT_TRUE(
+      CopyPositionsOnDevice("p", dest->data(), 3, src.data, false, narrow.size(), 9, nullptr).ok());
+  const std::vector<uint8_t> got24 = ToHost(dest->data(), narrow.size() * 3);
+  for (size_t k = 0; k < narrow.size(); ++k) {
+    const uint32_t v = got24[3 * k] | got24[3 * k + 1] << 8 | got24[3 * k + 2] << 16;
+    ASSERT_EQ(v, narrow[k] + 9) << k;
+  }
+  EXPECT_FALSE(CopyPositionsOnDevice("p", nullptr, 8, src.data, false, 1, 0, nullptr).ok());
+  EXPECT_FALSE(CopyPositionsOnDevice("p", dest->data(), 5, src.data, false, 1, 0, nullptr).ok());
+}
+
+TEST_F(CudaTest, U24PositionsScatterAndAreCheckedLikeTheOthers) {
+  // A tensor of 2^24 elements: its last element is the largest u24 position.
+  const uint64_t numel = uint64_t{1} << 24;
+  std::vector<uint16_t> host(numel, 0);
+  DeviceCopy t = ToDevice(AsBytes(host), 0);
+  const std::vector<uint32_t> positions = {0, 5, 65536, 1u << 23, (1u << 24) - 1};
+  std::vector<uint8_t> packed(3 * positions.size());
+  for (size_t k = 0; k < positions.size(); ++k) {
+    for (int b = 0; b < 3; ++b) packed[3 * k + b] = static_cast<uint8_t>(positions[k] >> (8 * b));
+  }
+  std::vector<uint16_t> vals = {11, 22, 33, 44, 55};
+  DeviceCopy pos = ToDevice(packed, 0);
+  DeviceCopy v = ToDevice(AsBytes(vals), 0);
+  DeviceTensor dest{"t", DType::kBF16, {static_cast<int64_t>(numel)}, t.data, nullptr, {}};
+  ASSERT_TRUE(
+      ScatterOnDevice(*ws_, dest, DeviceChanges{pos.data, 3, v.data, positions.size()}).ok());
+  const std::vector<uint8_t> got = ToHost(t.data, numel * 2);
+  for (size_t k = 0; k < positions.size(); ++k) {
+    uint16_t x;
+    std::memcpy(&x, got.data() + 2 * uint64_t{positions[k]}, 2);
+    EXPECT_EQ(x, vals[k]) << k;
+  }
+  // Out of order: refused, nothing written.
+  std::vector<uint8_t> bad = packed;
+  std::swap_ranges(bad.begin(), bad.begin() + 3, bad.begin() + 3);
+  DeviceCopy b = ToDevice(bad, 0);
+  const std::vector<uint16_t> zeros(positions.size(), 0);
+  DeviceCopy z = ToDevice(AsBytes(zeros), 0);
+  Status s = ScatterOnDevice(*ws_, dest, DeviceChanges{b.data, 3, z.data, positions.size()});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_EQ(ToHost(t.data, numel * 2), got);
+  s = ScatterOnDevice(*ws_, dest, DeviceChanges{pos.data, 5, v.data, positions.size()});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
 }
 
 TEST_F(CudaTest, UnitSplitsMatchLowerBound) {
@@ -492,12 +535,12 @@ TEST_F(CudaTest, ScatterThroughRunsWritesHeldPositionsOnly) {
   DeviceCopy v = ToDevice(values, 0);
   DeviceCopy r = ToDevice(AsBytes(runs), 0);
   DeviceTensor t = Tensor("cols", w, extent, dest.data);
-  ASSERT_TRUE(ScatterRunsOnDevice(t, DeviceChanges{p.data, true, v.data, pos.size()},
+  ASSERT_TRUE(ScatterRunsOnDevice(t, DeviceChanges{p.data, 8, v.data, pos.size()},
                                   reinterpret_cast<const DeviceRun*>(r.data), runs.size())
                   .ok());
   EXPECT_EQ(ToHost(dest.data, extent * w), want);
   // Runs in host memory are refused by name, the destination untouched.
-  Status s = ScatterRunsOnDevice(t, DeviceChanges{p.data, true, v.data, pos.size()}, runs.data(),
+  Status s = ScatterRunsOnDevice(t, DeviceChanges{p.data, 8, v.data, pos.size()}, runs.data(),
                                  runs.size());
   EXPECT_FALSE(s.ok());
   EXPECT_NE(s.message().find("'cols' (runs)"), std::string::npos) << s.message();
