@@ -32,7 +32,7 @@ finally:
 
 from ._tensors import Prepared, Raw, prepare
 from .agent import Agent, SyncCoordinator, pull_on_engines
-from .codec import Changes, decode_apply, diff, dtype_size, encode, encodings
+from .codec import Changes, decode_apply, diff, dtype_size, encode, encodings, quantize_fp8
 from .errors import *  # noqa: F401,F403 - the exception classes
 from .errors import DeltasyncError, error_for_code
 from .store import LocalCheckpoint, Publisher, prune, versions
@@ -73,6 +73,7 @@ __all__ = [
     "prepare",
     "prune",
     "pull_on_engines",
+    "quantize_fp8",
     "shard_spec_from_dtensor",
     "versions",
 ] + [n for n in dir() if n.endswith("Error")]

@@ -57,6 +57,24 @@ def decode_apply(encoded: bytes, target: Any, encoding: str = "sparse", *, name:
     _deltasync.decode_apply(bytes(encoded), arg(name, target, writable=True), encoding)
 
 
+def quantize_fp8(weight: Any, scheme: str = "block128", scale_format: str = "f32", *,
+                 name: str = "weight") -> tuple:
+    """``weight`` (2-D, BF16, F16 or F32, host memory) quantized to FP8 E4M3
+    exactly as the rollout engines' loaders do it: ``(codes, scales)``, the
+    codes a uint8 array of the weight's shape (view it as
+    ``torch.float8_e4m3fn``), the scales the dequantization multipliers.
+
+    ``scheme``: ``"block128"`` (DeepGEMM's ``per_block_cast_to_fp8`` as vLLM
+    and SGLang run it; scales ``[ceil(M/128), ceil(N/128)]``, DeepSeek-V3's
+    ``weight_scale_inv``), ``"per_tensor"`` (vLLM's dynamic per-tensor
+    quantization; scales ``[1]``) or ``"per_channel"`` (SGLang's per-row
+    load path; scales ``[M, 1]``). ``scale_format``: ``"f32"``, or for
+    block128 ``"ue8m0_f32"`` (powers of two as float32) or ``"ue8m0"`` (one
+    F8_E8M0 byte each, uint8). A NaN or infinite weight raises
+    InvalidArgumentError naming it."""
+    return _deltasync.quantize_fp8(arg(name, weight), scheme, scale_format)
+
+
 def encodings() -> list[str]:
     """The disk store's encodings, by name."""
     return list(_deltasync.encodings())

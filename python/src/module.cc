@@ -9,6 +9,7 @@
 #include "common.h"
 #include "deltasync/codec.h"
 #include "deltasync/diff.h"
+#include "deltasync/quantize.h"
 #include "deltasync/tensor.h"
 
 namespace deltasync::python {
@@ -129,6 +130,56 @@ py::bytes PyEncode(const TensorArg& current, const TensorArg& base, const std::s
   }
   Check(s);
   return py::bytes(reinterpret_cast<const char*>(out.data()), out.size());
+}
+
+// `weight` (a 2-D BF16, F16 or F32 host tensor) quantized to F8_E4M3 as the
+// engines' loaders do it: (codes as uint8 in the weight's shape, scales as
+// float32 or, for the "ue8m0" format, uint8 F8_E8M0 bytes, in the scale
+// tensor's shape).
+py::tuple PyQuantizeFp8(const TensorArg& weight, const std::string& scheme,
+                        const std::string& scale_format) {
+  Check(weight.Validate());
+  Check(RequireHost(weight, "quantize_fp8"));
+  QuantRecipe recipe;
+  if (scheme == "block128") {
+    recipe.scheme = QuantScheme::kBlock128;
+  } else if (scheme == "per_tensor") {
+    recipe.scheme = QuantScheme::kPerTensor;
+  } else if (scheme == "per_channel") {
+    recipe.scheme = QuantScheme::kPerChannel;
+  } else {
+    Raise(Status::InvalidArgument("quantize_fp8: unknown scheme '" + scheme +
+                                  "' (block128, per_tensor, per_channel)"));
+  }
+  if (scale_format == "f32") {
+    recipe.scale_format = ScaleFormat::kF32;
+  } else if (scale_format == "ue8m0_f32") {
+    recipe.scale_format = ScaleFormat::kUe8m0F32;
+  } else if (scale_format == "ue8m0") {
+    recipe.scale_format = ScaleFormat::kUe8m0;
+  } else {
+    Raise(Status::InvalidArgument("quantize_fp8: unknown scale format '" + scale_format +
+                                  "' (f32, ue8m0_f32, ue8m0)"));
+  }
+  if (weight.shape.size() != 2) {
+    Raise(Status::InvalidArgument("tensor '" + weight.name +
+                                  "': quantize_fp8 takes a 2-D weight, not " +
+                                  std::to_string(weight.shape.size()) + "-D"));
+  }
+  const std::vector<int64_t> scale_shape =
+      Take(QuantScaleShape(recipe, weight.shape[0], weight.shape[1]));
+  const bool f32 = QuantScaleDType(recipe.scale_format) == DType::kF32;
+  py::array codes(py::dtype("uint8"), weight.shape);
+  py::array scales(py::dtype(f32 ? "float32" : "uint8"), scale_shape);
+  Status s;
+  {
+    py::gil_scoped_release release;
+    const QuantTensor tensor{weight.name, weight.ParsedDType(), weight.shape};
+    s = Fp8Quantize(recipe, tensor, reinterpret_cast<const void*>(weight.ptr),
+                    static_cast<uint8_t*>(codes.mutable_data()), scales.mutable_data());
+  }
+  Check(s);
+  return py::make_tuple(codes, scales);
 }
 
 // Applies an encoding in place to `target` (which holds its base).
@@ -271,6 +322,8 @@ PYBIND11_MODULE(_deltasync, m) {
   m.def("check_prepared", &CheckPrepared, py::arg("args"), py::arg("pairs"), py::arg("streams"));
   m.def("diff", &PyDiff, py::arg("current"), py::arg("snapshot"), py::arg("refresh"));
   m.def("encode", &PyEncode, py::arg("current"), py::arg("base"), py::arg("encoding"));
+  m.def("quantize_fp8", &PyQuantizeFp8, py::arg("weight"), py::arg("scheme"),
+        py::arg("scale_format"));
   m.def("decode_apply", &PyDecodeApply, py::arg("encoded"), py::arg("target"), py::arg("encoding"));
   m.def("built_with_cuda", [] { return DS_PY_HAVE_CUDA != 0; });
   m.attr("__version__") = DS_PY_VERSION;

@@ -238,3 +238,132 @@ def test_fp8_safetensors_files_keep_every_bit(tmp_path):
         assert got.numpy().tobytes() == want.tobytes(), name
         assert dtype_name(back[name]) == dtype_name(tensors[name])
     assert back["l.input_scale"].view(torch.int32).item() == scale.view(torch.int32).item()
+
+
+# ---------------------------------------------------------------------------
+# quantize_fp8: against an independent numpy reference of the engines'
+# recipes everywhere, and against the engines' own torch statements
+# (vllm/utils/deep_gemm.py per_block_cast_to_fp8 @ 779d1fc1; vLLM's
+# per-tensor and SGLang's per-channel kernels as torch ops) where torch has
+# float8 types.
+
+def _e4m3_values():
+    """The 127 positive finite E4M3 values, by code (0x00..0x7E)."""
+    out = []
+    for c in range(0x7F):
+        e, m = (c >> 3) & 0xF, c & 7
+        out.append((m / 8) * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+    return np.array(out)
+
+
+def _e4m3_encode(y):
+    """Nearest E4M3 code of float32 y (|y| <= 448), ties to the even code."""
+    table = _e4m3_values()
+    a = np.abs(y.astype(np.float64))
+    lo = np.searchsorted(table, a, side="right") - 1
+    hi = np.minimum(lo + 1, 0x7E)
+    below, above = a - table[lo], table[hi] - a
+    pick = np.where(below < above, lo, np.where(above < below, hi, np.where(lo % 2 == 1, hi, lo)))
+    pick = np.where(lo == 0x7E, 0x7E, pick)
+    return (pick | np.where(np.signbit(y), 0x80, 0)).astype(np.uint8)
+
+
+def _bf16_weight(rows, cols, seed):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
+    x[0, 0] = 0.3  # one block with a larger range
+    bits = x.view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _reference(u16, scheme, scale_format):
+    x = (u16.astype(np.uint32) << 16).view(np.float32)
+    m, n = x.shape
+    f448 = np.float32(448)
+    if scheme == "block128":
+        mb, nb = -(-m // 128), -(-n // 128)
+        padded = np.zeros((mb * 128, nb * 128), np.float32)
+        padded[:m, :n] = x
+        amax = np.abs(padded).reshape(mb, 128, nb, 128).max(axis=(1, 3))
+        sf = np.maximum(amax, np.float32(1e-4)) / f448
+        if scale_format != "f32":
+            frac, exp = np.frexp(sf)  # sf = frac * 2^exp, frac in [0.5, 1)
+            sf = np.ldexp(np.float32(1), np.where(frac == 0.5, exp - 1, exp)).astype(np.float32)
+        inv = np.float32(1) / sf
+        y = x * np.repeat(np.repeat(inv, 128, 0), 128, 1)[:m, :n]
+    elif scheme == "per_tensor":
+        sf = np.array([np.abs(x).max() / f448], np.float32)
+        y = x * (np.float32(1) / sf[0])
+    else:
+        sf = (np.maximum(np.abs(x).max(axis=1), np.float32(1e-10)) / f448)[:, None]
+        y = x * (np.float32(1) / sf)
+    codes = _e4m3_encode(np.clip(y, -f448, f448).astype(np.float32))
+    if scale_format == "ue8m0":
+        sf = (sf.view(np.uint32) >> 23).astype(np.uint8)
+    return codes, sf
+
+
+QUANT_CASES = [("block128", "f32"), ("block128", "ue8m0_f32"), ("block128", "ue8m0"),
+               ("per_tensor", "f32"), ("per_channel", "f32")]
+
+
+@pytest.mark.parametrize("scheme,scale_format", QUANT_CASES)
+def test_quantize_fp8_matches_the_recipes_reference(scheme, scale_format):
+    w = _bf16_weight(300, 200, 5)
+    codes, scales = ds.quantize_fp8(ds.Raw(w, "BF16"), scheme, scale_format)
+    want_codes, want_scales = _reference(w, scheme, scale_format)
+    assert codes.shape == w.shape and codes.dtype == np.uint8
+    assert scales.shape == want_scales.shape
+    assert np.array_equal(scales, want_scales)
+    assert np.array_equal(codes, want_codes)
+
+
+def test_quantize_fp8_refuses_bad_input():
+    w = _bf16_weight(4, 4, 1)
+    with pytest.raises(ds.InvalidArgumentError, match="scheme"):
+        ds.quantize_fp8(ds.Raw(w, "BF16"), "per_block")
+    with pytest.raises(ds.InvalidArgumentError):
+        ds.quantize_fp8(ds.Raw(w, "BF16"), "per_tensor", "ue8m0")
+    with pytest.raises(ds.InvalidArgumentError, match="2-D"):
+        ds.quantize_fp8(ds.Raw(w.reshape(-1), "BF16"))
+    bad = np.ones((4, 4), np.float32)
+    bad[2, 1] = np.nan
+    with pytest.raises(ds.InvalidArgumentError, match="weight"):
+        ds.quantize_fp8(bad)
+    with pytest.raises(ds.InvalidArgumentError):
+        ds.quantize_fp8(np.ones((4, 4), np.int32))
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="this torch has no float8 types")
+@pytest.mark.parametrize("scheme,scale_format", QUANT_CASES)
+@pytest.mark.parametrize("shape", [(300, 200), (1024, 896), (129, 1)])
+def test_quantize_fp8_equals_the_engines_torch_code(scheme, scale_format, shape):
+    w = _bf16_weight(*shape, 7)
+    x = torch.from_numpy(w.view(np.int16)).view(torch.bfloat16)
+    m, n = shape
+    if scheme == "block128":
+        # per_block_cast_to_fp8's statements, eagerly.
+        padded = torch.zeros((-(-m // 128) * 128, -(-n // 128) * 128), dtype=x.dtype)
+        padded[:m, :n] = x
+        view = padded.view(-1, 128, padded.size(1) // 128, 128)
+        amax = view.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
+        sf = amax / 448.0
+        if scale_format != "f32":
+            sf = torch.pow(2.0, torch.ceil(torch.log2(sf.abs())))
+        q = (view * (1.0 / sf)).to(torch.float8_e4m3fn)
+        want_codes = q.view_as(padded)[:m, :n].contiguous()
+        want_scales = sf.view(view.size(0), view.size(2))
+    elif scheme == "per_tensor":
+        sf = (x.abs().max().float() / 448.0).reshape(1)
+        want_codes = (x.float() * (1.0 / sf)).clamp(-448, 448).to(torch.float8_e4m3fn)
+        want_scales = sf
+    else:
+        sf = (x.abs().float().amax(dim=1, keepdim=True).clamp(min=1e-10)) / 448.0
+        want_codes = (x.float() * (1.0 / sf)).clamp(-448, 448).to(torch.float8_e4m3fn)
+        want_scales = sf
+    codes, scales = ds.quantize_fp8(x, scheme, scale_format)
+    assert np.array_equal(codes, want_codes.view(torch.uint8).numpy())
+    if scale_format == "ue8m0":
+        assert np.array_equal(scales, want_scales.to(torch.float8_e8m0fnu).view(torch.uint8).numpy())
+    else:
+        assert np.array_equal(scales, want_scales.numpy())

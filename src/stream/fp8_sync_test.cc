@@ -6,10 +6,14 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "core/fp8_test_util.h"
+#include "deltasync/quantize.h"
 #include "deltasync/shard.h"
 #include "deltasync/stream.h"
 #include "stream/sync_rig.h"
@@ -33,6 +37,106 @@ std::vector<fp8_test::Tensor> Layers(int step) {
   }
   return out;
 }
+
+// The receivers' FP8 copy of BF16 weights, quantized on the trainer at each
+// step and diffed there (quantize-then-diff): every receiver ends each step
+// with exactly the bytes that quantizing the trainer's weights gives, codes
+// and scales, for every recipe the engines use. The weights move as AdamW
+// moves them (a small step on every element, so a few percent of the E4M3
+// codes change), and one block's range grows each step, so its scale and
+// all of its codes change.
+struct QuantCase {
+  QuantRecipe recipe;
+  const char* scale_suffix;
+};
+
+class QuantizeThenDiff : public SyncTest, public ::testing::WithParamInterface<QuantCase> {};
+
+TEST_P(QuantizeThenDiff, ReceiversHoldTheTrainersWeightsQuantized) {
+  const QuantRecipe recipe = GetParam().recipe;
+  // Not multiples of 128: the edge blocks are partial.
+  const std::vector<std::vector<int64_t>> shapes = {{300, 200}, {129, 640}};
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> init(0.0f, 0.02f), step(0.0f, 2e-4f);
+  std::vector<std::vector<float>> master;  // the trainer's fp32 masters
+  std::vector<Model::Spec> specs;
+  for (size_t t = 0; t < shapes.size(); ++t) {
+    const std::string name = "model.layers." + std::to_string(t) + ".mlp.up_proj.weight";
+    std::vector<float>& w = master.emplace_back(shapes[t][0] * shapes[t][1]);
+    for (float& x : w) x = init(rng);
+    const std::vector<int64_t> scale_shape = *QuantScaleShape(recipe, shapes[t][0], shapes[t][1]);
+    specs.emplace_back(name, DType::kF8_E4M3, shapes[t]);
+    specs.emplace_back(name + GetParam().scale_suffix, QuantScaleDType(recipe.scale_format),
+                       scale_shape);
+  }
+  Model m = Model::Make(1, specs);
+  // The BF16 weights of the masters (round to nearest even), quantized
+  // into the model's code and scale tensors.
+  const auto quantize_into = [&](Model* into) {
+    for (size_t t = 0; t < shapes.size(); ++t) {
+      std::vector<uint16_t> bf16(master[t].size());
+      for (size_t i = 0; i < bf16.size(); ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, &master[t][i], 4);
+        bf16[i] = static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+      }
+      const QuantTensor tensor{std::get<0>(specs[2 * t]), DType::kBF16, shapes[t]};
+      ASSERT_TRUE(Fp8Quantize(recipe, tensor, bf16.data(), into->bytes[2 * t].data(),
+                              into->bytes[2 * t + 1].data())
+                      .ok());
+    }
+    into->Rebind();
+  };
+  SetUpGroup(2);
+  SenderOptions o;
+  o.encoding = StreamEncoding::kIndices;
+  o.bucket_bytes = 64 << 10;
+  std::unique_ptr<StreamSender> sender = MakeSender(Factory(0), o);
+  ASSERT_NE(sender, nullptr);
+  quantize_into(&m);
+  ReceiverRig first(m, Hold::kWhole, Factory(1));
+  ReceiverRig second(m, Hold::kWhole, Factory(2));
+  first.Start();
+  second.Start();
+  uint64_t code_changes = 0, codes = 0;
+  for (int s = 0; s <= 3; ++s) {
+    if (s > 0) {
+      for (std::vector<float>& w : master) {
+        for (float& x : w) x += step(rng);
+        w[0] *= 2.0f;  // block (0, 0)'s (and row 0's) range grows
+      }
+    }
+    const std::vector<std::vector<uint8_t>> before = m.bytes;
+    quantize_into(&m);
+    if (s > 0) {
+      for (size_t t = 0; t < shapes.size(); ++t) {
+        for (size_t i = 0; i < m.bytes[2 * t].size(); ++i) {
+          code_changes += m.bytes[2 * t][i] != before[2 * t][i];
+        }
+        codes += m.bytes[2 * t].size();
+      }
+    }
+    Result<SyncStats> r = sender->Sync(m.tensors);
+    ASSERT_TRUE(r.ok()) << "step " << s << ": " << r.status().ToString();
+    EXPECT_TRUE(first.Matches(m).ok()) << "step " << s << ": " << first.Matches(m).ToString();
+    EXPECT_TRUE(second.Matches(m).ok()) << "step " << s << ": " << second.Matches(m).ToString();
+  }
+  // A delta, not a resend: some codes changed, most did not.
+  EXPECT_GT(code_changes, 0u);
+  EXPECT_LT(code_changes, codes / 2);
+  Finish(sender, {&first, &second});
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Recipes, QuantizeThenDiff,
+    ::testing::Values(QuantCase{{QuantScheme::kBlock128, ScaleFormat::kF32}, "_scale_inv"},
+                      QuantCase{{QuantScheme::kBlock128, ScaleFormat::kUe8m0}, "_scale_inv"},
+                      QuantCase{{QuantScheme::kPerTensor, ScaleFormat::kF32}, "_scale"},
+                      QuantCase{{QuantScheme::kPerChannel, ScaleFormat::kF32}, "_scale"}),
+    [](const ::testing::TestParamInfo<QuantCase>& info) {
+      return std::string(QuantSchemeName(info.param.recipe.scheme)) + "_" +
+             std::string(ScaleFormatName(info.param.recipe.scale_format));
+    });
 
 // A Model of the layers at step 0 (the receivers register its tensors).
 Model Fp8Model() {
