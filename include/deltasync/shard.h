@@ -16,7 +16,10 @@
 #include <string>
 #include <vector>
 
+#include <span>
+
 #include "deltasync/dtype.h"
+#include "deltasync/quantize.h"
 #include "deltasync/status.h"
 
 namespace deltasync {
@@ -138,5 +141,26 @@ struct ShardSpec {
   // Elements of the local tensor (assumes a valid shape).
   int64_t local_numel() const;
 };
+
+class Communicator;
+
+// FP8 quantization of a weight that the trainer ranks hold in pieces
+// (docs/format.md, "FP8 quantization recipes"): rank r of `trainer_group`
+// holds `windows[r]` of the [M, N] weight `tensor` (every rank passes
+// every rank's window bounds; only its own window's `data` is read). A
+// scale group that lies in more than one rank's window (a 128 x 128 block
+// across a shard border, the one group of a per-tensor scale) takes the
+// MAX of those ranks' partial amax, exchanged as one small all-gather of
+// just those groups' amax, never of their elements; every other group is
+// its rank's own. Each rank then writes its window's codes (window-shaped)
+// and the scales of the groups its window touches (Fp8WindowGroups), equal
+// byte for byte to quantizing the whole weight at once. A collective:
+// every rank calls it, with the same recipe, tensor and windows, and every
+// rank gets the same outcome: InvalidArgument on every rank when any rank's
+// window is refused (a NaN or infinite weight, a bad window), naming it;
+// the communicator's error when the exchange fails.
+Status Fp8QuantizeShard(Communicator& trainer_group, const QuantRecipe& recipe,
+                        const QuantTensor& tensor, std::span<const QuantWindow> windows,
+                        uint8_t* codes, void* scales);
 
 }  // namespace deltasync

@@ -1,0 +1,115 @@
+// FP8 quantization of a sharded weight: partial amax per scale group on
+// each rank, one all-gather of the groups more than one rank touches, MAX,
+// then each rank encodes its own window.
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/endian.h"
+#include "deltasync/communicator.h"
+#include "deltasync/shard.h"
+
+namespace deltasync {
+namespace {
+
+// A rank's record: its verdict (0: its amax below is good), then the
+// partial amax of every shared group as float32 bits (0 where it touches
+// none of the group). Non-negative floats order like their bits.
+constexpr uint32_t kRecordOk = 0;
+constexpr uint32_t kRecordRefused = 1;
+
+std::string Who(const QuantTensor& tensor) { return "tensor '" + std::string(tensor.name) + "'"; }
+
+}  // namespace
+
+Status Fp8QuantizeShard(Communicator& group, const QuantRecipe& recipe, const QuantTensor& tensor,
+                        std::span<const QuantWindow> windows, uint8_t* codes, void* scales) {
+  const int ranks = group.size(), me = group.rank();
+  if (static_cast<int>(windows.size()) != ranks) {
+    return Status::InvalidArgument(Who(tensor) + ": " + std::to_string(windows.size()) +
+                                   " windows for a trainer group of " + std::to_string(ranks));
+  }
+  // Every rank finds the same groups from the same bounds: the rectangle
+  // of each window, and how many windows touch each group.
+  std::vector<QuantGroups> rects(ranks);
+  Status refused;
+  int refused_rank = -1;
+  for (int r = 0; r < ranks && refused.ok(); ++r) {
+    QuantWindow bounds = windows[r];
+    if (bounds.data == nullptr) bounds.data = windows[me].data;  // only bounds matter here
+    Result<QuantGroups> g = Fp8WindowGroups(recipe, tensor, bounds);
+    if (!g.ok()) {
+      refused = g.status();
+      refused_rank = r;
+    } else {
+      rects[r] = *g;
+    }
+  }
+  if (!refused.ok()) {
+    return Status::InvalidArgument("rank " + std::to_string(refused_rank) +
+                                   "'s window: " + refused.message());
+  }
+  Result<std::vector<int64_t>> scale_shape =
+      QuantScaleShape(recipe, tensor.shape[0], tensor.shape[1]);
+  if (!scale_shape.ok()) return scale_shape.status();
+  const int64_t grid_cols = scale_shape->size() == 2 ? (*scale_shape)[1] : 1;
+  const int64_t grid_rows = (*scale_shape)[0];
+  std::vector<uint16_t> touches(static_cast<size_t>(grid_rows * grid_cols), 0);
+  for (const QuantGroups& g : rects) {
+    for (int64_t r = g.row_begin; r < g.row_end; ++r) {
+      for (int64_t c = g.col_begin; c < g.col_end; ++c) {
+        uint16_t& t = touches[static_cast<size_t>(r * grid_cols + c)];
+        t = static_cast<uint16_t>(std::min<int>(t + 1, 2));
+      }
+    }
+  }
+  std::vector<int64_t> shared;  // grid indices, ascending
+  for (size_t i = 0; i < touches.size(); ++i) {
+    if (touches[i] >= 2) shared.push_back(static_cast<int64_t>(i));
+  }
+
+  // This rank's partial amax over its window.
+  const QuantGroups& mine = rects[me];
+  std::vector<float> amax(static_cast<size_t>(mine.count()), 0.0f);
+  const Status local = Fp8GroupAmax(recipe, tensor, windows[me], amax.data());
+  const auto local_index = [&](int64_t grid) -> int64_t {
+    const int64_t r = grid / grid_cols, c = grid % grid_cols;
+    if (r < mine.row_begin || r >= mine.row_end || c < mine.col_begin || c >= mine.col_end) {
+      return -1;
+    }
+    return (r - mine.row_begin) * (mine.col_end - mine.col_begin) + (c - mine.col_begin);
+  };
+  const size_t record_bytes = 4 * (1 + shared.size());
+  std::vector<uint8_t> record(record_bytes, 0);
+  StoreLe<uint32_t>(record.data(), local.ok() ? kRecordOk : kRecordRefused);
+  if (local.ok()) {
+    for (size_t k = 0; k < shared.size(); ++k) {
+      const int64_t at = local_index(shared[k]);
+      if (at >= 0)
+        StoreLe<uint32_t>(record.data() + 4 * (k + 1), std::bit_cast<uint32_t>(amax[at]));
+    }
+  }
+  std::vector<uint8_t> all(record_bytes * static_cast<size_t>(ranks));
+  Status gathered = group.AllGather(record, all);
+  if (!gathered.ok()) return gathered;
+  for (int r = 0; r < ranks; ++r) {
+    if (LoadLe<uint32_t>(all.data() + r * record_bytes) == kRecordOk) continue;
+    if (r == me) return local;
+    return Status::InvalidArgument(Who(tensor) + ": rank " + std::to_string(r) +
+                                   " could not quantize its window (it names the reason)");
+  }
+  for (size_t k = 0; k < shared.size(); ++k) {
+    const int64_t at = local_index(shared[k]);
+    if (at < 0) continue;
+    uint32_t most = 0;
+    for (int r = 0; r < ranks; ++r) {
+      most = std::max(most, LoadLe<uint32_t>(all.data() + r * record_bytes + 4 * (k + 1)));
+    }
+    amax[at] = std::bit_cast<float>(most);
+  }
+  return Fp8QuantizeWindow(recipe, tensor, windows[me], amax.data(), codes, scales);
+}
+
+}  // namespace deltasync
