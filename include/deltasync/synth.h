@@ -54,7 +54,9 @@ struct SynthTensorSpec {
   float init_std = 0.02f;
 };
 
-// The preset names, in order of size: "tiny", "qwen2.5-0.5b", "qwen2.5-1.5b".
+// The preset names, in order of size: "tiny", "qwen2.5-0.5b", "qwen2.5-1.5b",
+// "qwen3-30b-a3b" (a mixture of experts: 48 layers of 128 experts, each
+// expert's projections a tensor of its own, 18,432 in all; scale it to fit).
 std::vector<std::string> SynthPresetNames();
 
 // Largest accepted `scale`: keeps every size comfortably inside int64.

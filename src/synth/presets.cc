@@ -20,6 +20,14 @@ struct ModelDims {
   int64_t vocab = 0;
   int64_t layers = 0;
   bool tied_embeddings = false;
+  // Mixture-of-experts (Qwen3-MoE): `experts` experts per layer, each with
+  // gate/up/down projections of width moe_intermediate, and a router, in
+  // place of the dense MLP; attention without biases, q_proj of q_width
+  // rows and per-head q/k norms of head_dim. 0: a dense Qwen2 layer.
+  int64_t experts = 0;
+  int64_t moe_intermediate = 0;
+  int64_t q_width = 0;
+  int64_t head_dim = 0;
 };
 
 struct Preset {
@@ -34,6 +42,9 @@ constexpr Preset kPresets[] = {
     {"tiny", {256, 128, 1024, 2048, 4, false}},
     {"qwen2.5-0.5b", {896, 2 * 64, 4864, 151936, 24, true}},
     {"qwen2.5-1.5b", {1536, 2 * 128, 8960, 151936, 28, true}},
+    // Qwen/Qwen3-30B-A3B/config.json: 48 layers of 128 experts (18,432
+    // expert projections), 32 query heads and 4 key/value heads of 128.
+    {"qwen3-30b-a3b", {2048, 4 * 128, 0, 151936, 48, false, 128, 768, 32 * 128, 128}},
 };
 
 // Initialisation as in Qwen2's _init_weights (initializer_range 0.02) for
@@ -83,8 +94,13 @@ ModelDims ScaledDims(const ModelDims& base, double scale) {
   d.kv_width = std::min(ScaleDim(base.kv_width, scale), d.hidden);
   const double wide_scale =
       scale * scale * static_cast<double>(base.hidden) / static_cast<double>(d.hidden);
-  d.intermediate = ScaleDim(base.intermediate, wide_scale);
+  d.intermediate = base.intermediate == 0 ? 0 : ScaleDim(base.intermediate, wide_scale);
   d.vocab = ScaleDim(base.vocab, wide_scale);
+  if (base.experts > 0) {
+    d.moe_intermediate = ScaleDim(base.moe_intermediate, wide_scale);
+    d.q_width = ScaleDim(base.q_width, scale);
+    d.head_dim = std::min(ScaleDim(base.head_dim, scale), d.kv_width);
+  }
   return d;
 }
 
@@ -92,8 +108,10 @@ ModelDims ScaledDims(const ModelDims& base, double scale) {
 // evaluates this many thousand times).
 int64_t ParameterCount(const ModelDims& d) {
   const int64_t h = d.hidden, kv = d.kv_width, in = d.intermediate;
-  const int64_t attention = 2 * h * h + 2 * kv * h + h + 2 * kv;
-  const int64_t mlp = 3 * h * in;
+  const int64_t attention = d.experts > 0 ? 2 * d.q_width * h + 2 * kv * h + 2 * d.head_dim
+                                          : 2 * h * h + 2 * kv * h + h + 2 * kv;
+  const int64_t mlp =
+      d.experts > 0 ? d.experts * 3 * h * d.moe_intermediate + d.experts * h : 3 * h * in;
   const int64_t norms = 2 * h;
   const int64_t embeddings = d.vocab * h * (d.tied_embeddings ? 1 : 2);
   return embeddings + d.layers * (attention + mlp + norms) + h;
@@ -118,6 +136,26 @@ std::vector<SynthTensorSpec> BuildSpecs(const ModelDims& d) {
     const std::string layer = "model.layers." + std::to_string(i) + ".";
     const std::string attn = layer + "self_attn.";
     const std::string mlp = layer + "mlp.";
+    if (d.experts > 0) {
+      // Qwen3-MoE, as its checkpoints name and shape the tensors.
+      const SynthTensorKind lin = SynthTensorKind::kLinear;
+      specs.push_back(Matrix(attn + "q_proj.weight", d.q_width, d.hidden, lin));
+      specs.push_back(Matrix(attn + "k_proj.weight", d.kv_width, d.hidden, lin));
+      specs.push_back(Matrix(attn + "v_proj.weight", d.kv_width, d.hidden, lin));
+      specs.push_back(Matrix(attn + "o_proj.weight", d.hidden, d.q_width, lin));
+      specs.push_back(Norm(attn + "q_norm.weight", d.head_dim));
+      specs.push_back(Norm(attn + "k_norm.weight", d.head_dim));
+      specs.push_back(Matrix(mlp + "gate.weight", d.experts, d.hidden, lin));
+      for (int64_t e = 0; e < d.experts; ++e) {
+        const std::string ex = mlp + "experts." + std::to_string(e) + ".";
+        specs.push_back(Matrix(ex + "gate_proj.weight", d.moe_intermediate, d.hidden, lin));
+        specs.push_back(Matrix(ex + "up_proj.weight", d.moe_intermediate, d.hidden, lin));
+        specs.push_back(Matrix(ex + "down_proj.weight", d.hidden, d.moe_intermediate, lin));
+      }
+      specs.push_back(Norm(layer + "input_layernorm.weight", d.hidden));
+      specs.push_back(Norm(layer + "post_attention_layernorm.weight", d.hidden));
+      continue;
+    }
     specs.push_back(Matrix(attn + "q_proj.weight", d.hidden, d.hidden, SynthTensorKind::kLinear));
     specs.push_back(Bias(attn + "q_proj.bias", d.hidden));
     specs.push_back(Matrix(attn + "k_proj.weight", d.kv_width, d.hidden, SynthTensorKind::kLinear));

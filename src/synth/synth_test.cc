@@ -158,6 +158,34 @@ TEST(SynthPresetTest, Qwen25OneAndAHalfBillionMatchesPublishedModel) {
   EXPECT_EQ(shapes.count("lm_head.weight"), 0u);
 }
 
+TEST(SynthPresetTest, Qwen3MoeHasEveryExpertProjectionAsItsCheckpointNamesThem) {
+  auto specs = SynthPresetSpecs("qwen3-30b-a3b");
+  ASSERT_TRUE(specs.ok()) << specs.status().ToString();
+  EXPECT_EQ(SynthParameterCount(*specs), 30532122624);  // published: 30.5B
+  auto shapes = ShapesByName(*specs);
+  using S = std::vector<int64_t>;
+  size_t experts = 0;
+  for (const SynthTensorSpec& t : *specs) experts += t.name.find(".experts.") != std::string::npos;
+  EXPECT_EQ(experts, 48u * 128 * 3);
+  EXPECT_EQ(shapes["model.layers.47.mlp.experts.127.gate_proj.weight"], (S{768, 2048}));
+  EXPECT_EQ(shapes["model.layers.0.mlp.experts.0.down_proj.weight"], (S{2048, 768}));
+  EXPECT_EQ(shapes["model.layers.0.mlp.gate.weight"], (S{128, 2048}));
+  EXPECT_EQ(shapes["model.layers.0.self_attn.q_proj.weight"], (S{4096, 2048}));
+  EXPECT_EQ(shapes["model.layers.0.self_attn.o_proj.weight"], (S{2048, 4096}));
+  EXPECT_EQ(shapes["model.layers.0.self_attn.k_norm.weight"], (S{128}));
+  EXPECT_EQ(shapes.count("model.layers.0.mlp.up_proj.weight"), 0u);
+  EXPECT_EQ(shapes.count("model.layers.0.self_attn.q_proj.bias"), 0u);
+  EXPECT_EQ(shapes["lm_head.weight"], (S{151936, 2048}));
+  // Scaled to fit, the experts stay: only their widths shrink.
+  Result<double> scale = SynthScaleForBytes("qwen3-30b-a3b", uint64_t{512} << 20);
+  ASSERT_TRUE(scale.ok()) << scale.status().ToString();
+  auto small = SynthPresetSpecs("qwen3-30b-a3b", *scale);
+  ASSERT_TRUE(small.ok());
+  EXPECT_EQ(small->size(), specs->size());
+  // Within 15%: every step of 64 in an expert's width moves 18,432 tensors.
+  EXPECT_NEAR(static_cast<double>(SynthBf16Bytes(*small)), 512.0 * (1 << 20), 0.15 * (512 << 20));
+}
+
 TEST(SynthPresetTest, TinyIsAboutTenMegabytesWithUntiedHead) {
   auto specs = SynthPresetSpecs("tiny");
   ASSERT_TRUE(specs.ok());
@@ -209,7 +237,8 @@ TEST(SynthPresetTest, RejectsUnknownPresetAndBadScale) {
     EXPECT_TRUE(r.status().IsInvalidArgument());
     EXPECT_NE(r.status().message().find("scale"), std::string::npos);
   }
-  EXPECT_EQ(SynthPresetNames(), (std::vector<std::string>{"tiny", "qwen2.5-0.5b", "qwen2.5-1.5b"}));
+  EXPECT_EQ(SynthPresetNames(),
+            (std::vector<std::string>{"tiny", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-30b-a3b"}));
 }
 
 uint64_t BytesAtScale(const std::string& preset, double scale) {
