@@ -17,36 +17,44 @@
 //   6082c49139ac8f1c99a835840de73971faa15e8e) run it. Blocks of 128 x 128
 //   elements; blocks at the right and bottom edges are partial (DeepGEMM
 //   zero-pads them, and padding never raises an amax). amax is floored at
-//   1e-4f (torch's .clamp(1e-4)); sf = amax * float32(1/448), not amax /
-//   448.0f: torch divides a CUDA tensor by a Python scalar as a product with
-//   the scalar's float32 reciprocal (aten/src/ATen/native/cuda/
+//   1e-4f (torch's .clamp(1e-4)); sf = amax * R, R = float32(1/448)
+//   (0x3B124925), not the quotient amax / 448.0f that the Python reads:
+//   torch divides a CUDA tensor by a Python scalar as a product with the
+//   scalar's float32 reciprocal (aten/src/ATen/native/cuda/
 //   BinaryDivTrueKernel.cu, "compute a * reciprocal(b)"), and Inductor,
 //   which compiles vLLM's copy (@torch.compile), lowers division by a
-//   constant the same way (torch/_inductor/lowering.py, div_prim); the two
-//   differ by an ULP for about a third of all amax values. With a ue8m0 scale
-//   format sf becomes the smallest power of two >= sf, computed exactly on
-//   the float32 bits. torch computes pow(2, ceil(log2(sf))) in float32,
-//   whose log2 rounds to an integer when sf lies within an ULP or two above
-//   a power of two: there torch keeps that power of two (below sf) and we
-//   take the next one, so the two can differ by a factor of 2 in such a
-//   block's scale and codes. Scale tensor: [ceil(M/128), ceil(N/128)], row
-//   major, DeepSeek-V3's `weight_scale_inv`.
+//   constant the same way (torch/_inductor/lowering.py, div_prim). The two
+//   differ by an ULP for about a third of all amax values. With a ue8m0
+//   scale format sf becomes the smallest power of two >= sf, computed
+//   exactly on the float32 bits; torch computes pow(2, ceil(log2(sf))) in
+//   float32, which keeps the power of two below sf where sf lies within an
+//   ULP or two above one (F32 weights only: the two agreed on an H100 for
+//   every BF16 and F16 amax). Scale
+//   tensor: [ceil(M/128), ceil(N/128)], row major, DeepSeek-V3's
+//   `weight_scale_inv`. Checked on an H100 (torch 2.11, both eager and
+//   compiled) for every finite BF16 and F16 amax and random F32 ones:
+//   identical scales and codes, except that Inductor's 1/sf is Triton's
+//   approximate division, which moved 27 of 4.06M codes in the F16 sweep
+//   with F32 scales (none with ue8m0 scales, whose reciprocal is exact).
 // - QuantScheme::kPerTensor: vLLM's dynamic per-tensor kernel
 //   (csrc/quantization/w8a8/fp8/common.cu @ 096d3dc9 and common.cuh,
 //   `scaled_fp8_conversion`): one group, sf = amax / 448.0f (an IEEE
-//   quotient: CUDA C++ dividing by the constant), with no floor.
-//   Where amax / 448.0f has no finite float32 reciprocal (amax == 0, or
-//   amax below about 1.3e-36) we take sf = 1.0f, so an all-zero tensor
-//   gets zero codes; vLLM's kernel divides by zero there and writes 448
+//   quotient: CUDA C++ dividing by the constant), with no floor. Where
+//   amax / 448.0f has no finite float32 reciprocal (amax == 0, or amax
+//   below about 1.3e-36) we take sf = 1.0f, so an all-zero tensor gets
+//   zero codes; vLLM's kernel divides by zero there and writes 448
 //   everywhere. Scale tensor: F32 [1].
 // - QuantScheme::kPerChannel: SGLang's per-output-channel load path
 //   (per_token_group_quant_fp8 with the group as wide as a row, Triton
 //   `_per_token_group_quant_8bit` in
 //   python/sglang/srt/layers/quantization/fp8_kernel.py): one group per
-//   row, amax floored at 1e-10f, sf = amax / 448.0f. Scale tensor: F32
-//   [M, 1]. Triton divides with div.full.f32, an approximation within 2
-//   ULP, so our results equal the IEEE reference of that kernel, and
-//   SGLang's own bytes only where its division happens to round the same.
+//   row, amax floored at 1e-10f, sf = amax * R as for kBlock128 (Triton's
+//   division, div.full.f32, multiplies by the reciprocal of 448, which is
+//   R). Scale tensor: F32 [M, 1]. Its inv = 1.0f / sf is that same
+//   approximate division, not reproducible on a CPU: we take the IEEE
+//   quotient. Checked on an H100 (Triton 3.6) for every finite BF16 and
+//   F16 row amax: identical scales, codes identical but for 62 of 8.1M in
+//   the F16 sweep (none for BF16 or F32 weights).
 //
 // Non-finite weights (NaN, infinity) are refused. Results depend on no
 // floating-point environment other than the default rounding mode.

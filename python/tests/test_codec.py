@@ -244,8 +244,10 @@ def test_fp8_safetensors_files_keep_every_bit(tmp_path):
 # quantize_fp8: against an independent numpy reference of the engines'
 # recipes everywhere, and against the engines' own torch statements
 # (vllm/utils/deep_gemm.py per_block_cast_to_fp8 @ 779d1fc1; vLLM's
-# per-tensor and SGLang's per-channel kernels as torch ops) where torch has
-# float8 types.
+# per-tensor and SGLang's per-channel kernels as torch ops) on a GPU, where
+# the engines run them: torch divides a CUDA tensor by a Python number as a
+# multiply by the float32 reciprocal (aten/src/ATen/native/cuda/
+# BinaryDivTrueKernel.cu), so `amax / 448.0` there is `amax * (1/448)`.
 
 def _e4m3_values():
     """The 127 positive finite E4M3 values, by code (0x00..0x7E)."""
@@ -285,7 +287,7 @@ def _reference(u16, scheme, scale_format):
         padded = np.zeros((mb * 128, nb * 128), np.float32)
         padded[:m, :n] = x
         amax = np.abs(padded).reshape(mb, 128, nb, 128).max(axis=(1, 3))
-        sf = np.maximum(amax, np.float32(1e-4)) / f448
+        sf = np.maximum(amax, np.float32(1e-4)) * (np.float32(1) / f448)
         if scale_format != "f32":
             frac, exp = np.frexp(sf)  # sf = frac * 2^exp, frac in [0.5, 1)
             sf = np.ldexp(np.float32(1), np.where(frac == 0.5, exp - 1, exp)).astype(np.float32)
@@ -295,7 +297,7 @@ def _reference(u16, scheme, scale_format):
         sf = np.array([np.abs(x).max() / f448], np.float32)
         y = x * (np.float32(1) / sf[0])
     else:
-        sf = (np.maximum(np.abs(x).max(axis=1), np.float32(1e-10)) / f448)[:, None]
+        sf = (np.maximum(np.abs(x).max(axis=1), np.float32(1e-10)) * (np.float32(1) / f448))[:, None]
         y = x * (np.float32(1) / sf)
     codes = _e4m3_encode(np.clip(y, -f448, f448).astype(np.float32))
     if scale_format == "ue8m0":
@@ -334,12 +336,13 @@ def test_quantize_fp8_refuses_bad_input():
         ds.quantize_fp8(np.ones((4, 4), np.int32))
 
 
-@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="this torch has no float8 types")
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn") or not torch.cuda.is_available(),
+                    reason="needs torch's float8 types and a GPU")
 @pytest.mark.parametrize("scheme,scale_format", QUANT_CASES)
 @pytest.mark.parametrize("shape", [(300, 200), (1024, 896), (129, 1)])
 def test_quantize_fp8_equals_the_engines_torch_code(scheme, scale_format, shape):
     w = _bf16_weight(*shape, 7)
-    x = torch.from_numpy(w.view(np.int16)).view(torch.bfloat16)
+    x = torch.from_numpy(w.view(np.int16)).view(torch.bfloat16).cuda()
     m, n = shape
     if scheme == "block128":
         # per_block_cast_to_fp8's statements, eagerly.
@@ -354,15 +357,19 @@ def test_quantize_fp8_equals_the_engines_torch_code(scheme, scale_format, shape)
         want_codes = q.view_as(padded)[:m, :n].contiguous()
         want_scales = sf.view(view.size(0), view.size(2))
     elif scheme == "per_tensor":
-        sf = (x.abs().max().float() / 448.0).reshape(1)
+        # vLLM's kernel divides (rowmax / 448 in CUDA C++: IEEE division);
+        # a CUDA tensor divided by a CUDA tensor divides too.
+        amax = x.abs().max().float()
+        sf = (amax / torch.full_like(amax, 448.0)).reshape(1)
         want_codes = (x.float() * (1.0 / sf)).clamp(-448, 448).to(torch.float8_e4m3fn)
         want_scales = sf
     else:
         sf = (x.abs().float().amax(dim=1, keepdim=True).clamp(min=1e-10)) / 448.0
         want_codes = (x.float() * (1.0 / sf)).clamp(-448, 448).to(torch.float8_e4m3fn)
         want_scales = sf
-    codes, scales = ds.quantize_fp8(x, scheme, scale_format)
-    assert np.array_equal(codes, want_codes.view(torch.uint8).numpy())
+    codes, scales = ds.quantize_fp8(x.cpu(), scheme, scale_format)
+    assert np.array_equal(codes, want_codes.view(torch.uint8).cpu().numpy())
+    want_scales = want_scales.cpu()
     if scale_format == "ue8m0":
         assert np.array_equal(scales, want_scales.to(torch.float8_e8m0fnu).view(torch.uint8).numpy())
     else:

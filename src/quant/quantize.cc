@@ -180,8 +180,9 @@ GroupScale ScaleFor(const QuantRecipe& recipe, float amax) {
       if (recipe.scale_format != ScaleFormat::kF32) sf = CeilPowerOfTwo(sf);
       break;
     case QuantScheme::kPerChannel:
-      // Triton: tl.maximum(absmax, eps = 1e-10) / fp8_max.
-      sf = std::fmax(amax, 1e-10f) / kE4M3Max;
+      // Triton: tl.maximum(absmax, eps = 1e-10) / fp8_max, whose
+      // div.full.f32 multiplies by the reciprocal of 448: float32(1/448).
+      sf = std::fmax(amax, 1e-10f) * kInverseE4M3Max;
       break;
     case QuantScheme::kPerTensor:
       // vLLM divides by whatever comes out, 0 included; we keep the codes

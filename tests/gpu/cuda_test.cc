@@ -573,15 +573,15 @@ TEST_F(CudaTest, DigestChangeOverABlockMatchesTheCpu) {
       std::memcpy(&nv, &news[k * w], w);
       want += stream::ElementChangeDigest(at, ov, nv, w);
     }
-    Result<Digest> got = DigestChangeOnDevice(*ws_, "d", w, {p.data, false, v.data, pos.size()},
-                                              o.data, base, n, nullptr, &b);
+    Result<Digest> got = DigestChangeOnDevice(*ws_, "d", w, {p.data, 4, v.data, pos.size()}, o.data,
+                                              base, n, nullptr, &b);
     ASSERT_TRUE(got.ok()) << got.status().ToString();
     EXPECT_EQ(got->a, want.a) << b.first << " " << b.rows;
     EXPECT_EQ(got->b, want.b) << b.first << " " << b.rows;
   }
   const PositionBlock bad{0, 10, 2, 5};
-  EXPECT_FALSE(DigestChangeOnDevice(*ws_, "d", w, {p.data, false, v.data, pos.size()}, o.data, base,
-                                    n, nullptr, &bad)
+  EXPECT_FALSE(DigestChangeOnDevice(*ws_, "d", w, {p.data, 4, v.data, pos.size()}, o.data, base, n,
+                                    nullptr, &bad)
                    .ok());
 }
 
