@@ -325,7 +325,8 @@ void RegisterDemo(CLI::App& app, CommandFn* run) {
       ->check(CLI::Range(int64_t{1}, int64_t{100000}));
   cmd->add_option("--bytes", o->bytes, "Model size in BF16 bytes, e.g. 320MiB or 1GiB")
       ->capture_default_str();
-  cmd->add_option("--preset", o->demo.preset, "Model shape: tiny | qwen2.5-0.5b | qwen2.5-1.5b | qwen3-30b-a3b")
+  cmd->add_option("--preset", o->demo.preset,
+                  "Model shape: tiny | qwen2.5-0.5b | qwen2.5-1.5b | qwen3-30b-a3b")
       ->capture_default_str();
   cmd->add_option("--seed", o->demo.seed, "Random seed of the synthetic trainer")
       ->capture_default_str();
