@@ -37,7 +37,7 @@ from .errors import *  # noqa: F401,F403 - the exception classes
 from .errors import DeltasyncError, error_for_code
 from .store import LocalCheckpoint, Publisher, prune, versions
 from .stream import Group, ShardSpec, StreamReceiver, StreamSender, built_communicators
-from .stream import shard_spec_from_dtensor
+from .stream import quantize_fp8_shard, shard_spec_from_dtensor
 from .torch_group import TorchGroup
 
 __version__ = _deltasync.__version__
@@ -74,6 +74,7 @@ __all__ = [
     "prune",
     "pull_on_engines",
     "quantize_fp8",
+    "quantize_fp8_shard",
     "shard_spec_from_dtensor",
     "versions",
 ] + [n for n in dir() if n.endswith("Error")]

@@ -353,3 +353,25 @@ def shard_spec_from_dtensor(name: str, dt: Any) -> ShardSpec:
 
 
 ShardSpec.from_dtensor = staticmethod(shard_spec_from_dtensor)
+
+
+def quantize_fp8_shard(group: Any, window: Any, windows: Sequence[Sequence[int]],
+                       shape: Sequence[int], scheme: str = "block128",
+                       scale_format: str = "f32", *, name: str = "weight") -> tuple:
+    """This trainer rank's piece of a sharded 2-D weight quantized to FP8
+    E4M3 exactly as quantizing the whole weight would (see
+    :func:`deltasync.quantize_fp8` for ``scheme`` and ``scale_format``).
+
+    A collective over ``group`` (a :class:`Group` or a :class:`TorchGroup`
+    of the trainer's ranks): every rank calls it with ``windows``, every
+    rank's ``(row_begin, row_end, col_begin, col_end)`` in the weight of
+    ``shape``, and ``window``, its own elements (host memory, BF16, F16 or
+    F32). A scale block that crosses a shard border takes the amax of every
+    rank that holds part of it: only those blocks' amax travel, never their
+    elements. Returns ``(codes, scales, groups)``: the window's codes
+    (uint8), the scales of the scale groups it touches, and those groups'
+    ``(row_begin, row_end, col_begin, col_end)`` in the scale grid. A NaN or
+    infinite weight on any rank raises InvalidArgumentError on every rank."""
+    return _deltasync.quantize_fp8_shard(
+        group, arg(name, window), [list(map(int, w)) for w in windows],
+        list(map(int, shape)), scheme, scale_format)

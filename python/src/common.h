@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "deltasync/dtype.h"
+#include "deltasync/quantize.h"
 #include "deltasync/status.h"
 #include "deltasync/store.h"
 #include "deltasync/stream.h"
@@ -172,6 +173,10 @@ class Held {
 
 // Host memory only: InvalidArgument naming the tensor and `what` otherwise.
 Status RequireHost(const TensorArg& t, const std::string& what);
+
+// A recipe by its Python names ("block128", "per_tensor", "per_channel";
+// "f32", "ue8m0_f32", "ue8m0"); raises InvalidArgumentError otherwise.
+QuantRecipe ParseQuantRecipe(const std::string& scheme, const std::string& scale_format);
 
 // Host views of `tensors` (RequireHost, naming `what`), for the disk
 // transport; store.cc.

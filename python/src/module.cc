@@ -64,6 +64,31 @@ Status RequireHost(const TensorArg& t, const std::string& what) {
   return Status::OK();
 }
 
+QuantRecipe ParseQuantRecipe(const std::string& scheme, const std::string& scale_format) {
+  QuantRecipe recipe;
+  if (scheme == "block128") {
+    recipe.scheme = QuantScheme::kBlock128;
+  } else if (scheme == "per_tensor") {
+    recipe.scheme = QuantScheme::kPerTensor;
+  } else if (scheme == "per_channel") {
+    recipe.scheme = QuantScheme::kPerChannel;
+  } else {
+    Raise(Status::InvalidArgument("quantize_fp8: unknown scheme '" + scheme +
+                                  "' (block128, per_tensor, per_channel)"));
+  }
+  if (scale_format == "f32") {
+    recipe.scale_format = ScaleFormat::kF32;
+  } else if (scale_format == "ue8m0_f32") {
+    recipe.scale_format = ScaleFormat::kUe8m0F32;
+  } else if (scale_format == "ue8m0") {
+    recipe.scale_format = ScaleFormat::kUe8m0;
+  } else {
+    Raise(Status::InvalidArgument("quantize_fp8: unknown scale format '" + scale_format +
+                                  "' (f32, ue8m0_f32, ue8m0)"));
+  }
+  return recipe;
+}
+
 namespace {
 
 // Both tensors usable, in host memory, of one dtype and shape; `role`
@@ -140,27 +165,7 @@ py::tuple PyQuantizeFp8(const TensorArg& weight, const std::string& scheme,
                         const std::string& scale_format) {
   Check(weight.Validate());
   Check(RequireHost(weight, "quantize_fp8"));
-  QuantRecipe recipe;
-  if (scheme == "block128") {
-    recipe.scheme = QuantScheme::kBlock128;
-  } else if (scheme == "per_tensor") {
-    recipe.scheme = QuantScheme::kPerTensor;
-  } else if (scheme == "per_channel") {
-    recipe.scheme = QuantScheme::kPerChannel;
-  } else {
-    Raise(Status::InvalidArgument("quantize_fp8: unknown scheme '" + scheme +
-                                  "' (block128, per_tensor, per_channel)"));
-  }
-  if (scale_format == "f32") {
-    recipe.scale_format = ScaleFormat::kF32;
-  } else if (scale_format == "ue8m0_f32") {
-    recipe.scale_format = ScaleFormat::kUe8m0F32;
-  } else if (scale_format == "ue8m0") {
-    recipe.scale_format = ScaleFormat::kUe8m0;
-  } else {
-    Raise(Status::InvalidArgument("quantize_fp8: unknown scale format '" + scale_format +
-                                  "' (f32, ue8m0_f32, ue8m0)"));
-  }
+  const QuantRecipe recipe = ParseQuantRecipe(scheme, scale_format);
   if (weight.shape.size() != 2) {
     Raise(Status::InvalidArgument("tensor '" + weight.name +
                                   "': quantize_fp8 takes a 2-D weight, not " +

@@ -2,6 +2,8 @@
 // and receiver over a built-in communicator (gloo, nccl) or over a Python
 // object (deltasync.torch_group: an existing torch.distributed group), and
 // the shard placements of a sharded trainer.
+#include <pybind11/numpy.h>
+
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -9,6 +11,7 @@
 
 #include "common.h"
 #include "deltasync/communicator.h"
+#include "deltasync/quantize.h"
 #include "deltasync/shard.h"
 #if DS_PY_HAVE_CUDA
 #include "deltasync/cuda.h"
@@ -490,9 +493,75 @@ class PyReceiver {
 
 ShardSpec Named(Result<ShardSpec> r) { return Take(std::move(r)); }
 
+// Rank `group`.rank's window of a sharded weight quantized as the whole
+// weight would be (Fp8QuantizeShard): (codes of the window, scales of the
+// scale groups it touches, (row_begin, row_end, col_begin, col_end) of
+// those groups in the scale grid).
+py::tuple PyQuantizeFp8Shard(const py::object& group, const TensorArg& window,
+                             const std::vector<std::vector<int64_t>>& windows,
+                             const std::vector<int64_t>& shape, const std::string& scheme,
+                             const std::string& scale_format) {
+  Check(window.Validate());
+  Check(RequireHost(window, "quantize_fp8_shard"));
+  const QuantRecipe recipe = ParseQuantRecipe(scheme, scale_format);
+  const auto bad = [&](const std::string& what) {
+    Raise(Status::InvalidArgument("tensor '" + window.name + "': quantize_fp8_shard: " + what));
+  };
+  if (shape.size() != 2) bad("the weight's shape must be 2-D");
+  std::vector<QuantWindow> bounds;
+  for (const std::vector<int64_t>& w : windows) {
+    if (w.size() != 4) bad("each window is (row_begin, row_end, col_begin, col_end)");
+    bounds.push_back({nullptr, w[0], w[1], w[2], w[3]});
+  }
+  const Connect connect = MakeConnect(group);
+  const QuantTensor tensor{window.name, window.ParsedDType(), shape};
+  std::unique_ptr<Communicator> comm;
+  Status formed;
+  {
+    py::gil_scoped_release release;
+    Result<std::unique_ptr<Communicator>> made = connect.Factory()();
+    if (made.ok()) {
+      comm = std::move(made).value();
+    } else {
+      formed = made.status();
+    }
+  }
+  Check(formed);
+  const int me = comm->rank();
+  if (me < 0 || me >= static_cast<int>(bounds.size())) {
+    bad(std::to_string(bounds.size()) + " windows for a group of " + std::to_string(comm->size()));
+  }
+  const QuantWindow& mine = bounds[me];
+  if ((mine.row_end - mine.row_begin) * (mine.col_end - mine.col_begin) !=
+          static_cast<int64_t>(window.nbytes / DTypeSize(tensor.dtype)) ||
+      window.shape.size() != 2 || window.shape[0] != mine.row_end - mine.row_begin) {
+    bad("this rank's tensor is not the shape of its window");
+  }
+  bounds[me].data = reinterpret_cast<const void*>(window.ptr);
+  const QuantGroups groups = Take(Fp8WindowGroups(recipe, tensor, bounds[me]));
+  const bool f32 = QuantScaleDType(recipe.scale_format) == DType::kF32;
+  py::array codes(py::dtype("uint8"), window.shape);
+  py::array scales(
+      py::dtype(f32 ? "float32" : "uint8"),
+      std::vector<int64_t>{groups.row_end - groups.row_begin, groups.col_end - groups.col_begin});
+  Status s;
+  {
+    py::gil_scoped_release release;
+    s = Fp8QuantizeShard(*comm, recipe, tensor, bounds, static_cast<uint8_t*>(codes.mutable_data()),
+                         scales.mutable_data());
+    comm.reset();
+  }
+  Check(s);
+  return py::make_tuple(
+      codes, scales,
+      py::make_tuple(groups.row_begin, groups.row_end, groups.col_begin, groups.col_end));
+}
+
 }  // namespace
 
 void BindStream(py::module_& m) {
+  m.def("quantize_fp8_shard", &PyQuantizeFp8Shard, py::arg("group"), py::arg("window"),
+        py::arg("windows"), py::arg("shape"), py::arg("scheme"), py::arg("scale_format"));
   py::class_<ShardPiece>(m, "ShardPiece",
                          "A box or flat range of one checkpoint tensor inside a local tensor.")
       .def_readonly("hf_name", &ShardPiece::hf_name)

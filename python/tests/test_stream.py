@@ -4,6 +4,7 @@ errors bad input gets."""
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -440,3 +441,39 @@ def _torch_group_worker(rank, size, init, rendezvous_dir, syncs):
 def test_processes_over_a_torch_distributed_gloo_group(tmp_path):
     init = "file://" + str(tmp_path / "pg_init")
     mp.spawn(_torch_group_worker, args=(3, init, str(tmp_path), 3), nprocs=3, join=True)
+
+
+def _quantize_shard_worker(rank, size, init):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
+    try:
+        group = ds.TorchGroup(timeout_s=60)
+        rng = np.random.default_rng(3)
+        w = (rng.standard_normal((300, 200)) * 0.02).astype(np.float32)
+        w[::37, ::11] *= 40  # blocks of different ranges
+        # A row border through a 128-row block and a column split below
+        # it: blocks, rows and the tensor's one group shared between ranks.
+        windows = [(0, 150, 0, 200), (150, 300, 0, 70), (150, 300, 70, 200)]
+        r0, r1, c0, c1 = windows[rank]
+        for scheme, fmt in [("block128", "f32"), ("block128", "ue8m0"), ("per_tensor", "f32"),
+                            ("per_channel", "f32")]:
+            whole_codes, whole_scales = ds.quantize_fp8(w, scheme, fmt)
+            codes, scales, (g0, g1, h0, h1) = ds.quantize_fp8_shard(
+                group, np.ascontiguousarray(w[r0:r1, c0:c1]), windows, w.shape, scheme, fmt)
+            assert np.array_equal(codes, whole_codes[r0:r1, c0:c1]), (scheme, fmt, rank)
+            grid = whole_scales.reshape(whole_scales.shape[0], -1)
+            assert np.array_equal(scales, grid[g0:g1, h0:h1]), (scheme, fmt, rank)
+        # A NaN on one rank fails the call on every rank.
+        bad = np.ascontiguousarray(w[r0:r1, c0:c1])
+        if rank == 2:
+            bad[5, 5] = np.nan
+        with pytest.raises(ds.InvalidArgumentError):
+            ds.quantize_fp8_shard(group, bad, windows, w.shape)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_quantize_fp8_shard_over_a_torch_group_equals_the_whole_weight(tmp_path):
+    init = "file://" + str(tmp_path / "pg_init")
+    mp.spawn(_quantize_shard_worker, args=(3, init), nprocs=3, join=True)
