@@ -111,6 +111,18 @@ struct ShardSpec {
   // `dim`; a part that does not contribute marks its pieces so. Parts with
   // flat ranges only along dim 0 of 1-D tensors.
   static Result<ShardSpec> Fused(DType dtype, int dim, const std::vector<ShardSpec>& parts);
+  // An expert-parallel rank's experts stacked along a leading dimension in
+  // one local tensor, [experts.size(), parts * part_shape[0],
+  // part_shape[1], ...]: slice i is the HF tensors experts[i] (each of
+  // `part_shape`, all with the same number of names) concatenated along
+  // their first dimension. One name per expert for a stacked down_proj
+  // (vLLM's and SGLang's w2 on an EP rank, Megatron's grouped weights);
+  // gate then up for their fused w13. The rank holding experts [first,
+  // first + n) passes those n experts' names; per-expert HF tensors that a
+  // rank holds unstacked are each Whole.
+  static Result<ShardSpec> StackedExperts(DType dtype,
+                                          const std::vector<std::vector<std::string>>& experts,
+                                          std::vector<int64_t> part_shape);
   // Tensor-parallel rank `tp_rank` of `tp_size`'s part of Megatron's fused
   // linear_qkv weight, whose rows interleave the heads per query group (for
   // each group g: its num_heads / num_query_groups query heads, then its

@@ -655,6 +655,17 @@ void BindStream(py::module_& m) {
           "Tensor-parallel rank tp_rank's part of Megatron's fused linear_qkv weight (heads "
           "interleaved per query group: its query heads, its key head, its value head), as the "
           "HF q, k and v projections.")
+      .def_static(
+          "stacked_experts",
+          [](const std::string& dtype, const std::vector<std::vector<std::string>>& experts,
+             std::vector<int64_t> part_shape) {
+            return Named(
+                ShardSpec::StackedExperts(Take(ParseDType(dtype)), experts, std::move(part_shape)));
+          },
+          py::arg("dtype"), py::arg("experts"), py::arg("part_shape"),
+          "An expert-parallel rank's experts stacked in one local tensor [len(experts), "
+          "parts * part_shape[0], ...]: slice i is the HF tensors experts[i] (one name each for "
+          "a stacked down_proj, gate then up for a fused w13) along their first dimension.")
       .def(
           "validate", [](const ShardSpec& s) { Check(s.Validate()); },
           "Raises InvalidArgumentError unless the pieces cover the local tensor exactly.");

@@ -347,6 +347,41 @@ def test_megatron_fused_qkv_and_gate_up_sync_bit_exact(tmp_path):
         ds.ShardSpec.megatron_qkv("q", "k", "v", "BF16", 8, 3, 4, 6, 0, 2)
 
 
+def test_stacked_experts_of_expert_parallel_ranks_sync_bit_exact(tmp_path):
+    # 4 experts on 2 expert-parallel ranks, each rank holding its 2 experts
+    # stacked as vLLM's and SGLang's EP layers do: w13 [2, 2 * ffn, hidden]
+    # (gate rows, then up rows) and w2 [2, hidden, ffn].
+    experts, ffn, hidden, ep = 4, 5, 6, 2
+    g = torch.Generator().manual_seed(11)
+    hf = {}
+    for e in range(experts):
+        for part, shape in (("gate_proj", (ffn, hidden)), ("up_proj", (ffn, hidden)),
+                            ("down_proj", (hidden, ffn))):
+            hf[f"mlp.experts.{e}.{part}.weight"] = torch.randn(*shape, generator=g).to(
+                torch.bfloat16)
+    spec = {n: ("BF16", list(t.shape)) for n, t in hf.items()}
+
+    def shards_of(rank, w):
+        mine = range(rank * experts // ep, (rank + 1) * experts // ep)
+        name = "mlp.experts.{}.{}.weight".format
+        w13 = torch.stack([torch.cat([w[name(e, "gate_proj")], w[name(e, "up_proj")]])
+                           for e in mine])
+        w2 = torch.stack([w[name(e, "down_proj")] for e in mine])
+        return [(ds.ShardSpec.stacked_experts(
+                    "BF16", [[name(e, "gate_proj"), name(e, "up_proj")] for e in mine],
+                    [ffn, hidden]), w13),
+                (ds.ShardSpec.stacked_experts("BF16", [[name(e, "down_proj")] for e in mine],
+                                              [hidden, ffn]), w2)]
+
+    def change(w, k):
+        for t in w.values():
+            t.view(-1)[k::5] += 1
+
+    sync_two_trainer_ranks(tmp_path, hf, spec, 2, shards_of, change)
+    with pytest.raises(ds.InvalidArgumentError, match="expert 1 has 1 tensors"):
+        ds.ShardSpec.stacked_experts("BF16", [["a", "b"], ["c"]], [2, 2])
+
+
 class _Shard:
     def __init__(self, dim):
         self.dim = dim

@@ -395,6 +395,42 @@ Result<ShardSpec> ShardSpec::FlatRange(std::string name, DType dtype, std::vecto
   return spec;
 }
 
+Result<ShardSpec> ShardSpec::StackedExperts(DType dtype,
+                                            const std::vector<std::vector<std::string>>& experts,
+                                            std::vector<int64_t> part_shape) {
+  if (experts.empty()) return Status::InvalidArgument("stacked experts: no experts");
+  const size_t parts = experts[0].size();
+  const std::string what = "stacked experts from '" + (parts ? experts[0][0] : std::string()) + "'";
+  if (parts == 0) return Status::InvalidArgument(what + ": an expert of no tensors");
+  if (part_shape.empty()) return Status::InvalidArgument(what + ": a part of no dimensions");
+  int64_t part_numel = 1;
+  for (int64_t d : part_shape) {
+    if (d < 0 || (d > 0 && part_numel > kMaxShardNumel / d)) {
+      return Status::InvalidArgument(what + ": part shape " + ShapeString(part_shape));
+    }
+    part_numel *= d;
+  }
+  ShardSpec spec;
+  spec.dtype = dtype;
+  spec.local_shape = part_shape;
+  spec.local_shape[0] *= static_cast<int64_t>(parts);
+  spec.local_shape.insert(spec.local_shape.begin(), static_cast<int64_t>(experts.size()));
+  int64_t at = 0;
+  for (size_t e = 0; e < experts.size(); ++e) {
+    if (experts[e].size() != parts) {
+      return Status::InvalidArgument(what + ": expert " + std::to_string(e) + " has " +
+                                     std::to_string(experts[e].size()) + " tensors, expert 0 " +
+                                     std::to_string(parts));
+    }
+    for (const std::string& name : experts[e]) {
+      spec.pieces.push_back(ShardPiece::Flat(name, part_shape, at, 0, part_numel));
+      at += part_numel;
+    }
+  }
+  DS_RETURN_IF_ERROR(spec.Validate());
+  return spec;
+}
+
 Result<ShardSpec> ShardSpec::Fused(DType dtype, int dim, const std::vector<ShardSpec>& parts) {
   if (parts.empty()) return Status::InvalidArgument("fused tensor: no parts");
   const std::string fused = "fused tensor of " + SpecName(parts[0]);

@@ -450,6 +450,39 @@ TEST(ShardTranslate, FusedWithReplicatedPart) {
   ExpectCoveredOnce(covered);
 }
 
+TEST(ShardTranslate, StackedExpertsOfExpertParallelRanks) {
+  // 4 experts, gate and up [3, 4] each, as vLLM's w13 on 2 EP ranks: rank
+  // r holds experts 2r and 2r + 1 as one [2, 6, 4] tensor, each expert's
+  // gate rows then its up rows.
+  std::vector<HfTensor> model;
+  for (int e = 0; e < 4; ++e) {
+    for (const char* part : {"gate_proj", "up_proj"}) {
+      model.push_back(MakeTensor("mlp.experts." + std::to_string(e) + "." + part + ".weight",
+                                 DType::kBF16, {3, 4}, 10 + e));
+      MutateRandom(&model.back(), 0.4, 20 + e);
+    }
+  }
+  std::map<std::string, std::vector<int>> covered;
+  for (int r = 0; r < 2; ++r) {
+    std::vector<std::vector<std::string>> experts;
+    for (int e = 2 * r; e < 2 * r + 2; ++e) {
+      const std::string x = "mlp.experts." + std::to_string(e) + ".";
+      experts.push_back({x + "gate_proj.weight", x + "up_proj.weight"});
+    }
+    const ShardSpec spec = Value(ShardSpec::StackedExperts(DType::kBF16, experts, {3, 4}));
+    EXPECT_EQ(spec.local_shape, (std::vector<int64_t>{2, 6, 4}));
+    // Local [1, 3, 0] is the second expert's first up row.
+    ASSERT_EQ(spec.pieces.size(), 4u);
+    EXPECT_EQ(spec.pieces[3].hf_name, experts[1][1]);
+    EXPECT_EQ(spec.pieces[3].local_first, (1 * 6 + 3) * 4);
+    CheckTranslation(spec, model, &covered);
+  }
+  ExpectCoveredOnce(covered);
+  EXPECT_FALSE(ShardSpec::StackedExperts(DType::kBF16, {}, {3, 4}).ok());
+  EXPECT_FALSE(ShardSpec::StackedExperts(DType::kBF16, {{"a", "b"}, {"c"}}, {3, 4}).ok());
+  EXPECT_FALSE(ShardSpec::StackedExperts(DType::kBF16, {{"a"}, {"a"}}, {3, 4}).ok());
+}
+
 TEST(ShardTranslate, FlatRangesOfAnFsdp1FlatParameter) {
   // a (35 elements) and b (12) flattened back to back, padded to 48, and
   // split in 4 shards of 12: the last shard holds 11 real elements and one
