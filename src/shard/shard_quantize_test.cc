@@ -43,8 +43,10 @@ std::vector<uint16_t> Weight(uint64_t seed) {
   return w;
 }
 
-std::vector<uint16_t> Cut(const std::vector<uint16_t>& w, const Box& b) {
-  std::vector<uint16_t> out;
+// The box `b` of a [kRows, kCols] row-major array, its rows back to back.
+template <typename T>
+std::vector<T> Cut(const std::vector<T>& w, const Box& b) {
+  std::vector<T> out;
   for (int64_t r = b.r0; r < b.r1; ++r) {
     out.insert(out.end(), w.begin() + r * kCols + b.c0, w.begin() + r * kCols + b.c1);
   }
@@ -99,7 +101,7 @@ class Fp8QuantizeShardGloo : public ::testing::TestWithParam<QuantRecipe> {
     for (int r = 0; r < ranks; ++r) {
       SCOPED_TRACE("rank " + std::to_string(r));
       ASSERT_TRUE(done[r].ok()) << done[r].ToString();
-      EXPECT_EQ(codes[r], Cut8(whole_codes, boxes[r]));
+      EXPECT_EQ(codes[r], Cut(whole_codes, boxes[r]));
       windows[r].data = data[r].data();
       const QuantGroups g = *Fp8WindowGroups(recipe, tensor, windows[r]);
       size_t k = 0;
@@ -112,14 +114,6 @@ class Fp8QuantizeShardGloo : public ::testing::TestWithParam<QuantRecipe> {
         }
       }
     }
-  }
-
-  static std::vector<uint8_t> Cut8(const std::vector<uint8_t>& w, const Box& b) {
-    std::vector<uint8_t> out;
-    for (int64_t r = b.r0; r < b.r1; ++r) {
-      out.insert(out.end(), w.begin() + r * kCols + b.c0, w.begin() + r * kCols + b.c1);
-    }
-    return out;
   }
 
   comm_test::TempDir dir_;

@@ -7,7 +7,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -18,6 +17,7 @@
 #include "deltasync/stream.h"
 #include "stream/sync_rig.h"
 #include "stream/sync_test_util.h"
+#include "synth/bf16.h"
 
 namespace deltasync {
 namespace {
@@ -70,16 +70,12 @@ TEST_P(QuantizeThenDiff, ReceiversHoldTheTrainersWeightsQuantized) {
                        scale_shape);
   }
   Model m = Model::Make(1, specs);
-  // The BF16 weights of the masters (round to nearest even), quantized
+  // The BF16 weights of the masters (as torch casts them), quantized
   // into the model's code and scale tensors.
   const auto quantize_into = [&](Model* into) {
     for (size_t t = 0; t < shapes.size(); ++t) {
       std::vector<uint16_t> bf16(master[t].size());
-      for (size_t i = 0; i < bf16.size(); ++i) {
-        uint32_t bits;
-        std::memcpy(&bits, &master[t][i], 4);
-        bf16[i] = static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-      }
+      for (size_t i = 0; i < bf16.size(); ++i) bf16[i] = synth::FloatToBf16(master[t][i]);
       const QuantTensor tensor{std::get<0>(specs[2 * t]), DType::kBF16, shapes[t]};
       ASSERT_TRUE(Fp8Quantize(recipe, tensor, bf16.data(), into->bytes[2 * t].data(),
                               into->bytes[2 * t + 1].data())
