@@ -384,6 +384,11 @@ class Sender final : public StreamSender {
                         std::span<stream::TensorChanges> changes,
                         std::span<const std::span<uint8_t>> dense, Round* round,
                         std::map<std::string, TensorRound, std::less<>>* rounds);
+  // Rank 0, after a batch: sends each group's open frame that holds at
+  // least kBatchFrameBytes now, on the flight thread, so that it travels
+  // while the ranks diff and gather the next batch instead of waiting to
+  // fill.
+  Status SendBatchFrames(Round* round);
   // After rank 0's decision: commits this rank's snapshots or marks the
   // units the sync covered dirty.
   void SettleShards(std::span<const ShardedTensor> shards, bool commit);

@@ -405,6 +405,20 @@ Status Sender::DiffDeviceRun(
   return Status::OK();
 }
 
+// A batch of a delta is a few MiB of changes: left to fill a 16 MiB frame,
+// the last frames of a sync would wait for the last gathers and then go
+// out one after another, after all of them.
+constexpr uint64_t kBatchFrameBytes = uint64_t{1} << 20;
+
+Status Sender::SendBatchFrames(Round* round) {
+  for (const std::unique_ptr<Group>& g : round->groups) {
+    if (!g->open || g->device || !g->overlap) continue;
+    if (g->writer.frame_bytes() < kBatchFrameBytes) continue;
+    DS_RETURN_IF_ERROR(Flush(*g, &round->stats));
+  }
+  return Status::OK();
+}
+
 Status Sender::StreamSegments(std::span<const Segment> segments, std::span<TensorChanges> changes,
                               std::span<const std::span<uint8_t>> dense, Round* round,
                               std::map<std::string, TensorRound, std::less<>>* rounds) {
@@ -679,6 +693,7 @@ Result<SyncStats> Sender::SyncShardsAlone(std::span<const ModelTensor> model,
         }
       }
       round.streamed = StreamSegments(segs, by_segment, dense_spans, &round, &rounds);
+      if (round.streamed.ok() && b + 1 < batches.size()) round.streamed = SendBatchFrames(&round);
     }
     if (root) {
       stats.changed = round.stats.changed;
