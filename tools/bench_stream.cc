@@ -738,8 +738,8 @@ int RunStreamBenchPeer(const std::vector<std::string>& args) {
     for (int k = 0; k < syncs; ++k) {
       if (Status s = (*comm)->Barrier(); !s.ok()) return Fail(s);
       for (std::vector<uint8_t>& b : bufs) {
-        Status s =
-            tree ? (*comm)->Broadcast(0, b) : (*comm)->Relay(o.rank - 1, next, b, kRelayChunk);
+        Status s = tree ? (*comm)->Broadcast(0, b)
+                        : (*comm)->Relay(o.rank - 1, next, b, kRelayChunk, nullptr);
         if (!s.ok()) return Fail(s);
       }
       if (Status s = (*comm)->Barrier(); !s.ok()) return Fail(s);

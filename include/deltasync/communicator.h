@@ -87,6 +87,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -262,18 +263,27 @@ class Communicator {
     return Recv(peer, data);
   }
 
+  // Called with each chunk of a Relay once it is in host memory, in order,
+  // on the calling thread: the receiver checks the bytes as they come (a
+  // running checksum) instead of in a pass of its own afterwards.
+  using ChunkTaken = std::function<void(std::span<const uint8_t>)>;
+
   // Takes `data` from `from` as consecutive messages of at most `chunk`
   // bytes (the last holding the rest) and, when `to` >= 0, sends each on to
   // `to` as soon as it has it: one link of a chain that passes a message
-  // down a row of ranks. This default passes a chunk on before it takes the
-  // next; a communicator may take the next while it passes one on.
-  virtual Status Relay(int from, int to, std::span<uint8_t> data, size_t chunk) {
+  // down a row of ranks. `taken` (may be empty) sees each chunk after it
+  // is passed on. This default passes a chunk on before it takes the next;
+  // a communicator may take the next while it passes one on.
+  virtual Status Relay(int from, int to, std::span<uint8_t> data, size_t chunk,
+                       const ChunkTaken& taken) {
     if (chunk == 0) return Status::InvalidArgument("relay: a chunk of 0 bytes");
     for (size_t at = 0; at < data.size(); at += chunk) {
       const std::span<uint8_t> part = data.subspan(at, std::min(chunk, data.size() - at));
       if (Status s = Recv(from, part); !s.ok()) return s;
-      if (to < 0) continue;
-      if (Status s = Send(to, part); !s.ok()) return s;
+      if (to >= 0) {
+        if (Status s = Send(to, part); !s.ok()) return s;
+      }
+      if (taken) taken(part);
     }
     return Status::OK();
   }

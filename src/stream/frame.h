@@ -328,6 +328,10 @@ class FlushReader {
   // the checksum has passed) and the entry's index and tensor; nothing is
   // exposed then. `frame` must outlive the entries' views.
   Status Read(std::span<const uint8_t> frame);
+  // As Read, with the xxh3-128 of the frame's bytes before its trailer
+  // already computed by the caller (as the bytes came in: 16 bytes, in
+  // the trailer's order); rule 2 compares it with the trailer.
+  Status Read(std::span<const uint8_t> frame, std::span<const uint8_t> checksum);
 
   // A frame of `frame_bytes` bytes at `base`, in memory the host does not
   // read (a device bucket), whose trailer the caller has checked against

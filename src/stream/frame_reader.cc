@@ -132,6 +132,12 @@ void FlushReader::Clear() {
 }
 
 Status FlushReader::Read(std::span<const uint8_t> frame) {
+  if (frame.size() < kFlushHeaderBytes + kFlushTrailerBytes) return Read(frame, {});
+  return Read(frame, ChecksumBytes(ChecksumAlgo::kXxh3_128,
+                                   frame.first(frame.size() - kFlushTrailerBytes)));
+}
+
+Status FlushReader::Read(std::span<const uint8_t> frame, std::span<const uint8_t> sum) {
   Clear();
   const uint64_t size = frame.size();
   const uint8_t* f = frame.data();
@@ -139,9 +145,11 @@ Status FlushReader::Read(std::span<const uint8_t> frame) {
     return Status::Corruption("flush frame of " + U64(size) +
                               " bytes: shorter than a 64-byte header and a 16-byte trailer");
   }
+  if (sum.size() != kFlushTrailerBytes) {
+    return Status::InvalidArgument("flush reader: a checksum of " + U64(sum.size()) +
+                                   " bytes, not 16");
+  }
   // 2. Nothing is believed before the checksum.
-  const std::vector<uint8_t> sum =
-      ChecksumBytes(ChecksumAlgo::kXxh3_128, frame.first(size - kFlushTrailerBytes));
   if (std::memcmp(sum.data(), f + size - kFlushTrailerBytes, kFlushTrailerBytes) != 0) {
     return TrailerMismatch(size, frame.first(kFlushHeaderBytes),
                            frame.subspan(size - kFlushTrailerBytes), sum);

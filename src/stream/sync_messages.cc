@@ -161,8 +161,9 @@ Status SendEnd(Communicator& comm, int peer) {
   return comm.Send(peer, EncodeEnvelope({MessageType::kFrame, false, true, 0}));
 }
 
-Status RelayShared(Communicator& comm, int from, int to, std::span<uint8_t> into) {
-  return comm.Relay(from, to == 0 ? -1 : to, into, kRelayChunkBytes);
+Status RelayShared(Communicator& comm, int from, int to, std::span<uint8_t> into,
+                   const Communicator::ChunkTaken& taken) {
+  return comm.Relay(from, to == 0 ? -1 : to, into, kRelayChunkBytes, taken);
 }
 
 nlohmann::json RouteBody(const Route& route) { return {{"from", route.from}, {"to", route.to}}; }

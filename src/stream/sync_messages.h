@@ -57,8 +57,10 @@ Status SendMessage(Communicator& comm, int peer, MessageType type, bool last,
 Status SendShared(Communicator& comm, int peer, std::span<const uint8_t> frame);
 Status SendEnd(Communicator& comm, int peer);
 // Takes a shared frame's body of `into.size()` bytes from `from`, passing
-// each chunk on to `to` (0: none) as it comes.
-Status RelayShared(Communicator& comm, int from, int to, std::span<uint8_t> into);
+// each chunk on to `to` (0: none) as it comes; `taken` (may be empty) sees
+// each chunk once it is in.
+Status RelayShared(Communicator& comm, int from, int to, std::span<uint8_t> into,
+                   const Communicator::ChunkTaken& taken = nullptr);
 
 // Where a sync's shared frames come from and go to (a `route`).
 struct Route {

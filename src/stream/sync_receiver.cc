@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "comm/communicator_internal.h"
+#include "deltasync/checksum.h"
 #include "deltasync/stream.h"
 #include "deltasync/tensor.h"
 #include "deltasync/thread_pool.h"
@@ -89,9 +90,11 @@ class Receiver final : public StreamReceiver {
     return cancelled_;
   }
   // Checks and applies the frame of `bytes` bytes just received (in
-  // bucket_, or in the device bucket with `on_device`).
-  Status TakeFrame(bool envelope_last, bool on_device, uint64_t bytes, SyncState* sync,
-                   ReceiveStats* stats);
+  // bucket_, or in the device bucket with `on_device`). `checksum`: the
+  // xxh3-128 of the host frame's bytes before its trailer, taken as they
+  // came in (empty: computed here).
+  Status TakeFrame(bool envelope_last, bool on_device, uint64_t bytes,
+                   std::span<const uint8_t> checksum, SyncState* sync, ReceiveStats* stats);
   // The device bucket frames are received into, when every registered
   // tensor lives on one device and the communicator takes device memory;
   // null otherwise.
@@ -125,6 +128,8 @@ class Receiver final : public StreamReceiver {
   uint32_t failures_in_a_row_ = 0;
   FlushReader reader_;
   std::vector<uint8_t> bucket_;
+  // The running xxh3-128 of a host frame as its chunks come in.
+  std::unique_ptr<Hasher> frame_hash_ = NewHasher(ChecksumAlgo::kXxh3_128);
   std::unique_ptr<stream::DeviceFrameReader> device_frames_;
   std::unique_ptr<ThreadPool> pool_;
   bool pool_made_ = false;
@@ -317,12 +322,18 @@ Result<stream::DeviceFrameReader*> Receiver::DeviceFrames() {
   return device_frames_.get();
 }
 
-Status Receiver::TakeFrame(bool envelope_last, bool on_device, uint64_t bytes, SyncState* sync,
+Status Receiver::TakeFrame(bool envelope_last, bool on_device, uint64_t bytes,
+                           std::span<const uint8_t> checksum, SyncState* sync,
                            ReceiveStats* stats) {
   const uint64_t index = sync->frames - 1;
   const std::string where = "flush frame " + std::to_string(index) + " of the sync";
-  if (Status s = on_device ? device_frames_->Read(&reader_, bytes) : reader_.Read(bucket_);
-      !s.ok()) {
+  Status read = Status::OK();
+  if (on_device) {
+    read = device_frames_->Read(&reader_, bytes);
+  } else {
+    read = checksum.empty() ? reader_.Read(bucket_) : reader_.Read(bucket_, checksum);
+  }
+  if (Status s = read; !s.ok()) {
     return Status(s.code(), where + ": " + s.message());
   }
   const stream::FlushHeader& h = reader_.header();
@@ -612,13 +623,31 @@ Result<ReceiveStats> Receiver::ReceiveSyncAlone() {
       bucket_.resize(env->body_bytes);
       into = bucket_;
     }
-    if (s.ok()) s = shared ? stream::RelayShared(*comm_, from, to, into) : comm_->Recv(0, into);
+    // A shared host frame is hashed chunk by chunk as it comes in (its
+    // bytes before the trailer), while the next chunk is on its way.
+    std::vector<uint8_t> checksum;
+    const uint64_t hashed =
+        into.size() > stream::kFlushTrailerBytes ? into.size() - stream::kFlushTrailerBytes : 0;
+    uint64_t fed = 0;
+    const bool hash_in = s.ok() && shared && *device == nullptr && hashed > 0;
+    if (hash_in) frame_hash_->Reset();
+    const Communicator::ChunkTaken take = [&](std::span<const uint8_t> part) {
+      const uint64_t n = std::min<uint64_t>(part.size(), hashed - std::min(fed, hashed));
+      if (n > 0) frame_hash_->Update(part.first(n));
+      fed += part.size();
+    };
+    if (s.ok()) {
+      s = shared ? stream::RelayShared(*comm_, from, to, into, hash_in ? take : nullptr)
+                 : comm_->Recv(0, into);
+    }
     if (!s.ok()) return leave(s, "taking a flush frame");
+    if (hash_in) checksum = frame_hash_->Digest();
     stats.receive_s += SecondsSince(t0);
     ++sync.frames;
     stats.bytes += env->body_bytes;
     if (sync.refused.ok()) {
-      sync.refused = TakeFrame(env->last, *device != nullptr, env->body_bytes, &sync, &stats);
+      sync.refused =
+          TakeFrame(env->last, *device != nullptr, env->body_bytes, checksum, &sync, &stats);
     }
     if (env->last) break;
   }
