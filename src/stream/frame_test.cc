@@ -767,6 +767,29 @@ TEST(FlushFrameRejects, ACorruptedByteAnywhere) {
   ExpectCode(reader.Read(extended), StatusCode::kCorruption, "xxh3-128 mismatch");
 }
 
+// A checksum the caller took as the bytes came in stands for the reader's
+// own: it must match the trailer, and be 16 bytes.
+TEST(FlushFrameRejects, TheCallersChecksum) {
+  BaseFrame base;
+  FlushReader reader;
+  const std::span<const uint8_t> body = std::span(base.frame).first(base.frame.size() - 16);
+  std::vector<uint8_t> sum = ChecksumBytes(ChecksumAlgo::kXxh3_128, body);
+  ASSERT_TRUE(reader.Read(base.frame, sum).ok());
+  EXPECT_FALSE(reader.entries().empty());
+  sum[3] ^= 0x10;
+  ExpectCode(reader.Read(base.frame, sum), StatusCode::kCorruption, "xxh3-128 mismatch");
+  EXPECT_TRUE(reader.entries().empty());
+  ExpectCode(reader.Read(base.frame, std::span(sum).first(8)), StatusCode::kInvalidArgument,
+             "a checksum of 8 bytes, not 16");
+  // A corrupted byte the caller's checksum saw is refused as the reader's
+  // own pass would refuse it.
+  Bytes frame = base.frame;
+  frame[70] ^= 0x01;
+  ExpectCode(reader.Read(frame, ChecksumBytes(ChecksumAlgo::kXxh3_128,
+                                              std::span(frame).first(frame.size() - 16))),
+             StatusCode::kCorruption, "xxh3-128 mismatch");
+}
+
 TEST(FlushFrameRejects, HeaderFields) {
   BaseFrame base;
   auto with = [&](size_t at, uint64_t v, int width) {
