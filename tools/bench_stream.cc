@@ -559,6 +559,7 @@ json Bench::Report() const {
         row["transfer_s"] = r.stats.transfer_s;
         row["report_s"] = r.stats.report_s;
         row["commit_s"] = r.stats.commit_s;
+        row["committed_bytes"] = r.stats.committed_bytes;
         row["receiver_receive_s"] = r.peer_receive_s;
         row["receiver_apply_s"] = r.peer_apply_s;
         row["receiver_verify_s"] = r.peer_verify_s;

@@ -181,6 +181,10 @@ struct SyncStats {
   double report_s = 0;    // waiting for the receivers' reports
   double commit_s = 0;    // advancing the snapshot
   double total_s = 0;     // the whole call, from the checks of its arguments on
+  // Bytes the whole-tensor sender's commit copied into host snapshots: the
+  // changed elements alone where the sync logged their positions (half a
+  // bucket of them), their whole units otherwise (and first snapshots).
+  uint64_t committed_bytes = 0;
 };
 
 // Rank 0 of a stream group; with a sharded trainer, one on every trainer

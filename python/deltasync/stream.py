@@ -135,7 +135,8 @@ class StreamSender(Closing):
         for the first sync, which has none to compare with),
         ``bytes_sent``, ``seeded``, ``receivers``, ``partial_receivers``
         and the time split (``diff_s``, ``encode_s``, ``transfer_s``,
-        ``report_s``, ``commit_s``, ``total_s``). On an error nothing is
+        ``report_s``, ``commit_s``, ``total_s``), and ``committed_bytes``
+        (what the commit copied into the snapshot). On an error nothing is
         committed: the next sync resends. One call at a time: another
         thread's call meanwhile raises FailedPreconditionError, and
         :meth:`close` from another thread ends a sync in flight with an

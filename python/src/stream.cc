@@ -251,6 +251,7 @@ py::dict SyncDict(const SyncStats& s) {
   d["transfer_s"] = s.transfer_s;
   d["report_s"] = s.report_s;
   d["commit_s"] = s.commit_s;
+  d["committed_bytes"] = s.committed_bytes;
   d["total_s"] = s.total_s;
   return d;
 }

@@ -78,6 +78,28 @@ struct Copy {
   uint64_t bytes = 0;
 };
 
+// A host tensor's changed elements that the commit copies one by one
+// instead of their whole unit: `n` positions from element `first`, as
+// LEB128 gaps (the first from 0) at byte `at` of the sender's commit log.
+struct LoggedRun {
+  uint64_t first = 0;
+  uint64_t n = 0;
+  uint64_t at = 0;
+};
+// A unit's mark in TensorState::changed: copied whole at the commit, or
+// only its logged elements.
+inline constexpr uint8_t kUnitCopied = 1;
+inline constexpr uint8_t kUnitLogged = 2;
+// Appends `n` increasing positions as LEB128 gaps (the first from 0);
+// the bytes written (at most 5 a position).
+uint64_t LogPositions(const uint32_t* positions, uint64_t n, uint8_t* out);
+// The bytes LogPositions writes for them.
+uint64_t LoggedBytes(const uint32_t* positions, uint64_t n);
+// Copies a run's elements of `w` bytes from the tensor's current values
+// `x` into its snapshot; `log` is the commit log the run points into.
+void CopyLogged(const LoggedRun& r, uint32_t w, const uint8_t* log, const uint8_t* x,
+                uint8_t* snapshot);
+
 using BlockKey = std::tuple<uint64_t, uint64_t, uint64_t, uint64_t>;
 
 inline BlockKey KeyOf(const DigestBlock& b) { return {b.first, b.count, b.rows, b.row_stride}; }
@@ -139,6 +161,7 @@ struct TensorState {
   std::unique_ptr<stream::DeviceSource> device;
   std::vector<uint8_t> dirty;                 // per unit: changed by a failed sync
   std::vector<uint8_t> changed;               // per unit: changed by the current sync
+  std::vector<LoggedRun> logged;              // the kUnitLogged units' elements
   std::map<BlockKey, StateDigest> committed;  // the snapshot's digest per held block
   std::map<BlockKey, StateDigest> expected;   // at the end of the current sync
 
@@ -527,6 +550,10 @@ class Sender final : public StreamSender {
   // The most StreamHostUnits held of kept changes, and of its threads'
   // diff scratch, in the sync so far.
   uint64_t host_kept_peak_ = 0;
+  // The current sync's logged changes (LoggedRun), kept to half a bucket:
+  // past it a changed unit is copied whole at the commit.
+  std::vector<uint8_t> commit_log_;
+  uint64_t committed_bytes_ = 0;  // by the last commit (SyncStats::committed_bytes)
   uint64_t host_scratch_peak_ = 0;
   // StreamHostUnits' sparse entries of the staged units, compressed ahead
   // (at most the staged changes' size), and an encoder per thread.

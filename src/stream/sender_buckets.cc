@@ -174,6 +174,7 @@ void Sender::BeginTensor(TensorState& t, TensorRound* tr) {
     if (!have_snapshot_ || !t.committed.count(key)) tr->whole.insert(key);
   }
   t.changed.assign(t.units(), 0);
+  t.logged.clear();
 }
 
 void Sender::EndTensor(TensorState& t, const TensorRound& tr) {

@@ -282,6 +282,7 @@ Status Sender::SendRecords(Peer& peer, Group& g, uint64_t sync_id, bool verify_a
 
 Status Sender::BeginSync(Round* round, Clock::time_point start) {
   round->start = start;
+  commit_log_.clear();
   if (!comm_) DS_RETURN_IF_ERROR(Connect());
   round->sync_id = next_sync_id_++;
   const std::string sync_name = "sync " + std::to_string(round->sync_id);
@@ -442,7 +443,8 @@ Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>&
   stats.buffer_bytes = changes_.pos32.capacity() * 4 + changes_.pos64.capacity() * 8 +
                        changes_.new_values.capacity() + changes_.old_values.capacity() +
                        scratch_.capacity() + staged_positions_.capacity() * 4 +
-                       staged_values_.capacity() + host_kept_peak_ + host_scratch_peak_;
+                       staged_values_.capacity() + host_kept_peak_ + host_scratch_peak_ +
+                       commit_log_.capacity();
   for (const stream::SparseRegions& r : sparse_regions_) {
     stats.buffer_bytes += r.positions.capacity() + r.values.capacity();
   }
@@ -502,9 +504,14 @@ Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>&
 
   if (failures.empty()) {
     const auto t0 = Clock::now();
+    committed_bytes_ = 0;
     if (Status c = commit(); !c.ok()) {
       ForgetSnapshot();
-      for (TensorState* t : order) t->changed.clear();
+      for (TensorState* t : order) {
+        t->changed.clear();
+        t->logged.clear();
+      }
+      commit_log_.clear();
       return Status(c.code(), "sync " + std::to_string(round->sync_id) +
                                   ": every receiver applied it, but the sender could not keep "
                                   "its snapshot (the next sync reseeds every receiver): " +
@@ -513,12 +520,14 @@ Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>&
     for (TensorState* t : order) {
       std::fill(t->dirty.begin(), t->dirty.end(), 0);
       t->changed.clear();
+      t->logged.clear();
       for (const auto& [key, d] : t->expected) t->committed[key] = d;
     }
     have_snapshot_ = true;
     for (Peer& p : peers_) p.need_seed = false;
     committed_id_ = round->sync_id;
     stats.commit_s = SecondsSince(t0);
+    stats.committed_bytes = committed_bytes_;
     stats.total_s = SecondsSince(round->start);
     return stats;
   }
@@ -532,8 +541,10 @@ Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>&
       for (uint64_t u = 0; u < t->changed.size(); ++u) t->dirty[u] |= t->changed[u];
     }
     t->changed.clear();
+    t->logged.clear();
     if (t->device) t->device->Rollback();
   }
+  commit_log_.clear();
   for (size_t i = 0; i < peers_.size(); ++i) {
     if (round->group_of[i]->seed && !failed[i] && have_snapshot_ && comm_) {
       peers_[i].need_seed = false;
@@ -621,8 +632,11 @@ Result<SyncStats> Sender::SyncAlone(std::span<const SyncTensor> tensors) {
     if (!round.streamed.ok()) break;
   }
   return EndSync(&round, order, [&]() -> Status {
-    // The changed units of host tensors, copied on the sender's threads.
+    // The changed units of host tensors copied, and the logged elements of
+    // the others, on the sender's threads.
     std::vector<Copy> copies;
+    std::vector<std::pair<TensorState*, const uint8_t*>> runs_of;
+    std::vector<const LoggedRun*> runs;
     for (TensorState* t : order) {
       if (t->device) {
         DS_RETURN_IF_ERROR(t->device->Commit());
@@ -635,14 +649,30 @@ Result<SyncStats> Sender::SyncAlone(std::span<const SyncTensor> tensors) {
         continue;
       }
       for (uint64_t u = 0; u < t->changed.size(); ++u) {
-        if (!t->changed[u]) continue;
+        if (t->changed[u] != kUnitCopied) continue;
         const uint64_t first = u * t->unit;
         const uint64_t count = std::min(t->unit, t->numel - first);
         copies.push_back(
             {t->snapshot.data() + first * t->w, x.data() + first * t->w, count * t->w});
       }
+      for (const LoggedRun& r : t->logged) {
+        runs_of.emplace_back(t, x.data());
+        runs.push_back(&r);
+      }
     }
     CopyAll(copies);
+    for (const Copy& c : copies) committed_bytes_ += c.bytes;
+    for (size_t i = 0; i < runs.size(); ++i) committed_bytes_ += runs[i]->n * runs_of[i].first->w;
+    const auto copy_run = [&](size_t i) {
+      TensorState& t = *runs_of[i].first;
+      CopyLogged(*runs[i], t.w, commit_log_.data(), runs_of[i].second, t.snapshot.data());
+    };
+    if (ThreadPool* pool = Pool(); pool != nullptr && runs.size() > 1) {
+      pool->ParallelFor(runs.size(), copy_run);
+    } else {
+      for (size_t i = 0; i < runs.size(); ++i) copy_run(i);
+    }
+    commit_log_.clear();
     return Status::OK();
   });
 }

@@ -18,6 +18,7 @@
 #include "deltasync/stream.h"
 #include "stream/device_path.h"
 #include "stream/frame.h"
+#include "stream/sender.h"
 #include "stream/sync_messages.h"
 #include "stream/sync_rig.h"
 #include "stream/sync_test_util.h"
@@ -80,6 +81,83 @@ INSTANTIATE_TEST_SUITE_P(Encodings, SyncEncodings,
                          [](const auto& info) {
                            return std::string(StreamEncodingName(info.param));
                          });
+
+// The commit log's coding: gaps of 1 to 5 bytes, decoded back to the very
+// elements.
+TEST(SenderCommitLog, PositionsRoundTripAndOnlyTheirElementsAreCopied) {
+  const std::vector<uint32_t> positions = {
+      0, 1, 127, 128, 16383, 16384, 2097151, 2097152, 268435455, 268435456, 4000000000u};
+  std::vector<uint8_t> log(positions.size() * 5);
+  const uint64_t bytes =
+      stream_sender::LogPositions(positions.data(), positions.size(), log.data());
+  EXPECT_EQ(bytes, stream_sender::LoggedBytes(positions.data(), positions.size()));
+  // 0, 1, 126, 1, 16255, 1, 2080767, 1, 266338303, 1, 3731564544.
+  EXPECT_EQ(bytes, 1u + 1 + 1 + 1 + 2 + 1 + 3 + 1 + 4 + 1 + 5);
+  // Within a small tensor: positions 3, 4, 9 of 12 two-byte elements from
+  // element 2.
+  const std::vector<uint32_t> near = {1, 2, 7};
+  std::vector<uint8_t> small_log(15);
+  stream_sender::LogPositions(near.data(), near.size(), small_log.data());
+  std::vector<uint8_t> x(24), snap(24, 0);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<uint8_t>(i + 1);
+  stream_sender::CopyLogged({2, 3, 0}, 2, small_log.data(), x.data(), snap.data());
+  for (size_t e = 0; e < 12; ++e) {
+    const bool copied = e == 3 || e == 4 || e == 9;
+    EXPECT_EQ(snap[2 * e], copied ? x[2 * e] : 0) << e;
+    EXPECT_EQ(snap[2 * e + 1], copied ? x[2 * e + 1] : 0) << e;
+  }
+}
+
+// A sparse delta's commit copies its changed elements alone while half a
+// bucket holds their positions, whole units past that (and units too dense
+// to be worth it); the snapshot is the model's after every sync either way.
+TEST_F(SyncTest, TheCommitCopiesTheChangedElementsAloneWhileTheirLogHasRoom) {
+  SetUpGroup(1);
+  std::vector<Model::Spec> specs = Model::DefaultSpecs();
+  specs.emplace_back("e.weight", DType::kBF16, std::vector<int64_t>{4000, 1000});
+  Model m = Model::Make(5, specs);
+  SenderOptions o;
+  o.bucket_bytes = 64 << 10;  // a log of 32 KiB
+  std::unique_ptr<StreamSender> sender = MakeSender(Factory(0), o);
+  ReceiverRig r(m, Hold::kWhole, Factory(1));
+  r.Start();
+  uint64_t model_bytes = 0;
+  for (const std::vector<uint8_t>& b : m.bytes) model_bytes += b.size();
+  ASSERT_TRUE(sender->Sync(m.tensors).ok());
+  // 0.2%: every unit logged. 0.6%: more than the log holds. 20%: every
+  // changed unit copied whole.
+  for (const double density : {0.002, 0.006, 0.2, 0.0015}) {
+    const std::vector<std::vector<uint8_t>> before = m.bytes;
+    m.Step(static_cast<uint64_t>(density * 1e6), density);
+    uint64_t changed_bytes = 0;
+    for (size_t i = 0; i < m.tensors.size(); ++i) {
+      const size_t w = DTypeSize(m.tensors[i].dtype);
+      for (size_t e = 0; e * w < before[i].size(); ++e) {
+        if (std::memcmp(before[i].data() + e * w, m.bytes[i].data() + e * w, w) != 0) {
+          changed_bytes += w;
+        }
+      }
+    }
+    Result<SyncStats> s = sender->Sync(m.tensors);
+    ASSERT_TRUE(s.ok()) << density << ": " << s.status().ToString();
+    if (density < 0.005) {
+      EXPECT_EQ(s->committed_bytes, changed_bytes) << density;
+    } else if (density < 0.01) {
+      EXPECT_GT(s->committed_bytes, changed_bytes) << density;
+      EXPECT_LT(s->committed_bytes, model_bytes / 2) << density;
+    } else {
+      EXPECT_EQ(s->committed_bytes, model_bytes) << density;
+    }
+    for (const SyncTensor& t : m.tensors) {
+      Result<std::span<const uint8_t>> snap = sender->Snapshot(t.name);
+      ASSERT_TRUE(snap.ok());
+      EXPECT_TRUE(std::equal(snap->begin(), snap->end(), t.data.begin(), t.data.end()))
+          << density << ": " << t.name;
+    }
+    EXPECT_TRUE(r.Matches(m).ok()) << density;
+  }
+  Finish(sender, {&r});
+}
 
 // The snapshot of every tensor, copied.
 std::vector<std::vector<uint8_t>> Snapshots(const StreamSender& s, const Model& m) {
