@@ -5,6 +5,7 @@
 #include <mutex>
 #include <string>
 
+#include "core/cpu_isa.h"
 #include "diff/diff_internal.h"
 
 namespace deltasync {
@@ -28,20 +29,8 @@ bool IsValidElemSize(uint32_t elem_size) {
 bool CpuRuns(DiffKernel kernel) {
   switch (kernel) {
     case DiffKernel::kScalar: return true;
-#if defined(__x86_64__)
-    case DiffKernel::kAvx2:
-      __builtin_cpu_init();
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi") &&
-             __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt");
-    case DiffKernel::kAvx512:
-      __builtin_cpu_init();
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2") &&
-             __builtin_cpu_supports("popcnt");
-#else
-    case DiffKernel::kAvx2:
-    case DiffKernel::kAvx512: return false;
-#endif
+    case DiffKernel::kAvx2: return core_internal::CpuRuns(core_internal::CpuIsa::kAvx2);
+    case DiffKernel::kAvx512: return core_internal::CpuRuns(core_internal::CpuIsa::kAvx512);
   }
   return false;
 }

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "core/cpu_isa.h"
+
 namespace deltasync {
 
 namespace {
@@ -138,16 +140,8 @@ Loops LoopsFor(QuantKernel kernel) {
 bool CpuRuns(QuantKernel kernel) {
   switch (kernel) {
     case QuantKernel::kGeneric: return true;
-#if defined(__x86_64__)
-    case QuantKernel::kAvx2: __builtin_cpu_init(); return __builtin_cpu_supports("avx2");
-    case QuantKernel::kAvx512:
-      __builtin_cpu_init();
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avx512f") &&
-             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-#else
-    case QuantKernel::kAvx2:
-    case QuantKernel::kAvx512: return false;
-#endif
+    case QuantKernel::kAvx2: return core_internal::CpuRuns(core_internal::CpuIsa::kAvx2);
+    case QuantKernel::kAvx512: return core_internal::CpuRuns(core_internal::CpuIsa::kAvx512);
   }
   return false;
 }

@@ -1,5 +1,6 @@
 #include "stream/state_digest.h"
 
+#include "core/cpu_isa.h"
 #include "core/element_digest.h"
 #include "core/endian.h"
 
@@ -228,16 +229,8 @@ DS_TARGET_AVX512 StateDigest DigestAvx512(const uint8_t* p, uint64_t n, uint64_t
 bool CpuRuns(DigestKernel kernel) {
   switch (kernel) {
     case DigestKernel::kScalar: return true;
-#if defined(__x86_64__)
-    case DigestKernel::kAvx2: __builtin_cpu_init(); return __builtin_cpu_supports("avx2");
-    case DigestKernel::kAvx512:
-      __builtin_cpu_init();
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-#else
-    case DigestKernel::kAvx2:
-    case DigestKernel::kAvx512: return false;
-#endif
+    case DigestKernel::kAvx2: return core_internal::CpuRuns(core_internal::CpuIsa::kAvx2);
+    case DigestKernel::kAvx512: return core_internal::CpuRuns(core_internal::CpuIsa::kAvx512);
   }
   return false;
 }
