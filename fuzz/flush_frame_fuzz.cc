@@ -76,7 +76,11 @@ void CheckRebuild(std::span<const uint8_t> frame, const FlushReader& reader) {
     Require(added.ok() && *added, "writer takes every record the reader accepted");
   }
   Require(writer.Finish().ok(), "writer finishes");
-  if (!sparse) {
+  // The writer writes the current version: an older frame (version 1,
+  // 4-byte positions where version 2 takes 3) rebuilds to the same entries,
+  // not the same bytes.
+  const bool current = frame.size() >= 6 && (frame[4] | (frame[5] << 8)) == kFlushFrameVersion;
+  if (!sparse && current) {
     Require(std::equal(again.begin(), again.end(), frame.begin(), frame.end()),
             "rebuilt frame is byte for byte the input");
   }
