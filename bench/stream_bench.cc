@@ -2,12 +2,17 @@
 // plain memcpy of the same bytes, per kernel and element width. Both report
 // bytes_per_second over the tensor bytes, so the ratio is read straight off
 // the output. A receiver recomputes it over everything it holds every K-th
-// sync, and a trainer over its shards at seeding.
+// sync, and a trainer over its shards at seeding. Then a receiver's apply:
+// one delta entry, and a whole frame of the same changes in few large
+// tensors and in thousands of small ones (BM_ApplyFrame: the two should
+// take about the same time).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "deltasync/thread_pool.h"
@@ -169,6 +174,106 @@ BENCHMARK_CAPTURE(BM_ApplyIndices, bf16_no_digest, false)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_ApplyIndices, bf16_digest, true)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_UpdateStateDigest)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+// A receiver's apply of a delta frame (ApplyEntries on two threads, digest
+// moves on): the same 256 MiB of BF16 and about 1.7% of its elements
+// changed, held as 16 large tensors (entries of 786,432 elements, units as
+// a sender of 16 MiB buckets cuts them) or as 10,922 small ones (64 x 192,
+// a mixture of experts' projections), each its own allocation. The frame
+// lists a sender's tensors by name, so the small ones come in an order
+// other than their memory's (experts 0, 1, 10, 100, ...): `memory_order`
+// lists them as they lie instead.
+enum class Layout { kFewLarge, kManySmall, kManySmallMemoryOrder };
+
+struct FrameCase {
+  std::vector<std::vector<uint8_t>> tensors;
+  std::vector<DestinationMap> maps;
+  FrameBuffer frame;
+  FlushReader reader;
+  std::vector<EntryDestination> dests;
+  uint64_t changes = 0;
+};
+
+const FrameCase& Frame(Layout layout) {
+  static FrameCase* cases[3] = {};
+  FrameCase*& c = cases[static_cast<int>(layout)];
+  if (c != nullptr) return *c;
+  c = new FrameCase;
+  constexpr uint64_t kElements = uint64_t{128} << 20;
+  const bool small = layout != Layout::kFewLarge;
+  const uint64_t numel = small ? 64 * 192 : kElements / 16;
+  const uint64_t unit = small ? numel : 786432;
+  const size_t count = static_cast<size_t>(kElements / numel);
+  std::vector<std::string> names;
+  for (size_t t = 0; t < count; ++t) {
+    names.push_back("model.layers." + std::to_string(t / 128) + ".mlp.experts." +
+                    std::to_string(t % 128) + ".up_proj.weight");
+    c->tensors.emplace_back(numel * 2, 1);
+    c->maps.push_back(DestinationMap::Whole(numel));
+  }
+  std::vector<size_t> order(count);
+  for (size_t t = 0; t < count; ++t) order[t] = t;
+  if (layout != Layout::kManySmallMemoryOrder) {
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return names[a] < names[b]; });
+  }
+  FlushWriter writer;
+  FlushHeader header;
+  header.sync_id = 1;
+  if (!writer.Begin(header, uint64_t{1} << 30, &c->frame).ok()) std::abort();
+  uint64_t z = 7;
+  std::vector<uint64_t> positions;
+  std::vector<uint8_t> values;
+  std::vector<size_t> entry_tensor;
+  for (size_t t : order) {
+    const std::vector<int64_t> shape = {static_cast<int64_t>(numel)};
+    for (uint64_t first = 0; first < numel; first += unit) {
+      positions.clear();
+      values.clear();
+      const uint64_t n = std::min(unit, numel - first);
+      for (uint64_t p = first; p < first + n; ++p) {
+        z = z * 6364136223846793005ull + 1442695040888963407ull;
+        if ((z >> 33) % 1000 >= 17) continue;
+        positions.push_back(p);
+        values.push_back(static_cast<uint8_t>(z >> 8));
+        values.push_back(static_cast<uint8_t>(z >> 16));
+      }
+      Result<bool> added = writer.AddIndices({names[t], DType::kBF16, shape, first, n},
+                                             Positions::Absolute(positions), values);
+      if (!added.ok() || !*added) std::abort();
+      entry_tensor.push_back(t);
+      c->changes += positions.size();
+    }
+  }
+  if (!writer.Finish().ok() || !c->reader.Read(c->frame).ok()) std::abort();
+  for (size_t t : entry_tensor) c->dests.push_back({&c->maps[t], c->tensors[t]});
+  return *c;
+}
+
+void BM_ApplyFrame(benchmark::State& state, Layout layout) {
+  const FrameCase& c = Frame(layout);
+  ThreadPool pool(1);
+  std::vector<StateDigest> moves;
+  for (auto _ : state) {
+    const AppliedEntries done = ApplyEntries(c.reader.entries(), c.dests, &pool, &moves);
+    if (!done.failed.ok()) {
+      state.SkipWithError(done.failed.ToString().c_str());
+      return;
+    }
+    benchmark::DoNotOptimize(moves.data());
+  }
+  state.SetItemsProcessed(static_cast<int64_t>(state.iterations() * c.changes));
+  state.counters["entries"] = static_cast<double>(c.dests.size());
+}
+
+BENCHMARK_CAPTURE(BM_ApplyFrame, few_large, Layout::kFewLarge)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_ApplyFrame, many_small, Layout::kManySmall)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_ApplyFrame, many_small_memory_order, Layout::kManySmallMemoryOrder)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace deltasync::stream

@@ -5,6 +5,7 @@
 #include <zstd.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <iterator>
 #include <numeric>
@@ -38,20 +39,22 @@ using namespace frame_wire;  // NOLINT(google-build-using-namespace): the frame'
 namespace {
 
 // The values' count against the positions (or the range), and the
-// positions: strictly increasing, inside the range.
-Status CheckValuesOf(const std::string& what, const TensorRange& range, const Positions* positions,
+// positions: strictly increasing, inside the range. `what()` names the
+// tensor in an error (built only for one).
+template <typename What>
+Status CheckValuesOf(const What& what, const TensorRange& range, const Positions* positions,
                      std::span<const uint8_t> values) {
   const uint64_t w = DTypeSize(range.dtype);
   const uint64_t n = positions ? positions->size() : range.count;
   if (values.size() % w != 0 || values.size() / w != n) {
-    return Status::InvalidArgument(what + ": " + U64(values.size()) + " value bytes for " + U64(n) +
-                                   " elements of " + U64(w) + " bytes");
+    return Status::InvalidArgument(what() + ": " + U64(values.size()) + " value bytes for " +
+                                   U64(n) + " elements of " + U64(w) + " bytes");
   }
   if (positions) {
     Status checked = positions->Check(range.first + range.count);
-    if (!checked.ok()) return checked.WithContext(what);
+    if (!checked.ok()) return checked.WithContext(what());
     if (n > 0 && (*positions)[0] < range.first) {
-      return Status::InvalidArgument(what + ": position " + U64((*positions)[0]) +
+      return Status::InvalidArgument(what() + ": position " + U64((*positions)[0]) +
                                      " is before the range's first element " + U64(range.first));
     }
   }
@@ -119,7 +122,7 @@ Result<size_t> SparseEncoder::Compress(std::span<const uint8_t> content, int zst
 Status SparseEncoder::Encode(const TensorRange& range, const Positions& positions,
                              std::span<const uint8_t> values, int zstd_level,
                              uint64_t decoded_limit, SparseRegions* out) {
-  const std::string what = "sparse encoder: tensor " + Quote(range.name);
+  const auto what = [&] { return "sparse encoder: tensor " + Quote(range.name); };
   DS_RETURN_IF_ERROR(CheckValuesOf(what, range, &positions, values));
   out->name = std::string(range.name);
   out->dtype = range.dtype;
@@ -132,7 +135,7 @@ Status SparseEncoder::Encode(const TensorRange& range, const Positions& position
   if (out->n == 0) return Status::OK();
   DS_ASSIGN_OR_RETURN(bool built, Build(range, positions, values, decoded_limit));
   if (!built) {
-    return Status::OutOfRange(what + ": " + U64(out->n) +
+    return Status::OutOfRange(what() + ": " + U64(out->n) +
                               " changes decode to more than a frame's " + U64(decoded_limit) +
                               " sparse bytes");
   }
@@ -201,58 +204,61 @@ bool FlushWriter::Fits(uint64_t payload_end, size_t manifest_add) const {
 Status FlushWriter::CheckRange(const TensorRange& range, WireEncoding encoding,
                                uint64_t* numel) const {
   if (out_ == nullptr) return Status::FailedPrecondition("flush writer: no frame begun");
-  const std::string what =
-      "flush writer: sync " + U64(header_.sync_id) + ": tensor " + Quote(range.name);
+  // Error texts are built only for an error.
+  const auto what = [&] {
+    return "flush writer: sync " + U64(header_.sync_id) + ": tensor " + Quote(range.name);
+  };
   if (range.name.empty() || range.name.size() > kMaxTensorNameBytes) {
-    return Status::InvalidArgument(what + ": name of " + U64(range.name.size()) +
+    return Status::InvalidArgument(what() + ": name of " + U64(range.name.size()) +
                                    " bytes (1 to 1024)");
   }
-  if (!IsUtf8(range.name)) return Status::InvalidArgument(what + ": name is not UTF-8");
+  if (!IsUtf8(range.name)) return Status::InvalidArgument(what() + ": name is not UTF-8");
   if (range.shape.size() > kMaxTensorDims) {
-    return Status::InvalidArgument(what + ": " + U64(range.shape.size()) +
+    return Status::InvalidArgument(what() + ": " + U64(range.shape.size()) +
                                    " dimensions (at most 16)");
   }
-  std::vector<uint64_t> dims;
+  std::array<uint64_t, kMaxTensorDims> dims;
   bool negative = false;
-  for (int64_t d : range.shape) {
-    negative |= d < 0;
-    dims.push_back(static_cast<uint64_t>(d));
+  for (size_t d = 0; d < range.shape.size(); ++d) {
+    negative |= range.shape[d] < 0;
+    dims[d] = static_cast<uint64_t>(range.shape[d]);
   }
   const std::optional<uint64_t> elements =
-      negative ? std::nullopt : ShapeElements(std::span<const uint64_t>(dims));
+      negative ? std::nullopt
+               : ShapeElements(std::span<const uint64_t>(dims.data(), range.shape.size()));
   if (!elements) {
     return Status::InvalidArgument(
-        what + ": shape " +
+        what() + ": shape " +
         ShapeToString(std::vector<int64_t>(range.shape.begin(), range.shape.end())) +
         " is negative or has more than 2^56 elements");
   }
   if (range.first > *elements || range.count > *elements - range.first) {
-    return Status::InvalidArgument(what + ": range [" + U64(range.first) + ", +" +
+    return Status::InvalidArgument(what() + ": range [" + U64(range.first) + ", +" +
                                    U64(range.count) + ") is outside its " + U64(*elements) +
                                    " elements");
   }
   if (header_.kind == FrameKind::kSeed && encoding != WireEncoding::kDense) {
-    return Status::InvalidArgument(what + ": a seed frame holds only dense entries, not " +
+    return Status::InvalidArgument(what() + ": a seed frame holds only dense entries, not " +
                                    std::string(WireEncodingName(encoding)));
   }
   if (entry_count_ >= kMaxFlushEntries) {
-    return Status::InvalidArgument(what + ": the frame already holds 2^20 entries");
+    return Status::InvalidArgument(what() + ": the frame already holds 2^20 entries");
   }
   const auto it = tensors_.find(range.name);
   if (it != tensors_.end()) {
     const TensorEntries& t = it->second;
     if (t.dtype != range.dtype ||
         !std::equal(t.shape.begin(), t.shape.end(), range.shape.begin(), range.shape.end())) {
-      return Status::InvalidArgument(what + ": another dtype or shape than its earlier entry");
+      return Status::InvalidArgument(what() + ": another dtype or shape than its earlier entry");
     }
     const uint64_t end = range.first + range.count;
     auto next = t.ranges.upper_bound(range.first);
     if (next != t.ranges.end() && next->first < end) {
-      return Status::InvalidArgument(what + ": range [" + U64(range.first) + ", " + U64(end) +
+      return Status::InvalidArgument(what() + ": range [" + U64(range.first) + ", " + U64(end) +
                                      ") overlaps an earlier entry's");
     }
     if (next != t.ranges.begin() && std::prev(next)->second > range.first) {
-      return Status::InvalidArgument(what + ": range [" + U64(range.first) + ", " + U64(end) +
+      return Status::InvalidArgument(what() + ": range [" + U64(range.first) + ", " + U64(end) +
                                      ") overlaps an earlier entry's");
     }
   }
@@ -263,8 +269,10 @@ Status FlushWriter::CheckRange(const TensorRange& range, WireEncoding encoding,
 Status FlushWriter::CheckValues(const TensorRange& range, const Positions* positions,
                                 std::span<const uint8_t> values) const {
   return CheckValuesOf(
-      "flush writer: sync " + U64(header_.sync_id) + ": tensor " + Quote(range.name), range,
-      positions, values);
+      [&] {
+        return "flush writer: sync " + U64(header_.sync_id) + ": tensor " + Quote(range.name);
+      },
+      range, positions, values);
 }
 
 void FlushWriter::AppendEntry(const TensorRange& range, WireEncoding encoding, uint64_t n,
@@ -492,21 +500,22 @@ Result<std::optional<PlacedEntry>> FlushWriter::PlaceIndices(const TensorRange& 
 Result<bool> FlushWriter::AddDigest(std::string_view name, const DigestBlock& block,
                                     const StateDigest& digest) {
   if (out_ == nullptr) return Status::FailedPrecondition("flush writer: no frame begun");
-  const std::string what =
-      "flush writer: sync " + U64(header_.sync_id) + ": digest of tensor " + Quote(name);
+  const auto what = [&] {
+    return "flush writer: sync " + U64(header_.sync_id) + ": digest of tensor " + Quote(name);
+  };
   if (name.empty() || name.size() > kMaxTensorNameBytes) {
-    return Status::InvalidArgument(what + ": name of " + U64(name.size()) + " bytes (1 to 1024)");
+    return Status::InvalidArgument(what() + ": name of " + U64(name.size()) + " bytes (1 to 1024)");
   }
-  if (!IsUtf8(name)) return Status::InvalidArgument(what + ": name is not UTF-8");
+  if (!IsUtf8(name)) return Status::InvalidArgument(what() + ": name is not UTF-8");
   Status valid = block.Validate();
-  if (!valid.ok()) return valid.WithContext(what);
+  if (!valid.ok()) return valid.WithContext(what());
   if (digest_count_ >= kMaxFlushDigests) {
-    return Status::InvalidArgument(what + ": the frame already holds 2^20 digest records");
+    return Status::InvalidArgument(what() + ": the frame already holds 2^20 digest records");
   }
   auto key =
       std::make_tuple(std::string(name), block.first, block.count, block.rows, block.row_stride);
   if (digest_keys_.count(key)) {
-    return Status::InvalidArgument(what + ": block " + block.ToString() +
+    return Status::InvalidArgument(what() + ": block " + block.ToString() +
                                    " already has a record in this frame");
   }
   const size_t record_bytes = kDigestFixedBytes + name.size();

@@ -20,6 +20,7 @@
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 #include "core/dtype_code.h"
@@ -260,7 +261,12 @@ class FlushWriter {
   uint32_t entry_count_ = 0;
   uint32_t digest_count_ = 0;
   uint64_t sparse_decoded_ = 0;
-  std::map<std::string, TensorEntries, std::less<>> tensors_;
+  // By name, found by a string_view.
+  struct NameHash {
+    using is_transparent = void;
+    size_t operator()(std::string_view name) const { return std::hash<std::string_view>{}(name); }
+  };
+  std::unordered_map<std::string, TensorEntries, NameHash, std::equal_to<>> tensors_;
   std::set<std::tuple<std::string, uint64_t, uint64_t, uint64_t, uint64_t>> digest_keys_;
   SparseEncoder sparse_;
   int zstd_level_ = 1;
@@ -353,8 +359,12 @@ class FlushReader {
 
   // The last frame Read accepted (empty after a refusal).
   const FlushHeader& header() const { return header_; }
-  std::span<const FlushEntry> entries() const { return entries_; }
-  std::span<const FlushDigest> digests() const { return digests_; }
+  std::span<const FlushEntry> entries() const {
+    return std::span<const FlushEntry>(entries_).first(entry_count_);
+  }
+  std::span<const FlushDigest> digests() const {
+    return std::span<const FlushDigest>(digests_).first(digest_count_);
+  }
 
  private:
   // Rules 3 to 11 over a frame whose header is at `head`, whose manifest
@@ -365,9 +375,27 @@ class FlushReader {
       const std::function<Result<std::span<const uint8_t>>(uint64_t, uint64_t)>& manifest,
       const uint8_t* base, const PayloadChecker* check, bool* needs_host);
 
+  // One tensor's entries in a frame agree and do not overlap, and its
+  // digest records are for distinct blocks (rule 11): "" or the problem.
+  std::string CheckTensors(uint32_t entry_count, uint32_t digest_count);
+
   FlushHeader header_;
+  // The exposed entries and records are the first entry_count_ and
+  // digest_count_; the vectors, and the entries' shapes, keep their
+  // memory from frame to frame (a frame of thousands of small tensors
+  // would otherwise allocate that much afresh each time).
   std::vector<FlushEntry> entries_;
   std::vector<FlushDigest> digests_;
+  size_t entry_count_ = 0;
+  size_t digest_count_ = 0;
+  // Where each entry's regions lie, while the payload is checked.
+  struct Regions {
+    uint64_t pos_off, pos_bytes, val_off, val_bytes;
+  };
+  std::vector<Regions> regions_;
+  std::vector<std::pair<uint64_t, uint64_t>> sparse_sizes_;  // gap and value bytes
+  std::vector<uint32_t> order_;                              // rule 11's sorts
+  std::vector<uint32_t> slots_;                              // rule 11's names
   std::vector<uint8_t> decoded_;
   std::vector<uint8_t> planes_;
   struct ZstdContexts;
@@ -449,6 +477,39 @@ class DestinationMap {
 // entry is not host_readable. `dest` must not overlap the frame.
 Result<uint64_t> ApplyEntry(const FlushEntry& entry, const DestinationMap& map,
                             std::span<uint8_t> dest, StateDigest* digest = nullptr);
+
+// Where ApplyEntries writes one entry: its tensor's map and memory.
+struct EntryDestination {
+  const DestinationMap* map = nullptr;
+  std::span<uint8_t> dest;
+};
+
+// What ApplyEntries did.
+struct AppliedEntries {
+  // Entries [0, applied) were applied: every entry, or those before the
+  // first that failed (the others were applied too, but for those that
+  // failed, which wrote nothing).
+  size_t applied = 0;
+  uint64_t written = 0;  // elements written by entries [0, applied)
+  Status failed;         // entry `applied`'s error, when applied < entries
+};
+
+// Applies entries[k] into dests[k] for every k, as ApplyEntry does, on
+// `pool` and the calling thread (nullptr: the caller alone), in the order
+// of the memory they write rather than the frame's: entries next to each
+// other there form tasks balanced by their bytes, many small entries to a
+// task and a large one possibly alone, so that a frame of thousands of
+// small tensors costs about what the same bytes in a few tensors do. With
+// `moves`, it is resized to the entries' count and moves[k] set to entry
+// k's digest move (the change ApplyEntry makes to a digest), for the
+// caller to add to each tensor's running digest; without it no digest is
+// computed (a seed). The entries must write distinct elements: those of a
+// tensor do not overlap (a read frame's rule), and two tensors' memories
+// must not either. A dests.size() other than entries.size() is refused
+// (InvalidArgument, nothing applied).
+AppliedEntries ApplyEntries(std::span<const FlushEntry> entries,
+                            std::span<const EntryDestination> dests, ThreadPool* pool,
+                            std::vector<StateDigest>* moves);
 
 // The digest of every element `map` holds, read from `dest` (elements of
 // elem_size bytes): what a running digest must equal, recomputed. The same

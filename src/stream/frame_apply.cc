@@ -6,6 +6,8 @@
 #include <cstring>
 #include <iterator>
 #include <numeric>
+#include <utility>
+#include <vector>
 
 #include "deltasync/checksum.h"
 #include "deltasync/tensor.h"
@@ -248,6 +250,114 @@ Result<uint64_t> ApplyEntry(const FlushEntry& entry, const DestinationMap& map,
     case 4: return ApplyWidth<4>(entry, map.runs(), dest.data(), digest);
     default: return ApplyWidth<8>(entry, map.runs(), dest.data(), digest);
   }
+}
+
+namespace {
+
+// An entry's fixed cost (finding its run, its checks, the call), counted
+// as this many bytes of its regions when tasks are balanced.
+constexpr uint64_t kEntryCostBytes = 256;
+// Tasks per thread: the threads take them as they finish the last, so the
+// one left working at the end has at most one small task to go; and the
+// least a task carries, so that a small frame is not cut into tasks that
+// cost less than handing them out.
+constexpr uint64_t kTasksPerThread = 32;
+constexpr uint64_t kMinTaskBytes = uint64_t{16} << 10;
+
+uint64_t EntryCost(const FlushEntry& e) {
+  return e.positions.size() + e.values.size() + kEntryCostBytes;
+}
+
+}  // namespace
+
+AppliedEntries ApplyEntries(std::span<const FlushEntry> entries,
+                            std::span<const EntryDestination> dests, ThreadPool* pool,
+                            std::vector<StateDigest>* moves) {
+  const size_t n = entries.size();
+  AppliedEntries out;
+  if (dests.size() != n) {
+    out.failed = Status::InvalidArgument("apply: " + U64(dests.size()) + " destinations for " +
+                                         U64(n) + " entries");
+    return out;
+  }
+  if (moves != nullptr) moves->resize(n);
+  // The entries in the order of the memory they write (where each starts):
+  // a frame lists a sender's tensors by name, which is not how a
+  // receiver's small tensors lie, and a walk forwards through memory costs
+  // less than one that jumps about. Entries write distinct elements, so
+  // the order changes nothing but the time.
+  std::vector<std::pair<uintptr_t, size_t>> order(n);
+  for (size_t k = 0; k < n; ++k) {
+    order[k] = {reinterpret_cast<uintptr_t>(dests[k].dest.data()) +
+                    entries[k].first * DTypeSize(entries[k].dtype),
+                k};
+  }
+  if (!std::is_sorted(order.begin(), order.end())) std::sort(order.begin(), order.end());
+  // Each entry's elements written; a task's first failure (by entry index,
+  // n when none) and its error. Every entry is tried: one that fails
+  // writes nothing, and the caller learns of the first in the frame.
+  std::vector<uint64_t> written(n, 0);
+  struct Task {
+    size_t begin = 0, end = 0;  // in `order`
+    size_t failed_at = 0;
+    Status status;
+  };
+  const auto run = [&](Task& t) {
+    t.failed_at = n;
+    for (size_t i = t.begin; i < t.end; ++i) {
+      const size_t k = order[i].second;
+      StateDigest* move = nullptr;
+      if (moves != nullptr) {
+        move = &(*moves)[k];
+        *move = StateDigest{};
+      }
+      Result<uint64_t> w = ApplyEntry(entries[k], *dests[k].map, dests[k].dest, move);
+      if (w.ok()) {
+        written[k] = *w;
+      } else if (k < t.failed_at) {
+        t.failed_at = k;
+        t.status = w.status();
+      }
+    }
+  };
+  const size_t threads = pool == nullptr ? 1 : pool->size() + 1;
+  std::vector<Task> tasks;
+  const auto add_task = [&](size_t begin, size_t end) {
+    tasks.emplace_back();
+    tasks.back().begin = begin;
+    tasks.back().end = end;
+  };
+  if (threads == 1 || n <= 1) {
+    add_task(0, n);
+  } else {
+    uint64_t total = 0;
+    for (const FlushEntry& e : entries) total += EntryCost(e);
+    const uint64_t target = std::max(kMinTaskBytes, total / (threads * kTasksPerThread));
+    uint64_t filled = 0;
+    size_t begin = 0;
+    for (size_t i = 0; i < n; ++i) {
+      filled += EntryCost(entries[order[i].second]);
+      if (filled >= target || i + 1 == n) {
+        add_task(begin, i + 1);
+        begin = i + 1;
+        filled = 0;
+      }
+    }
+  }
+  if (tasks.size() == 1) {
+    run(tasks[0]);
+  } else {
+    pool->ParallelFor(tasks.size(), [&](size_t i) { run(tasks[i]); });
+  }
+  out.applied = n;
+  for (Task& t : tasks) {
+    if (t.failed_at < out.applied) {
+      out.applied = t.failed_at;
+      out.failed = std::move(t.status);
+    }
+  }
+  for (size_t k = 0; k < out.applied; ++k) out.written += written[k];
+  return out;
 }
 
 Result<StateDigest> DigestDestination(const DestinationMap& map, std::span<const uint8_t> dest,

@@ -30,11 +30,6 @@ FlushReader::~FlushReader() = default;
 
 namespace {
 
-// Where an entry's regions lie, kept while the reader checks the payload.
-struct RawRegions {
-  uint64_t pos_off, pos_bytes, val_off, val_bytes;
-};
-
 // The content size a region's single zstd frame records, or an error text.
 // Checks the magic, that the region is exactly one frame and that the size
 // is recorded and in [lo, hi].
@@ -127,8 +122,8 @@ std::string CheckIndexPositions(const FlushEntry& entry) {
 
 void FlushReader::Clear() {
   header_ = FlushHeader{};
-  entries_.clear();
-  digests_.clear();
+  entry_count_ = 0;
+  digest_count_ = 0;
 }
 
 Status FlushReader::Read(std::span<const uint8_t> frame) {
@@ -237,56 +232,61 @@ Status FlushReader::ReadParts(
   }
   const uint8_t* const mf = manifest_bytes->data() - payload_end;
   uint64_t c = payload_end;
-  std::vector<FlushEntry> entries(entry_count);
-  std::vector<RawRegions> regions(entry_count);
+  // Filled in place, exposed only once the whole frame has passed.
+  if (entries_.size() < entry_count) entries_.resize(entry_count);
+  const std::span<FlushEntry> entries = std::span(entries_).first(entry_count);
+  regions_.resize(entry_count);
+  const std::span<Regions> regions = std::span(regions_).first(entry_count);
   std::vector<uint64_t> dims;
   for (uint32_t e = 0; e < entry_count; ++e) {
-    const std::string at = "entry " + U64(e);
-    if (manifest_end - c < kEntryFixedBytes) return bad(at + ": cut short by the manifest's end");
+    // Error texts are built only for an error.
+    const auto at = [&] { return "entry " + U64(e); };
+    if (manifest_end - c < kEntryFixedBytes) return bad(at() + ": cut short by the manifest's end");
     const uint8_t* m = mf + c;
     const uint16_t name_len = LoadLe<uint16_t>(m);
     const uint8_t code = m[2], encoding = m[3], ndim = m[4];
     if (name_len == 0 || name_len > kMaxTensorNameBytes) {
-      return bad(at + ": name of " + U64(name_len) + " bytes (1 to 1024)");
+      return bad(at() + ": name of " + U64(name_len) + " bytes (1 to 1024)");
     }
-    if (ndim > kMaxTensorDims) return bad(at + ": " + U64(ndim) + " dimensions (at most 16)");
+    if (ndim > kMaxTensorDims) return bad(at() + ": " + U64(ndim) + " dimensions (at most 16)");
     if (manifest_end - c - kEntryFixedBytes < uint64_t{8} * ndim + name_len) {
-      return bad(at + ": shape and name cut short by the manifest's end");
+      return bad(at() + ": shape and name cut short by the manifest's end");
     }
     FlushEntry& entry = entries[e];
     entry.name =
         std::string_view(reinterpret_cast<const char*>(m + kEntryFixedBytes + 8 * ndim), name_len);
-    const std::string what = at + " (" + Quote(entry.name) + ")";
-    if (!IsUtf8(entry.name)) return bad(what + ": name is not UTF-8");
-    if (!AllZero(m + 5, 3)) return bad(what + ": reserved bytes are not 0");
+    const auto what = [&] { return at() + " (" + Quote(entry.name) + ")"; };
+    if (!IsUtf8(entry.name)) return bad(what() + ": name is not UTF-8");
+    if (!AllZero(m + 5, 3)) return bad(what() + ": reserved bytes are not 0");
     const std::optional<DType> dtype = DTypeFromWireCode(code);
-    if (!dtype) return bad(what + ": unknown dtype code " + U64(code));
+    if (!dtype) return bad(what() + ": unknown dtype code " + U64(code));
     entry.dtype = *dtype;
     if (encoding > static_cast<uint8_t>(WireEncoding::kSparse)) {
-      return bad(what + ": unknown encoding " + U64(encoding));
+      return bad(what() + ": unknown encoding " + U64(encoding));
     }
     entry.encoding = static_cast<WireEncoding>(encoding);
+    entry.position_width = 0;
     dims.resize(ndim);
     for (uint32_t d = 0; d < ndim; ++d) dims[d] = LoadLe<uint64_t>(m + kEntryFixedBytes + 8 * d);
     const std::optional<uint64_t> numel = ShapeElements(std::span<const uint64_t>(dims));
-    if (!numel) return bad(what + ": a dimension or the element count is past 2^56");
+    if (!numel) return bad(what() + ": a dimension or the element count is past 2^56");
     entry.numel = *numel;
     entry.shape.assign(dims.begin(), dims.end());
     entry.first = LoadLe<uint64_t>(m + 8);
     entry.count = LoadLe<uint64_t>(m + 16);
     entry.value_count = LoadLe<uint64_t>(m + 24);
     if (entry.first > entry.numel || entry.count > entry.numel - entry.first) {
-      return bad(what + ": range [" + U64(entry.first) + ", +" + U64(entry.count) +
+      return bad(what() + ": range [" + U64(entry.first) + ", +" + U64(entry.count) +
                  ") is outside its " + U64(entry.numel) + " elements");
     }
     const uint64_t n = entry.value_count;
     if (entry.encoding == WireEncoding::kDense ? n != entry.count : n > entry.count) {
-      return bad(what + ": " + U64(n) + " values for " +
+      return bad(what() + ": " + U64(n) + " values for " +
                  std::string(WireEncodingName(entry.encoding)) + " over a range of " +
                  U64(entry.count));
     }
     if (seed && entry.encoding != WireEncoding::kDense) {
-      return bad(what + ": a seed frame holds only dense entries, not " +
+      return bad(what() + ": a seed frame holds only dense entries, not " +
                  std::string(WireEncodingName(entry.encoding)));
     }
     regions[e] = {LoadLe<uint64_t>(m + 32), LoadLe<uint64_t>(m + 40), LoadLe<uint64_t>(m + 48),
@@ -295,29 +295,30 @@ Status FlushReader::ReadParts(
   }
 
   // 7. Digest records.
-  std::vector<FlushDigest> digests(digest_count);
+  if (digests_.size() < digest_count) digests_.resize(digest_count);
+  const std::span<FlushDigest> digests = std::span(digests_).first(digest_count);
   for (uint32_t g = 0; g < digest_count; ++g) {
-    const std::string at = "digest record " + U64(g);
+    const auto at = [&] { return "digest record " + U64(g); };
     if (manifest_end - c < kDigestFixedBytes) {
-      return bad(at + ": cut short by the manifest's end");
+      return bad(at() + ": cut short by the manifest's end");
     }
     const uint8_t* m = mf + c;
     const uint16_t name_len = LoadLe<uint16_t>(m);
     if (name_len == 0 || name_len > kMaxTensorNameBytes) {
-      return bad(at + ": name of " + U64(name_len) + " bytes (1 to 1024)");
+      return bad(at() + ": name of " + U64(name_len) + " bytes (1 to 1024)");
     }
     if (manifest_end - c - kDigestFixedBytes < name_len) {
-      return bad(at + ": name cut short by the manifest's end");
+      return bad(at() + ": name cut short by the manifest's end");
     }
     FlushDigest& record = digests[g];
     record.name = std::string_view(reinterpret_cast<const char*>(m + kDigestFixedBytes), name_len);
-    const std::string what = at + " (" + Quote(record.name) + ")";
-    if (!IsUtf8(record.name)) return bad(what + ": name is not UTF-8");
-    if (!AllZero(m + 2, 6)) return bad(what + ": reserved bytes are not 0");
+    const auto what = [&] { return at() + " (" + Quote(record.name) + ")"; };
+    if (!IsUtf8(record.name)) return bad(what() + ": name is not UTF-8");
+    if (!AllZero(m + 2, 6)) return bad(what() + ": reserved bytes are not 0");
     record.block = {LoadLe<uint64_t>(m + 8), LoadLe<uint64_t>(m + 16), LoadLe<uint64_t>(m + 24),
                     LoadLe<uint64_t>(m + 32)};
     Status valid = record.block.Validate();
-    if (!valid.ok()) return bad(what + ": " + valid.message());
+    if (!valid.ok()) return bad(what() + ": " + valid.message());
     record.digest = {LoadLe<uint64_t>(m + 40), LoadLe<uint64_t>(m + 48)};
     c += kDigestFixedBytes + name_len;
   }
@@ -331,36 +332,37 @@ Status FlushReader::ReadParts(
   // means.
   PayloadChecks checks;
   std::vector<std::string> check_problems;
-  const auto zero = [&](uint64_t off, uint64_t bytes, const std::string& problem) -> bool {
+  // `problem()`: what a failure of the check means (built only when kept).
+  const auto zero = [&](uint64_t off, uint64_t bytes, const auto& problem) -> bool {
     if (bytes == 0) return true;
     if (check == nullptr) return AllZero(f + off, bytes);
     checks.zeros.push_back({off, bytes});
-    check_problems.push_back(problem);
+    check_problems.push_back(problem());
     return true;
   };
   uint64_t cursor = payload_begin;
-  auto region = [&](const std::string& what, const char* kind, uint64_t off, uint64_t bytes,
+  auto region = [&](const auto& what, const char* kind, uint64_t off, uint64_t bytes,
                     uint64_t expected_bytes, bool any_size) -> std::string {
     const uint64_t expected_off = Align8(cursor);
     if (off != expected_off) {
-      return what + ": " + kind + " at offset " + U64(off) + ", not " + U64(expected_off);
+      return what() + ": " + kind + " at offset " + U64(off) + ", not " + U64(expected_off);
     }
     if (expected_off > payload_end || bytes > payload_end - expected_off) {
-      return what + ": " + kind + " of " + U64(bytes) + " bytes at " + U64(off) +
+      return what() + ": " + kind + " of " + U64(bytes) + " bytes at " + U64(off) +
              " run past the payload's end " + U64(payload_end);
     }
     if (!any_size && bytes != expected_bytes) {
-      return what + ": " + kind + " of " + U64(bytes) + " bytes, not " + U64(expected_bytes);
+      return what() + ": " + kind + " of " + U64(bytes) + " bytes, not " + U64(expected_bytes);
     }
-    const std::string padding = what + ": padding before its " + kind + " is not 0";
-    if (!zero(cursor, expected_off - cursor, padding)) return padding;
+    const auto padding = [&] { return what() + ": padding before its " + kind + " is not 0"; };
+    if (!zero(cursor, expected_off - cursor, padding)) return padding();
     cursor = off + bytes;
     return "";
   };
   for (uint32_t e = 0; e < entry_count; ++e) {
     FlushEntry& entry = entries[e];
-    const RawRegions& r = regions[e];
-    const std::string what = "entry " + U64(e) + " (" + Quote(entry.name) + ")";
+    const Regions& r = regions[e];
+    const auto what = [&] { return "entry " + U64(e) + " (" + Quote(entry.name) + ")"; };
     const uint64_t w = DTypeSize(entry.dtype), n = entry.value_count;
     uint64_t pos_expected = 0;
     bool sparse = false;
@@ -385,27 +387,29 @@ Status FlushReader::ReadParts(
     return bad("the payload holds " + U64(payload_end - cursor) +
                " bytes after its last entry's values");
   }
-  if (!zero(cursor, payload_end - cursor, "the payload's padding is not 0")) {
+  if (!zero(cursor, payload_end - cursor,
+            [] { return std::string("the payload's padding is not 0"); })) {
     return bad("the payload's padding is not 0");
   }
 
   // 10. Positions. Sparse sizes first, so the scratch is sized once.
-  std::vector<std::pair<uint64_t, uint64_t>> sparse_sizes(entry_count, {0, 0});
+  sparse_sizes_.assign(entry_count, {0, 0});
+  const std::span<std::pair<uint64_t, uint64_t>> sparse_sizes(sparse_sizes_);
   uint64_t decoded = 0;
   for (uint32_t e = 0; e < entry_count; ++e) {
     FlushEntry& entry = entries[e];
-    const std::string what = "entry " + U64(e) + " (" + Quote(entry.name) + ")";
+    const auto what = [&] { return "entry " + U64(e) + " (" + Quote(entry.name) + ")"; };
     const uint64_t n = entry.value_count;
     if (entry.encoding == WireEncoding::kIndices && check != nullptr) {
       checks.positions.push_back({static_cast<uint64_t>(entry.positions.data() - base), n,
                                   entry.position_width, entry.first, entry.first + entry.count});
-      check_problems.push_back(what + ": positions not strictly increasing inside the range [" +
+      check_problems.push_back(what() + ": positions not strictly increasing inside the range [" +
                                U64(entry.first) + ", " + U64(entry.first + entry.count) + ")");
     } else if (entry.encoding == WireEncoding::kIndices) {
       const std::string problem = entry.position_width == 3   ? CheckIndexPositions<3>(entry)
                                   : entry.position_width == 4 ? CheckIndexPositions<4>(entry)
                                                               : CheckIndexPositions<8>(entry);
-      if (!problem.empty()) return bad(what + ": " + problem);
+      if (!problem.empty()) return bad(what() + ": " + problem);
     } else if (entry.encoding == WireEncoding::kSparse && n > 0 && check != nullptr) {
       // zstd content is decoded on the host: the caller reads the frame
       // from a host copy.
@@ -415,11 +419,11 @@ Status FlushReader::ReadParts(
       const uint64_t w = DTypeSize(entry.dtype);
       uint64_t gap_bytes = 0, value_bytes = 0;
       std::string problem = CheckZstdRegion(entry.positions, n, kMaxGapBytes * n, &gap_bytes);
-      if (!problem.empty()) return bad(what + ": positions " + problem);
+      if (!problem.empty()) return bad(what() + ": positions " + problem);
       problem = CheckZstdRegion(entry.values, n * w, n * w, &value_bytes);
-      if (!problem.empty()) return bad(what + ": values " + problem);
+      if (!problem.empty()) return bad(what() + ": values " + problem);
       if (gap_bytes + value_bytes > kMaxSparseDecodedBytes - decoded) {
-        return bad(what + ": sparse entries decompress to more than 2^30 bytes");
+        return bad(what() + ": sparse entries decompress to more than 2^30 bytes");
       }
       decoded += gap_bytes + value_bytes;
       sparse_sizes[e] = {gap_bytes, value_bytes};
@@ -446,19 +450,19 @@ Status FlushReader::ReadParts(
       FlushEntry& entry = entries[e];
       const auto [gap_bytes, value_bytes] = sparse_sizes[e];
       if (gap_bytes == 0) continue;
-      const std::string what = "entry " + U64(e) + " (" + Quote(entry.name) + ")";
+      const auto what = [&] { return "entry " + U64(e) + " (" + Quote(entry.name) + ")"; };
       const uint64_t w = DTypeSize(entry.dtype), n = entry.value_count;
       uint8_t* gaps = decoded_.data() + at;
       size_t got = ZSTD_decompressDCtx(zstd_->dctx, gaps, gap_bytes, entry.positions.data(),
                                        entry.positions.size());
       if (ZSTD_isError(got) || got != gap_bytes) {
-        return bad(what + ": positions do not decompress to their recorded " + U64(gap_bytes) +
+        return bad(what() + ": positions do not decompress to their recorded " + U64(gap_bytes) +
                    " bytes" +
                    (ZSTD_isError(got) ? " (" + std::string(ZSTD_getErrorName(got)) + ")" : ""));
       }
       const std::string problem =
           CheckGaps({gaps, gap_bytes}, n, entry.first, entry.first + entry.count);
-      if (!problem.empty()) return bad(what + ": " + problem);
+      if (!problem.empty()) return bad(what() + ": " + problem);
       uint8_t* values = gaps + gap_bytes;
       uint8_t* planes = values;
       if (w > 1) {
@@ -468,7 +472,7 @@ Status FlushReader::ReadParts(
       got = ZSTD_decompressDCtx(zstd_->dctx, planes, value_bytes, entry.values.data(),
                                 entry.values.size());
       if (ZSTD_isError(got) || got != value_bytes) {
-        return bad(what + ": values do not decompress to their recorded " + U64(value_bytes) +
+        return bad(what() + ": values do not decompress to their recorded " + U64(value_bytes) +
                    " bytes" +
                    (ZSTD_isError(got) ? " (" + std::string(ZSTD_getErrorName(got)) + ")" : ""));
       }
@@ -482,41 +486,9 @@ Status FlushReader::ReadParts(
     }
   }
 
-  // 11. One tensor's entries agree and do not overlap; records are unique.
-  std::vector<uint32_t> order(entry_count);
-  std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](uint32_t x, uint32_t y) {
-    const FlushEntry &a = entries[x], &b = entries[y];
-    return std::tie(a.name, a.first, x) < std::tie(b.name, b.first, y);
-  });
-  for (size_t k = 1; k < order.size(); ++k) {
-    const FlushEntry &prev = entries[order[k - 1]], &cur = entries[order[k]];
-    if (prev.name != cur.name) continue;
-    const std::string what =
-        "entries " + U64(order[k - 1]) + " and " + U64(order[k]) + " (" + Quote(cur.name) + ")";
-    if (prev.dtype != cur.dtype || prev.shape != cur.shape) {
-      return bad(what + ": different dtypes or shapes for one tensor");
-    }
-    if (cur.first < prev.first + prev.count) {
-      return bad(what + ": ranges [" + U64(prev.first) + ", " + U64(prev.first + prev.count) +
-                 ") and [" + U64(cur.first) + ", " + U64(cur.first + cur.count) + ") overlap");
-    }
-  }
-  std::vector<uint32_t> record_order(digest_count);
-  std::iota(record_order.begin(), record_order.end(), 0);
-  auto record_key = [&](uint32_t g) {
-    const FlushDigest& r = digests[g];
-    return std::tie(r.name, r.block.first, r.block.count, r.block.rows, r.block.row_stride);
-  };
-  std::sort(record_order.begin(), record_order.end(),
-            [&](uint32_t x, uint32_t y) { return record_key(x) < record_key(y); });
-  for (size_t k = 1; k < record_order.size(); ++k) {
-    if (record_key(record_order[k - 1]) == record_key(record_order[k])) {
-      const FlushDigest& r = digests[record_order[k]];
-      return bad("digest records " + U64(std::min(record_order[k - 1], record_order[k])) + " and " +
-                 U64(std::max(record_order[k - 1], record_order[k])) + " (" + Quote(r.name) +
-                 "): both for block " + r.block.ToString());
-    }
+  // 11.
+  if (const std::string problem = CheckTensors(entry_count, digest_count); !problem.empty()) {
+    return bad(problem);
   }
 
   header_.sync_id = sync_id;
@@ -524,9 +496,87 @@ Status FlushReader::ReadParts(
   header_.kind = seed ? FrameKind::kSeed : FrameKind::kDelta;
   header_.last = flags & kFlagLast;
   header_.verify_all = flags & kFlagVerifyAll;
-  entries_ = std::move(entries);
-  digests_ = std::move(digests);
+  entry_count_ = entry_count;
+  digest_count_ = digest_count;
   return Status::OK();
+}
+
+std::string FlushReader::CheckTensors(uint32_t entry_count, uint32_t digest_count) {
+  const std::span<const FlushEntry> entries = std::span(entries_).first(entry_count);
+  const std::span<const FlushDigest> digests = std::span(digests_).first(digest_count);
+  // A sender lists each tensor's entries in order, so the common frame is
+  // checked in one pass over a table of names (open addressing, each slot
+  // the index + 1 of the last entry of its tensor seen so far): every
+  // entry agrees with, and starts at or after the end of, the one before
+  // it of its tensor. Anything else is judged, and named, by the sorts
+  // below, whose verdict this pass only anticipates.
+  size_t slots = 16;
+  while (slots < 2 * size_t{std::max(entry_count, digest_count)}) slots *= 2;
+  const auto probe = [&](std::string_view name, const auto& same) -> uint32_t& {
+    size_t h = std::hash<std::string_view>{}(name) & (slots - 1);
+    while (slots_[h] != 0 && !same(slots_[h] - 1)) h = (h + 1) & (slots - 1);
+    return slots_[h];
+  };
+  bool simple = true;
+  slots_.assign(slots, 0);
+  for (uint32_t e = 0; e < entry_count && simple; ++e) {
+    const FlushEntry& cur = entries[e];
+    uint32_t& slot = probe(cur.name, [&](uint32_t k) { return entries[k].name == cur.name; });
+    if (slot != 0) {
+      const FlushEntry& prev = entries[slot - 1];
+      simple = prev.dtype == cur.dtype && prev.shape == cur.shape &&
+               cur.first >= prev.first + prev.count;
+    }
+    slot = e + 1;
+  }
+  if (!simple) {
+    order_.resize(entry_count);
+    std::iota(order_.begin(), order_.end(), 0);
+    std::sort(order_.begin(), order_.end(), [&](uint32_t x, uint32_t y) {
+      const FlushEntry &a = entries[x], &b = entries[y];
+      return std::tie(a.name, a.first, x) < std::tie(b.name, b.first, y);
+    });
+    for (size_t k = 1; k < order_.size(); ++k) {
+      const FlushEntry &prev = entries[order_[k - 1]], &cur = entries[order_[k]];
+      if (prev.name != cur.name) continue;
+      const std::string what =
+          "entries " + U64(order_[k - 1]) + " and " + U64(order_[k]) + " (" + Quote(cur.name) + ")";
+      if (prev.dtype != cur.dtype || prev.shape != cur.shape) {
+        return what + ": different dtypes or shapes for one tensor";
+      }
+      if (cur.first < prev.first + prev.count) {
+        return what + ": ranges [" + U64(prev.first) + ", " + U64(prev.first + prev.count) +
+               ") and [" + U64(cur.first) + ", " + U64(cur.first + cur.count) + ") overlap";
+      }
+    }
+  }
+  // Records: two for one block need two for one tensor.
+  simple = true;
+  slots_.assign(slots, 0);
+  for (uint32_t g = 0; g < digest_count && simple; ++g) {
+    const FlushDigest& cur = digests[g];
+    uint32_t& slot = probe(cur.name, [&](uint32_t k) { return digests[k].name == cur.name; });
+    simple = slot == 0;
+    slot = g + 1;
+  }
+  if (simple) return "";
+  order_.resize(digest_count);
+  std::iota(order_.begin(), order_.end(), 0);
+  auto record_key = [&](uint32_t g) {
+    const FlushDigest& r = digests[g];
+    return std::tie(r.name, r.block.first, r.block.count, r.block.rows, r.block.row_stride);
+  };
+  std::sort(order_.begin(), order_.end(),
+            [&](uint32_t x, uint32_t y) { return record_key(x) < record_key(y); });
+  for (size_t k = 1; k < order_.size(); ++k) {
+    if (record_key(order_[k - 1]) == record_key(order_[k])) {
+      const FlushDigest& r = digests[order_[k]];
+      return "digest records " + U64(std::min(order_[k - 1], order_[k])) + " and " +
+             U64(std::max(order_[k - 1], order_[k])) + " (" + Quote(r.name) + "): both for block " +
+             r.block.ToString();
+    }
+  }
+  return "";
 }
 
 Status TrailerMismatch(uint64_t frame_bytes, std::span<const uint8_t> header,

@@ -1251,6 +1251,159 @@ TEST(Destination, ApplyRefusesAMapThatDoesNotFit) {
              StatusCode::kInvalidArgument, "destination of 19 bytes");
 }
 
+// A frame of 2,000 small tensors and a large one, entries of every
+// encoding, the large tensor's two entries apart in it: the changes it
+// carries, made independently of the writer and the apply.
+struct ManyTensors {
+  static constexpr int kSmall = 2000;
+  static constexpr int kBig = 500;  // the large tensor's place among them
+  static constexpr uint64_t kSmallNumel = 300, kBigNumel = 200000;
+  std::vector<std::string> names;
+  std::vector<uint64_t> numel;
+  std::vector<Bytes> before, after;  // per tensor
+  std::vector<size_t> tensor_of;     // per entry
+  std::vector<uint64_t> writes;      // per entry: the elements it carries
+  Bytes frame;
+  FlushReader reader;
+
+  ManyTensors() {
+    uint64_t seed = 17;
+    FlushWriter writer;
+    EXPECT_TRUE(writer.Begin({1}, uint64_t{1} << 26, &frame).ok());
+    for (int i = 0; i <= kSmall; ++i) {
+      const bool big = i == kBig;
+      const uint64_t n = big ? kBigNumel : kSmallNumel;
+      const size_t t = names.size();
+      names.push_back(big ? "model.embed.weight"
+                          : "model.layers." + std::to_string(i / 64) + ".experts." +
+                                std::to_string(i % 64) + ".w");
+      numel.push_back(n);
+      before.push_back(RandomBytes(n * 2, SplitMix(seed)));
+      after.push_back(before.back());
+      std::vector<uint64_t> changed;
+      for (uint64_t p = 0; p < n; ++p) {
+        if (SplitMix(seed) % 100 >= 5) continue;
+        changed.push_back(p);
+        after[t][2 * p] ^= static_cast<uint8_t>(SplitMix(seed) | 1);
+      }
+      const std::vector<int64_t> shape = {static_cast<int64_t>(n)};
+      // [first, end) as dense (0), indices (1) or sparse (2).
+      const auto add = [&](uint64_t first, uint64_t end, int encoding) {
+        const TensorRange range{names[t], DType::kBF16, shape, first, end - first};
+        std::vector<uint64_t> at;
+        for (uint64_t p : changed) {
+          if (p >= first && p < end) at.push_back(p);
+        }
+        Bytes values;
+        for (uint64_t p : at) values.insert(values.end(), &after[t][2 * p], &after[t][2 * p] + 2);
+        Result<bool> added =
+            encoding == 0
+                ? writer.AddDense(range, std::span(after[t]).subspan(2 * first, 2 * (end - first)))
+            : encoding == 1 ? writer.AddIndices(range, Positions::Absolute(at), values)
+                            : writer.AddSparse(range, Positions::Absolute(at), values);
+        EXPECT_TRUE(added.ok() && *added) << names[t];
+        tensor_of.push_back(t);
+        writes.push_back(encoding == 0 ? end - first : at.size());
+      };
+      if (big) {
+        add(0, n / 2, 0);
+        add(n / 2, n, 1);
+      } else {
+        add(0, n, i % 3);
+      }
+    }
+    EXPECT_TRUE(writer.Finish().ok());
+    const Status read = reader.Read(frame);
+    EXPECT_TRUE(read.ok()) << read.ToString();
+  }
+  uint64_t WrittenBefore(size_t entries) const {
+    uint64_t sum = 0;
+    for (size_t k = 0; k < entries; ++k) sum += writes[k];
+    return sum;
+  }
+};
+
+TEST(Destination, ApplyEntriesInTasksIsEveryEntryApplied) {
+  const ManyTensors m;
+  ASSERT_EQ(m.reader.entries().size(), m.tensor_of.size());
+  std::vector<DestinationMap> maps;
+  for (uint64_t n : m.numel) maps.push_back(DestinationMap::Whole(n));
+  ThreadPool pool(3);
+  for (ThreadPool* threads : {static_cast<ThreadPool*>(nullptr), &pool}) {
+    for (bool digest : {true, false}) {
+      std::vector<Bytes> dest = m.before;
+      std::vector<EntryDestination> dests;
+      for (size_t t : m.tensor_of) dests.push_back({&maps[t], dest[t]});
+      std::vector<StateDigest> moves;
+      const AppliedEntries done =
+          ApplyEntries(m.reader.entries(), dests, threads, digest ? &moves : nullptr);
+      ASSERT_TRUE(done.failed.ok()) << done.failed.ToString();
+      EXPECT_EQ(done.applied, m.tensor_of.size());
+      EXPECT_EQ(done.written, m.WrittenBefore(m.tensor_of.size()));
+      for (size_t t = 0; t < dest.size(); ++t) ASSERT_EQ(dest[t], m.after[t]) << m.names[t];
+      if (!digest) {
+        EXPECT_TRUE(moves.empty());
+        continue;
+      }
+      // Each tensor's moves add up to its digest's change.
+      ASSERT_EQ(moves.size(), m.tensor_of.size());
+      std::vector<StateDigest> moved(dest.size());
+      for (size_t k = 0; k < moves.size(); ++k) moved[m.tensor_of[k]] += moves[k];
+      for (size_t t = 0; t < dest.size(); ++t) {
+        EXPECT_EQ(moved[t],
+                  *ComputeStateDigest(m.after[t], 2, 0) - *ComputeStateDigest(m.before[t], 2, 0))
+            << m.names[t];
+      }
+    }
+  }
+}
+
+TEST(Destination, ApplyEntriesReportsTheFirstEntryThatFails) {
+  const ManyTensors m;
+  const size_t n = m.tensor_of.size();
+  std::vector<DestinationMap> maps;
+  for (uint64_t numel : m.numel) maps.push_back(DestinationMap::Whole(numel));
+  // Two entries in the middle, in different tasks, whose maps are for
+  // another element count: ApplyEntry refuses them before writing.
+  const size_t first_bad = 1201, second_bad = 1700;
+  ASSERT_GT(m.tensor_of[first_bad], static_cast<size_t>(ManyTensors::kBig));
+  const DestinationMap wrong = DestinationMap::Whole(ManyTensors::kSmallNumel + 1);
+  ThreadPool pool(3);
+  for (ThreadPool* threads : {static_cast<ThreadPool*>(nullptr), &pool}) {
+    std::vector<Bytes> dest = m.before;
+    std::vector<EntryDestination> dests;
+    for (size_t t : m.tensor_of) dests.push_back({&maps[t], dest[t]});
+    dests[first_bad].map = &wrong;
+    dests[second_bad].map = &wrong;
+    std::vector<StateDigest> moves;
+    const AppliedEntries done = ApplyEntries(m.reader.entries(), dests, threads, &moves);
+    EXPECT_EQ(done.applied, first_bad);
+    ExpectCode(done.failed, StatusCode::kInvalidArgument,
+               "apply: tensor '" + m.names[m.tensor_of[first_bad]] +
+                   "' has 300 elements, its destination map 301");
+    EXPECT_EQ(done.written, m.WrittenBefore(first_bad));
+    // Every other entry was applied, with its digest move; the two wrote
+    // nothing.
+    std::vector<StateDigest> moved(m.names.size());
+    for (size_t k = 0; k < n; ++k) {
+      const size_t t = m.tensor_of[k];
+      const bool refused = k == first_bad || k == second_bad;
+      ASSERT_EQ(dest[t], refused ? m.before[t] : m.after[t]) << m.names[t];
+      moved[t] += moves[k];
+    }
+    for (size_t t = 0; t < m.names.size(); ++t) {
+      const Bytes& now = dest[t];
+      EXPECT_EQ(moved[t], *ComputeStateDigest(now, 2, 0) - *ComputeStateDigest(m.before[t], 2, 0))
+          << m.names[t];
+    }
+  }
+  // Destinations that do not match the entries are refused whole.
+  std::vector<EntryDestination> none;
+  const AppliedEntries refused = ApplyEntries(m.reader.entries(), none, &pool, nullptr);
+  EXPECT_EQ(refused.applied, 0u);
+  ExpectCode(refused.failed, StatusCode::kInvalidArgument, "0 destinations for 2002 entries");
+}
+
 // ---------------------------------------------------------------------------
 // The fuzz target's seed corpus (fuzz/corpus/flush_frame): frames from the
 // writer, behind the target's mode byte (0: as is; 1: the target rewrites

@@ -19,6 +19,7 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -249,6 +250,14 @@ struct UnitOut {
 // pass; its positions are then taken a bucket's worth at a time.
 constexpr uint64_t kHostWindowBytes = uint64_t{64} << 20;
 
+// A thread's diff output and scratch for the host diff's pieces, kept from
+// tensor to tensor: made afresh for each of thousands of small tensors,
+// their buffers would cost more than the tensors' diffs.
+struct PieceScratch {
+  ChangeSet changes;
+  DiffScratch scratch;
+};
+
 // One tensor's part of a sync while its units stream (a sharded sync
 // streams a large tensor over several batches): the change of each held
 // block's digest so far, and the blocks whose digest is computed whole from
@@ -332,8 +341,10 @@ class Sender final : public StreamSender {
   struct Group {
     bool seed = false;
     std::vector<size_t> members;  // indices into peers_
-    std::set<std::string, std::less<>> holds;
-    std::set<std::string, std::less<>> named;  // tensors its entries named
+    // Views of the names the peers' `blocks` and the sender's tensors
+    // hold (neither changes during a round).
+    std::unordered_set<std::string_view> holds;
+    std::unordered_set<std::string_view> named;  // tensors its entries named
     FlushWriter writer;
     stream::FrameBuffer bucket;
     // Device tensors over a communicator that sends device memory: the
@@ -559,6 +570,8 @@ class Sender final : public StreamSender {
   // (at most the staged changes' size), and an encoder per thread.
   std::vector<stream::SparseRegions> sparse_regions_;
   core_internal::FreeList<stream::SparseEncoder> sparse_encoders_;
+  // StreamHostUnits' per-thread diff buffers.
+  core_internal::FreeList<PieceScratch> piece_scratch_;
   // Cancel's state, and the lock under which comm_ and trainers_ are set
   // and cleared (the calling thread reads them without it).
   mutable std::mutex mu_;

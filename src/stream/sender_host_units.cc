@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -52,22 +53,24 @@ uint64_t Held(const ChangeSet& c) {
 }
 
 // Runs task(piece index, changes, scratch) for every piece on the pool (or
-// inline), each thread with a ChangeSet and a diff scratch of its own; the
-// first error wins. *held: the most those held, all threads together.
+// inline), each thread with a ChangeSet and a diff scratch of its own,
+// taken from `scratch` and given back; the first error wins. *held: the
+// most those held, all threads together.
 template <typename Task>
-Status RunPieces(ThreadPool* pool, size_t pieces, uint64_t* held, Task&& task) {
+Status RunPieces(ThreadPool* pool, core_internal::FreeList<PieceScratch>* scratch, size_t pieces,
+                 uint64_t* held, Task&& task) {
   core_internal::FirstError error;
   const size_t tasks = pool == nullptr ? 1 : std::min(pieces, pool->size() + 1);
   std::atomic<size_t> next{0};
   std::atomic<uint64_t> bytes{0};
   const auto run = [&](size_t) {
-    ChangeSet changes;
-    DiffScratch scratch;
+    std::unique_ptr<PieceScratch> s = scratch->Take();
     for (size_t i; (i = next.fetch_add(1)) < pieces;) {
       if (error.failed()) break;
-      error.Note(task(i, changes, scratch));
+      error.Note(task(i, s->changes, s->scratch));
     }
-    bytes.fetch_add(Held(changes) + scratch.bytes());
+    bytes.fetch_add(Held(s->changes) + s->scratch.bytes());
+    scratch->Give(std::move(s));
   };
   if (pool == nullptr || tasks <= 1) {
     run(0);
@@ -263,7 +266,7 @@ Status Sender::StreamHostUnits(TensorState& t, const UnitSource& src, Round* rou
     kept.resize(pieces.size());
     std::atomic<uint64_t> kept_bytes{0};
     DS_RETURN_IF_ERROR(RunPieces(
-        pool, pieces.size(), &host_scratch_peak_,
+        pool, &piece_scratch_, pieces.size(), &host_scratch_peak_,
         [&](size_t i, ChangeSet& cs, DiffScratch& scratch) -> Status {
           const Piece& pc = pieces[i];
           DiffOptions o = options;
@@ -376,7 +379,7 @@ Status Sender::StreamHostUnits(TensorState& t, const UnitSource& src, Round* rou
         LogPositions(positions, counts[i], piece_log[i].data());
       };
       DS_RETURN_IF_ERROR(RunPieces(
-          pool, wanted.size(), &host_scratch_peak_,
+          pool, &piece_scratch_, wanted.size(), &host_scratch_peak_,
           [&](size_t j, ChangeSet& cs, DiffScratch& scratch) -> Status {
             const size_t i = wanted[j];
             const Piece& pc = pieces[i];

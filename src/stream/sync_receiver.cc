@@ -5,6 +5,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <unordered_map>
 #include <utility>
 
 #include "comm/communicator_internal.h"
@@ -44,6 +45,11 @@ struct Destination {
   // recomputed at each sync that touches it).
   std::unique_ptr<stream::DeviceDestination> device;
   Placement place;
+  // The sync (SyncState::stamp) that last applied an entry to it, and the
+  // one whose frames last carried its digest record, `record`.
+  uint64_t named_in = 0;
+  uint64_t record_in = 0;
+  StateDigest record;
 };
 
 // What one sync has done so far.
@@ -53,8 +59,9 @@ struct SyncState {
   FrameKind kind = FrameKind::kDelta;
   bool verify_all = false;
   uint64_t entries = 0;  // applied so far
-  std::set<std::string, std::less<>> named;
-  std::map<std::string, StateDigest, std::less<>> records;
+  // This sync among the receiver's: a destination whose named_in (or
+  // record_in) equals it was written (or given a digest record) by it.
+  uint64_t stamp = 0;
   Status refused;     // the first refusal; later frames are taken, not applied
   bool clean = true;  // no unverified byte written
   // Refused for a reason of this receiver's own (a destination that moved,
@@ -112,6 +119,16 @@ class Receiver final : public StreamReceiver {
   CommunicatorFactory connect_;
   ReceiverOptions options_;
   std::map<std::string, Destination, std::less<>> dests_;
+  // dests_ by name, for the frames' lookups (map nodes do not move).
+  std::unordered_map<std::string_view, Destination*> by_name_;
+  uint64_t syncs_ = 0;  // SyncState::stamp of the last sync begun
+  // TakeFrame's: each entry's and each digest record's destination, found
+  // once when the frame is checked; the entries' maps and memory; their
+  // digest moves.
+  std::vector<Destination*> entry_dests_;
+  std::vector<Destination*> record_dests_;
+  std::vector<stream::EntryDestination> targets_;
+  std::vector<StateDigest> moves_;
   std::map<int, std::unique_ptr<stream::DeviceContext>> devices_;  // by CUDA device
   // Set and reset by the calling thread under mu_, read by Cancel and
   // health under it; the calling thread reads it without.
@@ -195,7 +212,8 @@ Status Receiver::Register(std::string name, DType dtype, std::vector<int64_t> sh
   d.bytes = dest;
   d.map = std::move(*map);
   d.block = *block;
-  dests_.emplace(std::move(name), std::move(d));
+  auto it = dests_.emplace(std::move(name), std::move(d)).first;
+  by_name_.emplace(it->first, &it->second);
   return Status::OK();
 }
 
@@ -378,71 +396,77 @@ Status Receiver::TakeFrame(bool envelope_last, bool on_device, uint64_t bytes,
       return Status::InvalidArgument(frame + ": a seed and a delta frame in one sync");
     }
   }
-  // The whole frame is checked before any weight is touched.
-  for (size_t k = 0; k < reader_.entries().size(); ++k) {
-    const FlushEntry& e = reader_.entries()[k];
-    const std::string entry =
-        frame + ": entry " + std::to_string(k) + ": tensor '" + std::string(e.name) + "'";
-    auto it = dests_.find(e.name);
-    if (it == dests_.end()) return Status::InvalidArgument(entry + " is not registered here");
-    const Destination& d = it->second;
+  // The whole frame is checked before any weight is touched; each entry's
+  // and each record's destination is found once, here.
+  const std::span<const FlushEntry> entries = reader_.entries();
+  const std::span<const stream::FlushDigest> records = reader_.digests();
+  entry_dests_.clear();
+  targets_.clear();
+  record_dests_.clear();
+  entry_dests_.reserve(entries.size());
+  targets_.reserve(entries.size());
+  record_dests_.reserve(records.size());
+  bool any_device = false;
+  for (size_t k = 0; k < entries.size(); ++k) {
+    const FlushEntry& e = entries[k];
+    const auto entry = [&] {
+      return frame + ": entry " + std::to_string(k) + ": tensor '" + std::string(e.name) + "'";
+    };
+    auto it = by_name_.find(e.name);
+    if (it == by_name_.end()) return Status::InvalidArgument(entry() + " is not registered here");
+    Destination& d = *it->second;
     if (e.dtype != d.dtype || e.shape != d.shape) {
-      return Status::InvalidArgument(entry + " is " + std::string(DTypeName(e.dtype)) + " " +
+      return Status::InvalidArgument(entry() + " is " + std::string(DTypeName(e.dtype)) + " " +
                                      ShapeToString(e.shape) + " in the frame, " +
                                      std::string(DTypeName(d.dtype)) + " " +
                                      ShapeToString(d.shape) + " here");
     }
+    entry_dests_.push_back(&d);
+    targets_.push_back({&d.map, d.bytes});
+    any_device = any_device || d.device != nullptr;
   }
-  for (const stream::FlushDigest& r : reader_.digests()) {
-    const std::string record =
-        frame + ": the digest record of tensor '" + std::string(r.name) + "'";
-    auto it = dests_.find(r.name);
-    if (it == dests_.end()) return Status::InvalidArgument(record + ": not registered here");
-    if (!(r.block == it->second.block)) {
-      return Status::InvalidArgument(record + " is for block " + r.block.ToString() +
-                                     ", this receiver holds " + it->second.block.ToString());
+  for (const stream::FlushDigest& r : records) {
+    const auto record = [&] {
+      return frame + ": the digest record of tensor '" + std::string(r.name) + "'";
+    };
+    auto it = by_name_.find(r.name);
+    if (it == by_name_.end()) return Status::InvalidArgument(record() + ": not registered here");
+    if (!(r.block == it->second->block)) {
+      return Status::InvalidArgument(record() + " is for block " + r.block.ToString() +
+                                     ", this receiver holds " + it->second->block.ToString());
     }
+    record_dests_.push_back(it->second);
   }
   const bool seed = sync->kind == FrameKind::kSeed;
   const auto t0 = Clock::now();
   Status applied;
-  const std::span<const FlushEntry> entries = reader_.entries();
-  // Host destinations only (a device tensor takes a host frame's entries
-  // through its own scatter, in order).
-  bool host = !on_device && !options_.apply_hook && entries.size() > 1;
-  for (size_t k = 0; host && k < entries.size(); ++k) {
-    host = dests_.find(entries[k].name)->second.device == nullptr;
-  }
   // What each applied entry (or the first that fails) leaves behind.
   const auto failed = [&](const Destination& d, const Status& s) {
     return Status(s.code(), frame + ": applying tensor '" + d.name + "': " + s.message());
   };
-  const auto written_by = [&](const Destination& d, uint64_t written) {
-    stats->elements_written += written;
+  const auto written_by = [&](Destination& d) {
     ++sync->entries;
-    sync->named.insert(d.name);
+    d.named_in = sync->stamp;
   };
-  if (host && Pool() != nullptr) {
-    // A host frame's entries on the receiver's threads: each writes its own
-    // range and moves a digest of its own, added to its tensor's in order.
-    std::vector<Result<uint64_t>> written(entries.size(), Result<uint64_t>(uint64_t{0}));
-    std::vector<StateDigest> moved(entries.size());
-    Pool()->ParallelFor(entries.size(), [&](size_t k) {
-      const Destination& d = dests_.find(entries[k].name)->second;
-      written[k] = stream::ApplyEntry(entries[k], d.map, d.bytes, seed ? nullptr : &moved[k]);
-    });
-    for (size_t k = 0; k < entries.size(); ++k) {
-      Destination& d = dests_.find(entries[k].name)->second;
-      if (!written[k].ok()) {
-        applied = failed(d, written[k].status());
-        break;
-      }
-      if (!seed) d.running += moved[k];
-      written_by(d, *written[k]);
+  if (!on_device && !options_.apply_hook && !any_device) {
+    // Host destinations only: the frame's entries in tasks of the
+    // receiver's threads, each entry writing its own range and moving a
+    // digest of its own, added to its tensor's in entry order.
+    const stream::AppliedEntries done =
+        stream::ApplyEntries(entries, targets_, Pool(), seed ? nullptr : &moves_);
+    for (size_t k = 0; k < done.applied; ++k) {
+      Destination& d = *entry_dests_[k];
+      if (!seed) d.running += moves_[k];
+      written_by(d);
     }
+    stats->elements_written += done.written;
+    if (done.applied < entries.size()) applied = failed(*entry_dests_[done.applied], done.failed);
   } else {
-    for (const FlushEntry& e : entries) {
-      Destination& d = dests_.find(e.name)->second;
+    // A device tensor takes a host frame's entries through its own
+    // scatter, in order.
+    for (size_t k = 0; k < entries.size(); ++k) {
+      const FlushEntry& e = entries[k];
+      Destination& d = *entry_dests_[k];
       if (options_.apply_hook) {
         if (Status s = options_.apply_hook(sync->sync_id, e.name, sync->entries); !s.ok()) {
           applied = failed(d, s);
@@ -456,16 +480,18 @@ Status Receiver::TakeFrame(bool envelope_last, bool on_device, uint64_t bytes,
         applied = failed(d, written.status());
         break;
       }
-      written_by(d, *written);
+      stats->elements_written += *written;
+      written_by(d);
     }
   }
   if (on_device) {
     // The bucket takes the next frame only once every scatter from it ran,
     // whether or not the whole frame was applied.
     std::set<std::string_view> waited;
-    for (const FlushEntry& e : reader_.entries()) {
+    for (size_t k = 0; k < entries.size(); ++k) {
+      const FlushEntry& e = entries[k];
       if (!waited.insert(e.name).second) continue;
-      Status s = dests_.find(e.name)->second.device->Wait();
+      Status s = entry_dests_[k]->device->Wait();
       if (!s.ok() && applied.ok()) {
         applied = Status(s.code(),
                          frame + ": applying tensor '" + std::string(e.name) + "': " + s.message());
@@ -478,8 +504,10 @@ Status Receiver::TakeFrame(bool envelope_last, bool on_device, uint64_t bytes,
     return applied;
   }
   stats->apply_s += SecondsSince(t0);
-  for (const stream::FlushDigest& r : reader_.digests()) {
-    sync->records[std::string(r.name)] = r.digest;
+  for (size_t g = 0; g < records.size(); ++g) {
+    Destination& d = *record_dests_[g];
+    d.record = records[g].digest;
+    d.record_in = sync->stamp;
   }
   if (h.last) sync->verify_all = h.verify_all;
   return Status::OK();
@@ -492,7 +520,7 @@ void Receiver::Verify(SyncState* sync, ReceiveStats* stats) {
     // destinations the sync wrote (they keep no running digest).
     const auto t0 = Clock::now();
     for (auto& [name, d] : dests_) {
-      if (!all && !(d.device && sync->named.count(name))) continue;
+      if (!all && !(d.device && d.named_in == sync->stamp)) continue;
       Result<StateDigest> now =
           d.device ? d.device->Digest() : stream::DigestDestination(d.map, d.bytes, d.w);
       if (!now.ok()) {
@@ -507,18 +535,17 @@ void Receiver::Verify(SyncState* sync, ReceiveStats* stats) {
   }
   const std::string head = "sync " + std::to_string(sync->sync_id) + ": ";
   for (const auto& [name, d] : dests_) {
-    const bool needed = all || sync->named.count(name);
-    auto it = sync->records.find(name);
-    if (it == sync->records.end()) {
+    const bool needed = all || d.named_in == sync->stamp;
+    if (d.record_in != sync->stamp) {
       if (!needed) continue;
       sync->refused = Status::Corruption(head + "tensor '" + name + "': no digest record");
       sync->clean = false;
       return;
     }
-    if (!(it->second == d.running)) {
+    if (!(d.record == d.running)) {
       sync->refused =
           Status::Corruption(head + "tensor '" + name + "': digest mismatch: it holds " +
-                             d.running.ToHex() + ", the sender expects " + it->second.ToHex());
+                             d.running.ToHex() + ", the sender expects " + d.record.ToHex());
       sync->clean = false;
       return;
     }
@@ -561,6 +588,7 @@ Result<ReceiveStats> Receiver::ReceiveSyncAlone() {
   stats.partial = options_.partial;
   stats.tensors = dests_.size();
   SyncState sync;
+  sync.stamp = ++syncs_;
   // The route opens the sync, which comes when the trainer is done with
   // its step: it waits as long as the user allows.
   Result<nlohmann::json> body =
