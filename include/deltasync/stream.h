@@ -130,10 +130,14 @@ struct ShardedTensor {
 
 struct SenderOptions {
   StreamEncoding encoding = StreamEncoding::kIndices;
-  // A flush frame's size bound: besides its snapshot the sender holds two
-  // such buckets, one per kind of receiver in a sync (those being seeded,
-  // those taking the delta), or, when every receiver takes the same frames,
-  // one filling while the previous frame is sent; at least 64 KiB.
+  // The frames' memory: a host frame is at most half of it, so that a
+  // receiver applies one frame while it takes the next and holds both in
+  // one bucket (a receiver's own digest-records frame, the sync's last,
+  // and a device frame may take all of it). Besides its snapshot the
+  // sender holds two buckets, one per kind of receiver in a sync (those
+  // being seeded, those taking the delta), or, when every receiver takes
+  // the same frames, one filling while the previous is sent; at least
+  // 64 KiB.
   uint64_t bucket_bytes = uint64_t{16} << 20;
   // Every K-th sync, each receiver recomputes the digest of everything it
   // holds from memory instead of trusting its running digests; 0: never.

@@ -268,6 +268,84 @@ struct BaseFrame {
   uint64_t record_at() const { return entry_at(4); }
 };
 
+// A dense entry's values borrowed rather than copied: the frame sent piece
+// by piece, whatever the chunk, is byte for byte the frame AddDense builds,
+// trailer included, and the reader takes it.
+TEST(FlushFrame, BorrowedValuesMakeTheSameFrameInAnyPieces) {
+  const Bytes a = RandomBytes(4000, 11), b = RandomBytes(4096, 12), c = RandomBytes(13, 13);
+  const std::vector<uint64_t> positions = {2, 9, 700};
+  const Bytes w = RandomBytes(12, 14);
+  const auto build = [&](bool borrow, Bytes* out, std::vector<BorrowedRegion>* borrowed) {
+    FlushWriter writer;
+    FlushHeader header;
+    header.sync_id = 5;
+    ASSERT_TRUE(writer.Begin(header, 1 << 20, out).ok());
+    const auto dense = [&](const TensorRange& r, const Bytes& v) {
+      return borrow ? writer.AddDenseBorrowed(r, v) : writer.AddDense(r, v);
+    };
+    // Two regions back to back (b's offset is a's end, both 8-aligned), an
+    // indices entry, and a region that ends the payload before its padding.
+    ASSERT_TRUE(*dense({"a", DType::kBF16, Shape({2000}), 0, 2000}, a));
+    ASSERT_TRUE(*dense({"b", DType::kF32, Shape({1024}), 0, 1024}, b));
+    ASSERT_TRUE(*writer.AddIndices({"w", DType::kF32, Shape({1024}), 0, 1024},
+                                   Positions::Absolute(positions), w));
+    ASSERT_TRUE(*dense({"c", DType::kU8, Shape({13}), 0, 13}, c));
+    ASSERT_TRUE(writer.Finish().ok());
+    writer.TakeBorrowed(borrowed);
+  };
+  Bytes copied, holed;
+  std::vector<BorrowedRegion> none, borrowed;
+  build(false, &copied, &none);
+  build(true, &holed, &borrowed);
+  EXPECT_TRUE(none.empty());
+  ASSERT_EQ(borrowed.size(), 3u);
+  EXPECT_EQ(borrowed[1].offset, borrowed[0].offset + a.size());
+  ASSERT_EQ(holed.size(), copied.size());
+  for (uint64_t chunk :
+       {uint64_t{1}, uint64_t{7}, uint64_t{64}, uint64_t{4000}, uint64_t{1} << 20}) {
+    Bytes sent;
+    std::vector<uint8_t> staging;
+    size_t pieces = 0;
+    ASSERT_TRUE(
+        ForEachFramePiece(holed, borrowed, chunk, &staging, [&](std::span<const uint8_t> piece) {
+          EXPECT_EQ(piece.size(), std::min<uint64_t>(chunk, holed.size() - sent.size()));
+          sent.insert(sent.end(), piece.begin(), piece.end());
+          ++pieces;
+          return Status::OK();
+        }).ok());
+    EXPECT_EQ(sent, copied) << "chunk " << chunk;
+    EXPECT_EQ(pieces, (holed.size() + chunk - 1) / chunk) << "chunk " << chunk;
+    FlushReader reader;
+    EXPECT_TRUE(reader.Read(sent).ok()) << "chunk " << chunk;
+  }
+  // A piece's error ends it; regions out of order or outside the frame,
+  // and pieces of 0 bytes, are refused before any piece.
+  size_t calls = 0;
+  std::vector<uint8_t> staging;
+  ExpectCode(ForEachFramePiece(holed, borrowed, 64, &staging,
+                               [&](std::span<const uint8_t>) {
+                                 ++calls;
+                                 return Status::IOError("injected");
+                               }),
+             StatusCode::kIOError, "injected");
+  EXPECT_EQ(calls, 1u);
+  const auto refused = [&](std::vector<BorrowedRegion> regions, uint64_t chunk,
+                           const std::string& text) {
+    size_t seen = 0;
+    ExpectCode(ForEachFramePiece(holed, regions, chunk, &staging,
+                                 [&](std::span<const uint8_t>) {
+                                   ++seen;
+                                   return Status::OK();
+                                 }),
+               StatusCode::kInvalidArgument, text);
+    EXPECT_EQ(seen, 0u);
+  };
+  refused({borrowed[1], borrowed[0]}, 64, "overlaps another or is outside the frame");
+  refused({{holed.size() - 4, std::span<const uint8_t>(a).first(8)}}, 64,
+          "overlaps another or is outside the frame");
+  refused(borrowed, 0, "frame pieces of 0 bytes");
+}
+
 TEST(FlushFrame, WriterMatchesTheDocumentedLayout) {
   // Dense and indices regions are fixed by the format; compare byte for
   // byte with the builder written from the docs.

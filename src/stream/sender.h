@@ -142,8 +142,9 @@ inline Status SendOwnFrame(Communicator& comm, int rank, bool last, std::span<co
 // (`head`), which passes it on (docs/format.md, "Fan-out"): one copy
 // whatever their number.
 inline Status SendSharedFrame(Communicator& comm, int head, std::span<const uint8_t> frame,
-                              uint64_t* bytes_sent) {
-  if (Status s = stream::SendShared(comm, head, frame); !s.ok()) {
+                              std::span<const stream::BorrowedRegion> borrowed,
+                              std::vector<uint8_t>* staging, uint64_t* bytes_sent) {
+  if (Status s = stream::SendShared(comm, head, frame, borrowed, staging); !s.ok()) {
     return Status(s.code(), "receiver " + std::to_string(head) + ": " + s.message());
   }
   *bytes_sent += stream::kEnvelopeBytes + frame.size();
@@ -196,6 +197,10 @@ struct UnitSource {
   // only a unit whose every element changed, or whose dense values were
   // gathered, can go dense.
   std::function<bool(uint64_t first, uint64_t count, uint64_t changed)> can_dense;
+  // Whether `dense`'s views stay valid and unchanged until the sync ends
+  // (a caller's host tensor): a dense entry's values then go from there,
+  // not copied into the frame (FlushWriter::AddDenseBorrowed).
+  bool stable_dense = false;
   // A host tensor and its committed snapshot (`host` set, from the second
   // sync on): its units are diffed a run at a time on the sender's threads
   // (StreamHostUnits) in place of `changes`.
@@ -367,8 +372,10 @@ class Sender final : public StreamSender {
   // uses the stream communicator until Land returns.
   struct Flight {
     std::thread thread;
-    stream::FrameBuffer frame;                    // in flight, or the idle second bucket
-    std::unique_ptr<stream::DeviceFrame> device;  // the same, in device memory
+    stream::FrameBuffer frame;                     // in flight, or the idle second bucket
+    std::vector<stream::BorrowedRegion> borrowed;  // the frame's values sent from where they lie
+    std::vector<uint8_t> staging;                  // a relay chunk across them
+    std::unique_ptr<stream::DeviceFrame> device;   // the same, in device memory
     Status status;
     double seconds = 0;
     uint64_t bytes = 0;
@@ -390,7 +397,10 @@ class Sender final : public StreamSender {
   ThreadPool* Pool();
   // The copies, cut into pieces, on the sender's threads.
   void CopyAll(std::span<const Copy> copies);
-  // A host frame's budget: the ramp of kFirstFrameBytes, then the bucket.
+  // The largest host frame: half a bucket, so that a receiver applies one
+  // frame while the next comes in and holds both in one bucket's memory.
+  uint64_t MaxHostFrame() const { return options_.bucket_bytes / 2; }
+  // A host frame's budget: the ramp of kFirstFrameBytes, then MaxHostFrame.
   uint64_t FrameBudget(const Group& g) const;
   // `start`: when the sync call began (its total_s counts from there).
   Status BeginSync(Round* round, Clock::time_point start);
@@ -521,6 +531,10 @@ class Sender final : public StreamSender {
   stream::DeviceSource* last_diffed_ = nullptr;
   ChangeSet device_part_;               // a device unit's changes
   std::vector<uint8_t> dense_scratch_;  // a dirty device unit's values
+  // A frame sent on the calling thread: its borrowed regions, and a relay
+  // chunk across them.
+  std::vector<stream::BorrowedRegion> borrowed_;
+  std::vector<uint8_t> staging_;
   // A seed's reads of device shards: the unit last copied to the host (of
   // local tensor read_cache_shard_, SIZE_MAX: none), valid in one sync.
   std::vector<uint8_t> read_cache_;

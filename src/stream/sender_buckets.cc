@@ -55,8 +55,8 @@ void Sender::CopyAll(std::span<const Copy> copies) {
 }
 
 uint64_t Sender::FrameBudget(const Group& g) const {
-  if (g.full_frames || g.frames >= 32) return options_.bucket_bytes;
-  return std::min(options_.bucket_bytes, kFirstFrameBytes << g.frames);
+  if (g.full_frames || g.frames >= 32) return MaxHostFrame();
+  return std::min(MaxHostFrame(), kFirstFrameBytes << g.frames);
 }
 
 Status Sender::Begin(Group& g, uint64_t sync_id, bool last, bool verify_all) {
@@ -93,9 +93,11 @@ Status Sender::Flush(Group& g, SyncStats* stats) {
   const int head = peers_[g.members.front()].rank;
   if (!g.overlap) {
     const auto t1 = Clock::now();
+    if (!g.device) g.writer.TakeBorrowed(&borrowed_);
     Status s = SendSharedFrame(*comm_, head,
                                g.device ? g.device->frame() : std::span<const uint8_t>(g.bucket),
-                               &stats->bytes_sent);
+                               g.device ? std::span<const stream::BorrowedRegion>() : borrowed_,
+                               &staging_, &stats->bytes_sent);
     stats->transfer_s += SecondsSince(t1);
     return s;
   }
@@ -103,14 +105,16 @@ Status Sender::Flush(Group& g, SyncStats* stats) {
   const bool device = g.device != nullptr;
   if (device) {
     std::swap(g.device, flight_.device);
+    flight_.borrowed.clear();
   } else {
     std::swap(g.bucket, flight_.frame);
+    g.writer.TakeBorrowed(&flight_.borrowed);
   }
   flight_.thread = std::thread([this, head, device] {
     const auto t1 = Clock::now();
     flight_.status = SendSharedFrame(
         *comm_, head, device ? flight_.device->frame() : std::span<const uint8_t>(flight_.frame),
-        &flight_.bytes);
+        flight_.borrowed, &flight_.staging, &flight_.bytes);
     flight_.seconds = SecondsSince(t1);
   });
   return Status::OK();
@@ -141,8 +145,8 @@ Status Sender::Add(Group& g, uint64_t sync_id, SyncStats* stats, AddFn&& add) {
     if (*fit) return Status::OK();
     if ((g.device ? g.device->entry_count() : g.writer.entry_count()) == 0) {
       // A unit bigger than a first, small frame: this frame, and every
-      // later one, takes a whole bucket.
-      if (g.device || g.full_frames || FrameBudget(g) >= options_.bucket_bytes) break;
+      // later one, takes the largest.
+      if (g.device || g.full_frames || FrameBudget(g) >= MaxHostFrame()) break;
       g.full_frames = true;
       g.open = false;
       continue;
@@ -150,7 +154,8 @@ Status Sender::Add(Group& g, uint64_t sync_id, SyncStats* stats, AddFn&& add) {
     DS_RETURN_IF_ERROR(Flush(g, stats));
   }
   return Status::Internal("a unit of work does not fit an empty frame of " +
-                          std::to_string(options_.bucket_bytes) + " bytes");
+                          std::to_string(g.device ? options_.bucket_bytes : MaxHostFrame()) +
+                          " bytes");
 }
 
 Status Sender::StreamTensor(TensorState& t, const UnitSource& src, Round* round) {
@@ -245,7 +250,8 @@ Status Sender::EmitUnit(TensorState& t, const UnitSource& src, Round* round,
       DS_RETURN_IF_ERROR(Add(g, round->sync_id, stats, [&](Group& gr) -> Result<bool> {
         FlushWriter& w = gr.writer;
         switch (e) {
-          case StreamEncoding::kDense: return w.AddDense(range, xu);
+          case StreamEncoding::kDense:
+            return src.stable_dense ? w.AddDenseBorrowed(range, xu) : w.AddDense(range, xu);
           case StreamEncoding::kIndices: return w.AddIndices(range, c.pos, c.values);
           case StreamEncoding::kSparse:
             return c.sparse ? w.AddSparseRegions(range, *c.sparse)

@@ -381,6 +381,58 @@ TEST_F(SyncTest, ReceiversHoldingTheSameTensorsTakeOneCopyDownAChain) {
   Finish(sender, all);
 }
 
+// A receiver applies a host frame on a thread of its own while the next one
+// comes in. A frame found damaged there (the sync's third) fails the sync,
+// naming it; the frames after it are taken, not applied; and the next sync
+// repairs the receiver, which holds the first two frames' checked values,
+// by sending the failed sync's units again (no seed).
+TEST_F(SyncTest, AFrameRefusedWhileThePreviousIsAppliedFailsTheSyncAndTheNextRepairsIt) {
+  SetUpGroup(2);
+  Model m =
+      Model::Make(8, {{"a.weight", DType::kBF16, {512, 512}}, {"b.bias", DType::kF32, {512}}});
+  SenderOptions o;
+  o.bucket_bytes = 64 << 10;  // frames of at most 32 KiB, one chunk each
+  std::unique_ptr<StreamSender> sender = MakeSender(Factory(0), o);
+  FaultPlan third;
+  third.op = CommOp::kRecv;
+  third.kind = FaultKind::kCorruptByte;
+  third.match = [](std::span<const uint8_t> b) {
+    if (b.size() < stream::kFlushHeaderBytes || std::memcmp(b.data(), "DSFL", 4) != 0) {
+      return false;
+    }
+    uint64_t id = 0;
+    uint32_t index = 0;
+    std::memcpy(&id, b.data() + 8, 8);
+    std::memcpy(&index, b.data() + 16, 4);
+    return id == 3 && index == 2;
+  };
+  third.byte_offset = 100;  // in the payload
+  ReceiverRig good(m, Hold::kWhole, Factory(1));
+  ReceiverRig victim(m, Hold::kWhole, Factory(2, {third}));
+  good.Start();
+  victim.Start();
+  for (int step = 0; step < 2; ++step) {
+    if (step > 0) m.Step(90 + step, 0.3);
+    Result<SyncStats> s = sender->Sync(m.tensors);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    EXPECT_GT(s->frames, 4u);  // the third frame has frames after it
+  }
+  m.Step(95, 0.3);
+  Result<SyncStats> failed = sender->Sync(m.tensors);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_TRUE(Contains(failed.status(), "receiver 2: ")) << failed.status().ToString();
+  EXPECT_TRUE(Contains(failed.status(), "flush frame 2 of the sync")) << failed.status().ToString();
+  EXPECT_TRUE(Contains(failed.status(), "xxh3-128 mismatch")) << failed.status().ToString();
+  EXPECT_TRUE(good.Matches(m).ok());
+  EXPECT_FALSE(victim.Matches(m).ok());  // the frames after the third were not applied
+  Result<SyncStats> next = sender->Sync(m.tensors);
+  ASSERT_TRUE(next.ok()) << next.status().ToString();
+  EXPECT_EQ(next->seeded, 0u);
+  EXPECT_TRUE(victim.Matches(m).ok()) << victim.Matches(m).ToString();
+  EXPECT_TRUE(good.Matches(m).ok()) << good.Matches(m).ToString();
+  Finish(sender, {&good, &victim});
+}
+
 TEST_F(SyncTest, ATruncatedFrameBreaksTheGroupWhichIsFormedAgainAndReseeded) {
   SetUpGroup(2);
   Model m = Model::Make(4);
@@ -457,7 +509,7 @@ TEST_F(SyncTest, FramesSentWhileTheNextFillsKeepReceiversExactAndASendFailedInFl
   Finish(sender, {&one, &two});
 }
 
-TEST_F(SyncTest, ASyncsFirstFramesAreSmallAndAUnitTooBigForThemTakesAWholeBucket) {
+TEST_F(SyncTest, ASyncsFirstFramesAreSmallAndAUnitTooBigForThemTakesTheLargest) {
   SetUpGroup(1);
   // 16 MiB buckets: a unit of 838,451 BF16 elements, 1.6 MiB dense, more
   // than the first frame's 1 MiB; a 10% delta of it 0.5 MB of indices.
@@ -468,7 +520,7 @@ TEST_F(SyncTest, ASyncsFirstFramesAreSmallAndAUnitTooBigForThemTakesAWholeBucket
   ReceiverRig one(m, Hold::kWhole, Factory(1));
   one.Start();
   // The seed: the first unit does not fit the first frame, which gives way
-  // to a whole bucket, and the 6 MiB go in one.
+  // to the largest host frame (half the bucket), and the 6 MiB go in one.
   Result<SyncStats> seed = sender->Sync(m.tensors);
   ASSERT_TRUE(seed.ok()) << seed.status().ToString();
   EXPECT_TRUE(one.Matches(m).ok()) << one.Matches(m).ToString();
