@@ -73,7 +73,14 @@ Status Sender::Begin(Group& g, uint64_t sync_id, bool last, bool verify_all) {
     g.open = true;
     return Status::OK();
   }
-  if (g.bucket.capacity() == 0) g.bucket.reserve(bucket_reserve_);
+  if (g.bucket.capacity() == 0) {
+    // Its pages faulted in once, here: a frame of borrowed values leaves
+    // holes it never writes, which a later frame would fault in page by
+    // page while it fills.
+    g.bucket.resize(bucket_reserve_);
+    std::memset(g.bucket.data(), 0, g.bucket.size());
+    g.bucket.clear();
+  }
   g.writer.SetPool(Pool());
   DS_RETURN_IF_ERROR(g.writer.Begin(h, FrameBudget(g), &g.bucket));
   g.open = true;
