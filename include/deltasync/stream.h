@@ -130,14 +130,10 @@ struct ShardedTensor {
 
 struct SenderOptions {
   StreamEncoding encoding = StreamEncoding::kIndices;
-  // The frames' memory: a host frame is at most half of it, so that a
-  // receiver applies one frame while it takes the next and holds both in
-  // one bucket (a receiver's own digest-records frame, the sync's last,
-  // and a device frame may take all of it). Besides its snapshot the
-  // sender holds two buckets, one per kind of receiver in a sync (those
-  // being seeded, those taking the delta), or, when every receiver takes
-  // the same frames, one filling while the previous is sent; at least
-  // 64 KiB.
+  // A flush frame's size bound: besides its snapshot the sender holds two
+  // such buckets, one per kind of receiver in a sync (those being seeded,
+  // those taking the delta), or, when every receiver takes the same frames,
+  // one filling while the previous frame is sent; at least 64 KiB.
   uint64_t bucket_bytes = uint64_t{16} << 20;
   // Every K-th sync, each receiver recomputes the digest of everything it
   // holds from memory instead of trusting its running digests; 0: never.
@@ -156,6 +152,13 @@ struct SenderOptions {
   // snapshot (the calling thread is one of them): 0 the cores this process
   // may run on (its CPU affinity), 1 the calling thread alone; at most 1024.
   uint32_t threads = 0;
+  // A unit of a delta goes dense when that takes less time than its
+  // positions: the work per dense byte and per change of each encoding is
+  // measured on this machine once (a few milliseconds, after the first
+  // sync that sends 8 MiB), the time per byte on the wire from the syncs
+  // that send 8 MiB or more. false, or until then: dense when positions
+  // would take more bytes than the values (`indices` only).
+  bool dense_by_time = true;
 };
 
 // What one sync did, split by phase (seconds).

@@ -103,7 +103,10 @@ class StreamSender(Closing):
     pinned host memory instead of device memory (no device memory for it;
     the diff reads it over the bus). ``threads``: threads for a host
     tensor's diff and the commit's copy (0: the cores available; 1: the
-    calling thread alone).
+    calling thread alone). ``dense_by_time``: a unit of a delta goes dense
+    when that takes less time than its positions, by the work per byte and
+    per change measured on this machine and the wire's speed measured from
+    the syncs (False: only when positions take more bytes).
     """
 
     def __init__(
@@ -117,12 +120,14 @@ class StreamSender(Closing):
         zstd_level: int = 1,
         pinned_snapshot: bool = False,
         threads: int = 0,
+        dense_by_time: bool = True,
     ) -> None:
         if group is None and trainers is None:
             raise InvalidArgumentError("StreamSender: needs a group")
         self._impl = _deltasync.StreamSender(
             group, trainers, encoding, bucket_bytes,
             verify_every, zstd_level, bool(pinned_snapshot), int(threads),
+            bool(dense_by_time),
         )
 
     def sync(self, tensors: Any) -> dict:

@@ -278,10 +278,11 @@ class PySender {
  public:
   PySender(const py::object& group, const py::object& trainers, const std::string& encoding,
            uint64_t bucket_bytes, uint32_t verify_every, int zstd_level, bool pinned_snapshot,
-           uint32_t threads) {
+           uint32_t threads, bool dense_by_time) {
     SenderOptions so;
     so.pinned_snapshot = pinned_snapshot;
     so.threads = threads;
+    so.dense_by_time = dense_by_time;
     so.encoding = Take(ParseStreamEncoding(encoding));
     so.bucket_bytes = bucket_bytes;
     so.verify_every = verify_every;
@@ -673,10 +674,10 @@ void BindStream(py::module_& m) {
 
   py::class_<PySender>(m, "StreamSender")
       .def(py::init<const py::object&, const py::object&, const std::string&, uint64_t, uint32_t,
-                    int, bool, uint32_t>(),
+                    int, bool, uint32_t, bool>(),
            py::arg("group"), py::arg("trainers"), py::arg("encoding"), py::arg("bucket_bytes"),
            py::arg("verify_every"), py::arg("zstd_level"), py::arg("pinned_snapshot") = false,
-           py::arg("threads") = 0)
+           py::arg("threads") = 0, py::arg("dense_by_time") = true)
       .def("sync", &PySender::Sync)
       .def("sync_shards", &PySender::SyncShards)
       .def("snapshot", &PySender::Snapshot)

@@ -178,7 +178,6 @@ Status FlushWriter::Start(const FlushHeader& header, uint64_t budget_bytes, Fram
   budget_ = budget_bytes;
   manifest_.clear();
   records_.clear();
-  borrowed_.clear();
   entry_count_ = 0;
   digest_count_ = 0;
   sparse_decoded_ = 0;
@@ -316,16 +315,6 @@ Status FlushWriter::CheckMode(bool placed) const {
 }
 
 Result<bool> FlushWriter::AddDense(const TensorRange& range, std::span<const uint8_t> values) {
-  return AddDenseEntry(range, values, false);
-}
-
-Result<bool> FlushWriter::AddDenseBorrowed(const TensorRange& range,
-                                           std::span<const uint8_t> values) {
-  return AddDenseEntry(range, values, true);
-}
-
-Result<bool> FlushWriter::AddDenseEntry(const TensorRange& range, std::span<const uint8_t> values,
-                                        bool borrow) {
   uint64_t numel = 0;
   DS_RETURN_IF_ERROR(CheckMode(false));
   DS_RETURN_IF_ERROR(CheckRange(range, WireEncoding::kDense, &numel));
@@ -334,12 +323,7 @@ Result<bool> FlushWriter::AddDenseEntry(const TensorRange& range, std::span<cons
   const uint64_t off = Align8(end_);
   if (!Fits(off + values.size(), entry_bytes)) return false;
   ResizeZeroed(out_, off);
-  if (borrow && !values.empty()) {
-    borrowed_.push_back({off, values});
-    out_->resize(off + values.size());
-  } else {
-    CopyIn(values);
-  }
+  CopyIn(values);
   end_ = out_->size();
   AppendEntry(range, WireEncoding::kDense, range.count, off, 0, off, values.size());
   return true;
@@ -575,78 +559,11 @@ Status FlushWriter::Finish() {
   StoreLe<uint64_t>(h + 40, payload);
   StoreLe<uint64_t>(h + 48, manifest_.size() + records_.size());
   StoreLe<uint64_t>(h + 56, 0);
-  if (!placed_ && borrowed_.empty()) {
+  if (!placed_) {
     const std::vector<uint8_t> sum = ChecksumBytes(ChecksumAlgo::kXxh3_128, *out_);
-    out_->insert(out_->end(), sum.begin(), sum.end());
-  } else if (!placed_) {
-    // The borrowed values are hashed where they lie.
-    std::unique_ptr<Hasher> hash = NewHasher(ChecksumAlgo::kXxh3_128);
-    DS_ASSIGN_OR_RETURN(const std::vector<std::span<const uint8_t>> segments,
-                        FrameSegments(*out_, borrowed_));
-    for (std::span<const uint8_t> s : segments) hash->Update(s);
-    const std::vector<uint8_t> sum = hash->Digest();
     out_->insert(out_->end(), sum.begin(), sum.end());
   }
   out_ = nullptr;
-  return Status::OK();
-}
-
-Result<std::vector<std::span<const uint8_t>>> FrameSegments(
-    std::span<const uint8_t> frame, std::span<const BorrowedRegion> borrowed) {
-  std::vector<std::span<const uint8_t>> segments;
-  segments.reserve(2 * borrowed.size() + 1);
-  uint64_t at = 0;
-  for (const BorrowedRegion& r : borrowed) {
-    if (r.offset < at || r.offset + r.bytes.size() > frame.size()) {
-      return Status::InvalidArgument(
-          "a borrowed region of " + U64(r.bytes.size()) + " bytes at " + U64(r.offset) +
-          " overlaps another or is outside the frame of " + U64(frame.size()) + " bytes");
-    }
-    if (r.offset > at) segments.push_back(frame.subspan(at, r.offset - at));
-    if (!r.bytes.empty()) segments.push_back(r.bytes);
-    at = r.offset + r.bytes.size();
-  }
-  if (at < frame.size()) segments.push_back(frame.subspan(at));
-  return segments;
-}
-
-Status ForEachFramePiece(std::span<const uint8_t> frame, std::span<const BorrowedRegion> borrowed,
-                         uint64_t chunk, std::vector<uint8_t>* staging,
-                         const std::function<Status(std::span<const uint8_t>)>& piece) {
-  if (chunk == 0) return Status::InvalidArgument("frame pieces of 0 bytes");
-  DS_ASSIGN_OR_RETURN(const std::vector<std::span<const uint8_t>> segments,
-                      FrameSegments(frame, borrowed));
-  size_t s = 0;
-  uint64_t in = 0;  // bytes of segments[s] already given
-  while (s < segments.size()) {
-    const uint64_t left = segments[s].size() - in;
-    if (left >= chunk || s + 1 == segments.size()) {
-      // Within one segment.
-      const uint64_t n = std::min(chunk, left);
-      DS_RETURN_IF_ERROR(piece(segments[s].subspan(in, n)));
-      in += n;
-    } else {
-      // Across segments: gathered into the staging buffer.
-      staging->resize(chunk);
-      uint64_t filled = 0;
-      while (filled < chunk && s < segments.size()) {
-        const uint64_t n = std::min(chunk - filled, segments[s].size() - in);
-        std::memcpy(staging->data() + filled, segments[s].data() + in, n);
-        filled += n;
-        in += n;
-        if (in == segments[s].size()) {
-          ++s;
-          in = 0;
-        }
-      }
-      DS_RETURN_IF_ERROR(piece(std::span<const uint8_t>(staging->data(), filled)));
-      continue;
-    }
-    if (in == segments[s].size()) {
-      ++s;
-      in = 0;
-    }
-  }
   return Status::OK();
 }
 

@@ -36,33 +36,8 @@
 namespace deltasync::stream {
 
 // A frame being written: a byte vector whose growth is not zero-filled
-// (the writer writes or zeroes every byte it adds, but for the holes of
-// borrowed regions).
+// (the writer writes or zeroes every byte it adds).
 using FrameBuffer = core_internal::RawBytes;
-
-// Bytes a frame carries by reference (FlushWriter::AddDenseBorrowed): the
-// frame's bytes [offset, offset + bytes.size()) are `bytes`, wherever they
-// lie; the frame's buffer has a hole there.
-struct BorrowedRegion {
-  uint64_t offset = 0;
-  std::span<const uint8_t> bytes;
-};
-
-// The frame `frame` with each of `borrowed` (in frame order, inside it) in
-// its place, as its consecutive non-empty segments: the buffer's bytes
-// between regions, and the regions. InvalidArgument for regions out of
-// order or outside the frame.
-Result<std::vector<std::span<const uint8_t>>> FrameSegments(
-    std::span<const uint8_t> frame, std::span<const BorrowedRegion> borrowed);
-
-// Calls piece(bytes) with the whole frame, `frame` with each of
-// `borrowed` (in frame order, inside it) in its place, as consecutive
-// pieces of `chunk` bytes (the last one the rest): each a view into the
-// frame's buffer or into a region, or, where a piece spans several, into
-// *staging (resized to it). The first error a piece returns ends it.
-Status ForEachFramePiece(std::span<const uint8_t> frame, std::span<const BorrowedRegion> borrowed,
-                         uint64_t chunk, std::vector<uint8_t>* staging,
-                         const std::function<Status(std::span<const uint8_t>)>& piece);
 
 inline constexpr uint16_t kFlushFrameVersion = 2;
 // Readers also take frames of this version and later (version 1: indices
@@ -217,17 +192,6 @@ class FlushWriter {
 
   // Every element of the range, `values` holding count * elem_size bytes.
   Result<bool> AddDense(const TensorRange& range, std::span<const uint8_t> values);
-  // The same entry, its values not copied: the frame's buffer keeps a hole
-  // where they go (its bytes unset), and TakeBorrowed says where they are.
-  // The caller keeps `values` valid and unchanged until the frame is sent
-  // (ForEachFramePiece puts them in place); the trailer covers them.
-  Result<bool> AddDenseBorrowed(const TensorRange& range, std::span<const uint8_t> values);
-  // After Finish: moves the frame's borrowed regions, in frame order, into
-  // *out (cleared first; empty when none).
-  void TakeBorrowed(std::vector<BorrowedRegion>* out) {
-    out->clear();
-    out->swap(borrowed_);
-  }
   // The elements at `positions` (absolute flat positions, strictly
   // increasing, inside the range), as int32 (tensors under 2^31 elements) or
   // int64 positions, and their values (positions.size() * elem_size bytes,
@@ -285,8 +249,6 @@ class FlushWriter {
   Result<bool> AddEmptySparse(const TensorRange& range, uint64_t pos_off, size_t entry_bytes);
   // Appends `values` to the frame, on the pool when they are large.
   void CopyIn(std::span<const uint8_t> values);
-  Result<bool> AddDenseEntry(const TensorRange& range, std::span<const uint8_t> values,
-                             bool borrow);
 
   FrameBuffer* out_ = nullptr;
   ThreadPool* pool_ = nullptr;
@@ -296,7 +258,6 @@ class FlushWriter {
   uint64_t budget_ = 0;
   std::vector<uint8_t> manifest_;  // the entries
   std::vector<uint8_t> records_;   // the digest records, after the entries
-  std::vector<BorrowedRegion> borrowed_;
   uint32_t entry_count_ = 0;
   uint32_t digest_count_ = 0;
   uint64_t sparse_decoded_ = 0;

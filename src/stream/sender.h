@@ -30,6 +30,7 @@
 #include "deltasync/stream.h"
 #include "shard/shard_changes.h"
 #include "shard/shard_layout.h"
+#include "stream/cost_model.h"
 #include "stream/device_path.h"
 #include "stream/frame.h"
 #include "stream/state_digest.h"
@@ -53,6 +54,8 @@ constexpr uint64_t kMinBucketBytes = uint64_t{64} << 10;
 // Room a frame keeps for its header, manifest entry and trailer beside one
 // unit's positions and values.
 constexpr uint64_t kFrameReserve = 8192;
+// A sync that sent at least this much measures the wire for the time model.
+constexpr uint64_t kWireSampleBytes = uint64_t{8} << 20;
 // Frame buckets kept from one sync to the next (one per kind of receiver).
 constexpr size_t kSpareBuckets = 2;
 // Elements a device tensor diffs per kernel call (about what its scratch
@@ -142,9 +145,8 @@ inline Status SendOwnFrame(Communicator& comm, int rank, bool last, std::span<co
 // (`head`), which passes it on (docs/format.md, "Fan-out"): one copy
 // whatever their number.
 inline Status SendSharedFrame(Communicator& comm, int head, std::span<const uint8_t> frame,
-                              std::span<const stream::BorrowedRegion> borrowed,
-                              std::vector<uint8_t>* staging, uint64_t* bytes_sent) {
-  if (Status s = stream::SendShared(comm, head, frame, borrowed, staging); !s.ok()) {
+                              uint64_t* bytes_sent) {
+  if (Status s = stream::SendShared(comm, head, frame); !s.ok()) {
     return Status(s.code(), "receiver " + std::to_string(head) + ": " + s.message());
   }
   *bytes_sent += stream::kEnvelopeBytes + frame.size();
@@ -197,10 +199,6 @@ struct UnitSource {
   // only a unit whose every element changed, or whose dense values were
   // gathered, can go dense.
   std::function<bool(uint64_t first, uint64_t count, uint64_t changed)> can_dense;
-  // Whether `dense`'s views stay valid and unchanged until the sync ends
-  // (a caller's host tensor): a dense entry's values then go from there,
-  // not copied into the frame (FlushWriter::AddDenseBorrowed).
-  bool stable_dense = false;
   // A host tensor and its committed snapshot (`host` set, from the second
   // sync on): its units are diffed a run at a time on the sender's threads
   // (StreamHostUnits) in place of `changes`.
@@ -284,6 +282,13 @@ struct TensorMeta {
 
 class Sender final : public StreamSender {
  public:
+  // Fixes the time model of a unit's encodings (SenderOptions::
+  // dense_by_time) instead of measuring it: for tests, whose decisions must
+  // not hang on a loaded machine's timings.
+  void SetCostModel(const stream::CostModel& m) {
+    cost_ = m;
+    cost_fixed_ = true;
+  }
   Sender(CommunicatorFactory connect, SenderOptions options)
       : connect_(std::move(connect)), options_(options) {}
   Sender(CommunicatorFactory trainer, CommunicatorFactory connect, SenderOptions options)
@@ -372,10 +377,8 @@ class Sender final : public StreamSender {
   // uses the stream communicator until Land returns.
   struct Flight {
     std::thread thread;
-    stream::FrameBuffer frame;                     // in flight, or the idle second bucket
-    std::vector<stream::BorrowedRegion> borrowed;  // the frame's values sent from where they lie
-    std::vector<uint8_t> staging;                  // a relay chunk across them
-    std::unique_ptr<stream::DeviceFrame> device;   // the same, in device memory
+    stream::FrameBuffer frame;                    // in flight, or the idle second bucket
+    std::unique_ptr<stream::DeviceFrame> device;  // the same, in device memory
     Status status;
     double seconds = 0;
     uint64_t bytes = 0;
@@ -397,10 +400,7 @@ class Sender final : public StreamSender {
   ThreadPool* Pool();
   // The copies, cut into pieces, on the sender's threads.
   void CopyAll(std::span<const Copy> copies);
-  // The largest host frame: half a bucket, so that a receiver applies one
-  // frame while the next comes in and holds both in one bucket's memory.
-  uint64_t MaxHostFrame() const { return options_.bucket_bytes / 2; }
-  // A host frame's budget: the ramp of kFirstFrameBytes, then MaxHostFrame.
+  // A host frame's budget: the ramp of kFirstFrameBytes, then the bucket.
   uint64_t FrameBudget(const Group& g) const;
   // `start`: when the sync call began (its total_s counts from there).
   Status BeginSync(Round* round, Clock::time_point start);
@@ -531,10 +531,6 @@ class Sender final : public StreamSender {
   stream::DeviceSource* last_diffed_ = nullptr;
   ChangeSet device_part_;               // a device unit's changes
   std::vector<uint8_t> dense_scratch_;  // a dirty device unit's values
-  // A frame sent on the calling thread: its borrowed regions, and a relay
-  // chunk across them.
-  std::vector<stream::BorrowedRegion> borrowed_;
-  std::vector<uint8_t> staging_;
   // A seed's reads of device shards: the unit last copied to the host (of
   // local tensor read_cache_shard_, SIZE_MAX: none), valid in one sync.
   std::vector<uint8_t> read_cache_;
@@ -584,6 +580,17 @@ class Sender final : public StreamSender {
   // (at most the staged changes' size), and an encoder per thread.
   std::vector<stream::SparseRegions> sparse_regions_;
   core_internal::FreeList<stream::SparseEncoder> sparse_encoders_;
+  // The time model of a unit's encodings (SenderOptions::dense_by_time):
+  // set once its CPU terms are measured, its wire term from the syncs.
+  std::optional<stream::CostModel> cost_;
+  bool cost_failed_ = false;  // the measurement failed: bytes decide
+  bool cost_fixed_ = false;   // set by SetCostModel: never measured
+  // After a committed sync: the wire term from its send, and the CPU terms
+  // measured the first time.
+  void UpdateCostModel(const SyncStats& stats);
+  // Whether a unit goes dense rather than by positions of the encoding
+  // asked for (EncodingOf's rule, before what the source can give).
+  bool DenseIsCheaper(const TensorState& t, uint64_t count, uint64_t n) const;
   // StreamHostUnits' per-thread diff buffers.
   core_internal::FreeList<PieceScratch> piece_scratch_;
   // Cancel's state, and the lock under which comm_ and trainers_ are set

@@ -55,8 +55,8 @@ void Sender::CopyAll(std::span<const Copy> copies) {
 }
 
 uint64_t Sender::FrameBudget(const Group& g) const {
-  if (g.full_frames || g.frames >= 32) return MaxHostFrame();
-  return std::min(MaxHostFrame(), kFirstFrameBytes << g.frames);
+  if (g.full_frames || g.frames >= 32) return options_.bucket_bytes;
+  return std::min(options_.bucket_bytes, kFirstFrameBytes << g.frames);
 }
 
 Status Sender::Begin(Group& g, uint64_t sync_id, bool last, bool verify_all) {
@@ -73,14 +73,7 @@ Status Sender::Begin(Group& g, uint64_t sync_id, bool last, bool verify_all) {
     g.open = true;
     return Status::OK();
   }
-  if (g.bucket.capacity() == 0) {
-    // Its pages faulted in once, here: a frame of borrowed values leaves
-    // holes it never writes, which a later frame would fault in page by
-    // page while it fills.
-    g.bucket.resize(bucket_reserve_);
-    std::memset(g.bucket.data(), 0, g.bucket.size());
-    g.bucket.clear();
-  }
+  if (g.bucket.capacity() == 0) g.bucket.reserve(bucket_reserve_);
   g.writer.SetPool(Pool());
   DS_RETURN_IF_ERROR(g.writer.Begin(h, FrameBudget(g), &g.bucket));
   g.open = true;
@@ -100,11 +93,9 @@ Status Sender::Flush(Group& g, SyncStats* stats) {
   const int head = peers_[g.members.front()].rank;
   if (!g.overlap) {
     const auto t1 = Clock::now();
-    if (!g.device) g.writer.TakeBorrowed(&borrowed_);
     Status s = SendSharedFrame(*comm_, head,
                                g.device ? g.device->frame() : std::span<const uint8_t>(g.bucket),
-                               g.device ? std::span<const stream::BorrowedRegion>() : borrowed_,
-                               &staging_, &stats->bytes_sent);
+                               &stats->bytes_sent);
     stats->transfer_s += SecondsSince(t1);
     return s;
   }
@@ -112,16 +103,14 @@ Status Sender::Flush(Group& g, SyncStats* stats) {
   const bool device = g.device != nullptr;
   if (device) {
     std::swap(g.device, flight_.device);
-    flight_.borrowed.clear();
   } else {
     std::swap(g.bucket, flight_.frame);
-    g.writer.TakeBorrowed(&flight_.borrowed);
   }
   flight_.thread = std::thread([this, head, device] {
     const auto t1 = Clock::now();
     flight_.status = SendSharedFrame(
         *comm_, head, device ? flight_.device->frame() : std::span<const uint8_t>(flight_.frame),
-        flight_.borrowed, &flight_.staging, &flight_.bytes);
+        &flight_.bytes);
     flight_.seconds = SecondsSince(t1);
   });
   return Status::OK();
@@ -152,8 +141,8 @@ Status Sender::Add(Group& g, uint64_t sync_id, SyncStats* stats, AddFn&& add) {
     if (*fit) return Status::OK();
     if ((g.device ? g.device->entry_count() : g.writer.entry_count()) == 0) {
       // A unit bigger than a first, small frame: this frame, and every
-      // later one, takes the largest.
-      if (g.device || g.full_frames || FrameBudget(g) >= MaxHostFrame()) break;
+      // later one, takes a whole bucket.
+      if (g.device || g.full_frames || FrameBudget(g) >= options_.bucket_bytes) break;
       g.full_frames = true;
       g.open = false;
       continue;
@@ -161,8 +150,7 @@ Status Sender::Add(Group& g, uint64_t sync_id, SyncStats* stats, AddFn&& add) {
     DS_RETURN_IF_ERROR(Flush(g, stats));
   }
   return Status::Internal("a unit of work does not fit an empty frame of " +
-                          std::to_string(g.device ? options_.bucket_bytes : MaxHostFrame()) +
-                          " bytes");
+                          std::to_string(options_.bucket_bytes) + " bytes");
 }
 
 Status Sender::StreamTensor(TensorState& t, const UnitSource& src, Round* round) {
@@ -197,13 +185,39 @@ void Sender::EndTensor(TensorState& t, const TensorRound& tr) {
   }
 }
 
+bool Sender::DenseIsCheaper(const TensorState& t, uint64_t count, uint64_t n) const {
+  const uint64_t pw = stream::WrittenPositionWidth(t.numel);
+  if (options_.dense_by_time && cost_ && cost_->wire_byte > 0) {
+    return stream::DenseIsFaster(*cost_, options_.encoding, count, n, t.w, pw);
+  }
+  // Until time is measured: by the bytes, where they are known ahead.
+  return options_.encoding == StreamEncoding::kIndices && n * (pw + t.w) >= count * t.w;
+}
+
+void Sender::UpdateCostModel(const SyncStats& stats) {
+  if (!options_.dense_by_time || options_.encoding == StreamEncoding::kDense || cost_failed_ ||
+      cost_fixed_) {
+    return;
+  }
+  if (stats.bytes_sent < kWireSampleBytes || stats.transfer_s <= 0) return;
+  if (!cost_) {
+    Result<stream::CostModel> m = stream::MeasureCostModel();
+    if (!m.ok()) {
+      cost_failed_ = true;
+      return;
+    }
+    cost_ = *m;
+  }
+  const double wire = stats.transfer_s / static_cast<double>(stats.bytes_sent);
+  cost_->wire_byte = cost_->wire_byte > 0 ? (cost_->wire_byte + wire) / 2 : wire;
+}
+
 StreamEncoding Sender::EncodingOf(const TensorState& t, const UnitSource& src, uint64_t first,
                                   uint64_t count, uint64_t n) const {
-  // The encoding asked for, or dense when positions would cost more than
-  // the values (and the values can be had).
-  const uint64_t pw = stream::WrittenPositionWidth(t.numel);
+  // The encoding asked for, or dense when that is cheaper (and the values
+  // can be had).
   StreamEncoding e = options_.encoding;
-  if (e == StreamEncoding::kIndices && n * (pw + t.w) >= count * t.w &&
+  if (e != StreamEncoding::kDense && DenseIsCheaper(t, count, n) &&
       (!src.can_dense || src.can_dense(first, count, n))) {
     e = StreamEncoding::kDense;
   }
@@ -257,8 +271,7 @@ Status Sender::EmitUnit(TensorState& t, const UnitSource& src, Round* round,
       DS_RETURN_IF_ERROR(Add(g, round->sync_id, stats, [&](Group& gr) -> Result<bool> {
         FlushWriter& w = gr.writer;
         switch (e) {
-          case StreamEncoding::kDense:
-            return src.stable_dense ? w.AddDenseBorrowed(range, xu) : w.AddDense(range, xu);
+          case StreamEncoding::kDense: return w.AddDense(range, xu);
           case StreamEncoding::kIndices: return w.AddIndices(range, c.pos, c.values);
           case StreamEncoding::kSparse:
             return c.sparse ? w.AddSparseRegions(range, *c.sparse)

@@ -210,10 +210,9 @@ Status Sender::StreamHostUnits(TensorState& t, const UnitSource& src, Round* rou
   const uint64_t half_bucket = options_.bucket_bytes / 2;
   // Whether a piece of `count` elements, `n` changed, looks like part of a
   // unit that goes by positions (EncodingOf's rule on the piece alone).
-  const uint64_t pw = t.numel >= (uint64_t{1} << 31) ? 8 : 4;
   const auto likely_by_positions = [&](uint64_t count, uint64_t n) {
     if (options_.encoding == StreamEncoding::kDense) return false;
-    return options_.encoding == StreamEncoding::kSparse || n * (pw + t.w) < count * t.w;
+    return !DenseIsCheaper(t, count, n);
   };
   const uint64_t change_bytes = 4 + t.w;  // a staged or kept change
   const uint64_t piece_numel = std::max<uint64_t>(1, kParallelDiffBytes / t.w);

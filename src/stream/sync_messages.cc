@@ -146,17 +146,10 @@ Status SendJsonAwaiting(Communicator& comm, int peer, MessageType type, const nl
   return SendMessageWaiting(comm, peer, type, false, JsonBodyBytes(body), true, wait);
 }
 
-Status SendShared(Communicator& comm, int peer, std::span<const uint8_t> frame,
-                  std::span<const BorrowedRegion> borrowed, std::vector<uint8_t>* staging) {
+Status SendShared(Communicator& comm, int peer, std::span<const uint8_t> frame) {
   const std::array<uint8_t, kEnvelopeBytes> env =
       EncodeEnvelope({MessageType::kFrame, false, false, frame.size()});
   DS_RETURN_IF_ERROR(comm.Send(peer, env));
-  if (!borrowed.empty()) {
-    std::vector<uint8_t> own;
-    return ForEachFramePiece(
-        frame, borrowed, kRelayChunkBytes, staging ? staging : &own,
-        [&](std::span<const uint8_t> piece) { return comm.Send(peer, piece); });
-  }
   for (size_t at = 0; at < frame.size(); at += kRelayChunkBytes) {
     DS_RETURN_IF_ERROR(
         comm.Send(peer, frame.subspan(at, std::min(kRelayChunkBytes, frame.size() - at))));

@@ -16,7 +16,6 @@
 #include "deltasync/communicator.h"
 #include "deltasync/dtype.h"
 #include "deltasync/status.h"
-#include "stream/frame.h"
 #include "stream/state_digest.h"
 
 namespace deltasync::stream {
@@ -54,11 +53,8 @@ Status SendMessage(Communicator& comm, int peer, MessageType type, bool last,
                    std::span<const uint8_t> body);
 // A shared frame (docs/format.md, "Fan-out"): its envelope, then its body
 // in relay chunks; SendEnd sends the envelope that ends a sync's shared
-// frames. With `borrowed`, the frame's body is `frame` with those regions
-// in place (ForEachFramePiece; *staging holds a chunk that spans several).
-Status SendShared(Communicator& comm, int peer, std::span<const uint8_t> frame,
-                  std::span<const BorrowedRegion> borrowed = {},
-                  std::vector<uint8_t>* staging = nullptr);
+// frames.
+Status SendShared(Communicator& comm, int peer, std::span<const uint8_t> frame);
 Status SendEnd(Communicator& comm, int peer);
 // Takes a shared frame's body of `into.size()` bytes from `from`, passing
 // each chunk on to `to` (0: none) as it comes; `taken` (may be empty) sees

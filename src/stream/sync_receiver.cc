@@ -1,9 +1,7 @@
 // The stream's receiver (include/deltasync/stream.h; docs/format.md,
 // "Stream: commit protocol").
-#include <array>
 #include <atomic>
 #include <chrono>
-#include <future>
 #include <map>
 #include <mutex>
 #include <set>
@@ -71,32 +69,6 @@ struct SyncState {
   bool local = false;
 };
 
-// A frame's apply running on another thread while the receiving thread
-// takes the next frame; waited for before the next frame is applied and
-// before the sync ends, whichever way it ends (the destructor waits).
-class PendingApply {
- public:
-  PendingApply() = default;
-  PendingApply(const PendingApply&) = delete;
-  PendingApply& operator=(const PendingApply&) = delete;
-  ~PendingApply() { (void)Wait(); }
-
-  // Runs `apply` on `thread` (of one worker); one at a time.
-  void Start(ThreadPool& thread, std::function<Status()> apply) {
-    auto done = std::make_shared<std::promise<Status>>();
-    result_ = done->get_future();
-    thread.Submit([done, apply = std::move(apply)] { done->set_value(apply()); });
-  }
-  // The running apply's status once it ends; OK when none runs.
-  Status Wait() {
-    if (!result_.valid()) return Status::OK();
-    return result_.get();
-  }
-
- private:
-  std::future<Status> result_;
-};
-
 // Failed syncs in a row after which a receiver forms the group again.
 constexpr uint32_t kRejoinAfterFailures = 3;
 
@@ -124,15 +96,12 @@ class Receiver final : public StreamReceiver {
     std::lock_guard<std::mutex> lock(mu_);
     return cancelled_;
   }
-  // Checks and applies the sync's frame `index` just received: `host`, or
-  // with `on_device` the `bytes` bytes in the device bucket. `checksum`:
-  // the xxh3-128 of a host frame's bytes before its trailer, taken as they
-  // came in (empty: computed here). It may run on applier_ while the next
-  // frame comes in: it touches `sync` and `stats`' apply fields, the
-  // reader and the destinations, nothing the receiving thread does.
-  Status TakeFrame(uint64_t index, bool envelope_last, bool on_device, uint64_t bytes,
-                   std::span<const uint8_t> host, std::span<const uint8_t> checksum,
-                   SyncState* sync, ReceiveStats* stats);
+  // Checks and applies the frame of `bytes` bytes just received (in
+  // bucket_, or in the device bucket with `on_device`). `checksum`: the
+  // xxh3-128 of the host frame's bytes before its trailer, taken as they
+  // came in (empty: computed here).
+  Status TakeFrame(bool envelope_last, bool on_device, uint64_t bytes,
+                   std::span<const uint8_t> checksum, SyncState* sync, ReceiveStats* stats);
   // The device bucket frames are received into, when every registered
   // tensor lives on one device and the communicator takes device memory;
   // null otherwise.
@@ -175,11 +144,7 @@ class Receiver final : public StreamReceiver {
   uint64_t last_sync_id_ = 0;  // the highest sync id taken on this connection
   uint32_t failures_in_a_row_ = 0;
   FlushReader reader_;
-  // Host frames come into these in turn: while one is applied on
-  // applier_, the next comes into the other (a sender's host frames are
-  // at most half its bucket, so the two hold one bucket).
-  std::array<std::vector<uint8_t>, 2> buckets_;
-  std::unique_ptr<ThreadPool> applier_;  // one thread, made at first use
+  std::vector<uint8_t> bucket_;
   // The running xxh3-128 of a host frame as its chunks come in.
   std::unique_ptr<Hasher> frame_hash_ = NewHasher(ChecksumAlgo::kXxh3_128);
   std::unique_ptr<stream::DeviceFrameReader> device_frames_;
@@ -375,15 +340,16 @@ Result<stream::DeviceFrameReader*> Receiver::DeviceFrames() {
   return device_frames_.get();
 }
 
-Status Receiver::TakeFrame(uint64_t index, bool envelope_last, bool on_device, uint64_t bytes,
-                           std::span<const uint8_t> host, std::span<const uint8_t> checksum,
-                           SyncState* sync, ReceiveStats* stats) {
+Status Receiver::TakeFrame(bool envelope_last, bool on_device, uint64_t bytes,
+                           std::span<const uint8_t> checksum, SyncState* sync,
+                           ReceiveStats* stats) {
+  const uint64_t index = sync->frames - 1;
   const std::string where = "flush frame " + std::to_string(index) + " of the sync";
   Status read = Status::OK();
   if (on_device) {
     read = device_frames_->Read(&reader_, bytes);
   } else {
-    read = checksum.empty() ? reader_.Read(host) : reader_.Read(host, checksum);
+    read = checksum.empty() ? reader_.Read(bucket_) : reader_.Read(bucket_, checksum);
   }
   if (Status s = read; !s.ok()) {
     return Status(s.code(), where + ": " + s.message());
@@ -642,18 +608,6 @@ Result<ReceiveStats> Receiver::ReceiveSyncAlone() {
     Drop();
     return Status(s.code(), doing + ": " + s.message());
   };
-  // A shared host frame after the sync's first is applied on applier_
-  // while the next one comes in, when every destination is in host memory
-  // and no hook runs per entry (the first frame, which may call
-  // before_apply, and this receiver's own are applied on this thread).
-  bool overlap = !options_.apply_hook;
-  for (auto it = dests_.begin(); overlap && it != dests_.end(); ++it) {
-    overlap = it->second.device == nullptr;
-  }
-  if (overlap && !applier_) applier_ = std::make_unique<ThreadPool>(1);
-  size_t turn = 0;  // buckets_[turn] takes the next host frame
-  // Declared after `sync` and `stats`, which the running apply writes.
-  PendingApply pending;
   // The shared frames come from `from` (passed on to `to`) until an `end`;
   // then this receiver's own from rank 0, the last flagged so.
   bool shared = true;
@@ -674,9 +628,6 @@ Result<ReceiveStats> Receiver::ReceiveSyncAlone() {
       }
     }
     if (env->end) {
-      // This receiver's own frames (its digest records, up to a whole
-      // bucket) come in once the shared ones are applied.
-      if (Status before = pending.Wait(); sync.refused.ok()) sync.refused = std::move(before);
       shared = false;
       continue;
     }
@@ -697,9 +648,8 @@ Result<ReceiveStats> Receiver::ReceiveSyncAlone() {
       s = b.status();
       if (b.ok()) into = *b;
     } else if (s.ok()) {
-      std::vector<uint8_t>& bucket = buckets_[turn];
-      bucket.resize(env->body_bytes);
-      into = bucket;
+      bucket_.resize(env->body_bytes);
+      into = bucket_;
     }
     // A shared host frame is hashed chunk by chunk as it comes in (its
     // bytes before the trailer), while the next chunk is on its way.
@@ -721,26 +671,12 @@ Result<ReceiveStats> Receiver::ReceiveSyncAlone() {
     if (!s.ok()) return leave(s, "taking a flush frame");
     if (hash_in) checksum = frame_hash_->Digest();
     stats.receive_s += SecondsSince(t0);
-    const uint64_t index = sync.frames++;
+    ++sync.frames;
     stats.bytes += env->body_bytes;
-    // The frame before this one is applied (or refused) first.
-    if (Status before = pending.Wait(); sync.refused.ok()) sync.refused = std::move(before);
-    if (!sync.refused.ok()) {
-      if (env->last) break;
-      continue;
+    if (sync.refused.ok()) {
+      sync.refused =
+          TakeFrame(env->last, *device != nullptr, env->body_bytes, checksum, &sync, &stats);
     }
-    const bool on_device = *device != nullptr;
-    if (overlap && shared && !on_device && index > 0) {
-      pending.Start(*applier_,
-                    [this, index, into, checksum = std::move(checksum), &sync, &stats]() -> Status {
-                      return TakeFrame(index, false, false, into.size(), into, checksum, &sync,
-                                       &stats);
-                    });
-      turn ^= 1;
-      continue;
-    }
-    sync.refused =
-        TakeFrame(index, env->last, on_device, env->body_bytes, into, checksum, &sync, &stats);
     if (env->last) break;
   }
   if (sync.refused.ok()) Verify(&sync, &stats);

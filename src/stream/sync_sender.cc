@@ -112,7 +112,7 @@ Status Sender::CheckModel(std::span<const TensorMeta> tensors, std::vector<Tenso
     model_bytes += t->numel * t->w;
     order->push_back(t);
   }
-  bucket_reserve_ = std::min(MaxHostFrame(), 2 * model_bytes + (uint64_t{1} << 20));
+  bucket_reserve_ = std::min(options_.bucket_bytes, 2 * model_bytes + (uint64_t{1} << 20));
   std::sort(order->begin(), order->end(),
             [](const TensorState* a, const TensorState* b) { return a->name < b->name; });
   return Status::OK();
@@ -454,7 +454,7 @@ Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>&
     stats.buffer_bytes += g->bucket.capacity();
     if (g->device) stats.buffer_bytes += g->device->buffer_bytes();
   }
-  stats.buffer_bytes += flight_.frame.capacity() + flight_.staging.capacity() + staging_.capacity();
+  stats.buffer_bytes += flight_.frame.capacity();
   if (flight_.device) stats.buffer_bytes += flight_.device->buffer_bytes();
   // The buckets serve the next sync: their pages are not faulted in again
   // (the flight's stays with it).
@@ -529,6 +529,7 @@ Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>&
     stats.commit_s = SecondsSince(t0);
     stats.committed_bytes = committed_bytes_;
     stats.total_s = SecondsSince(round->start);
+    UpdateCostModel(stats);
     return stats;
   }
 
@@ -625,7 +626,6 @@ Result<SyncStats> Sender::SyncAlone(std::span<const SyncTensor> tensors) {
     src.dense = [&](uint64_t first, uint64_t count) -> Result<std::span<const uint8_t>> {
       return x.subspan(first * t->w, count * t->w);
     };
-    src.stable_dense = true;
     src.host = true;
     src.host_current = x;
     src.host_snapshot = t->snapshot;
