@@ -187,7 +187,9 @@ void Sender::EndTensor(TensorState& t, const TensorRound& tr) {
 
 bool Sender::DenseIsCheaper(const TensorState& t, uint64_t count, uint64_t n) const {
   const uint64_t pw = stream::WrittenPositionWidth(t.numel);
-  if (options_.dense_by_time && cost_ && cost_->wire_byte > 0) {
+  // The model measures the host's frame code: a device tensor's units
+  // keep the byte rule.
+  if (options_.dense_by_time && cost_ && cost_->wire_byte > 0 && !t.device) {
     return stream::DenseIsFaster(*cost_, options_.encoding, count, n, t.w, pw);
   }
   // Until time is measured: by the bytes, where they are known ahead.
