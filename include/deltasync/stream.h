@@ -152,13 +152,14 @@ struct SenderOptions {
   // snapshot (the calling thread is one of them): 0 the cores this process
   // may run on (its CPU affinity), 1 the calling thread alone; at most 1024.
   uint32_t threads = 0;
-  // A unit of a host tensor's delta goes dense when that takes less time
-  // than its positions: the work per dense byte and per change of each
-  // encoding is measured on this machine once (a few milliseconds, after
-  // the first sync that sends 8 MiB), the time per byte on the wire from
-  // the syncs that send 8 MiB or more. false, until then, and for device
-  // tensors: dense when positions would take more bytes than the values
-  // (`indices` only).
+  // A unit of a delta framed on the host (a host tensor's, or a device
+  // tensor's whose changes come back to host frames) goes dense when that
+  // takes less time than its positions: the work per dense byte and per
+  // change of each encoding is measured on this machine once (a few
+  // milliseconds, after the first sync that sends 8 MiB), the time per
+  // byte on the wire from the syncs that send 8 MiB or more. false, until
+  // then, and for frames built on the device: dense when positions would
+  // take more bytes than the values (`indices` only).
   bool dense_by_time = true;
 };
 

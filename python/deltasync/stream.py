@@ -103,11 +103,12 @@ class StreamSender(Closing):
     pinned host memory instead of device memory (no device memory for it;
     the diff reads it over the bus). ``threads``: threads for a host
     tensor's diff and the commit's copy (0: the cores available; 1: the
-    calling thread alone). ``dense_by_time``: a unit of a host tensor's
-    delta goes dense when that takes less time than its positions, by the
-    work per byte and per change measured on this machine and the wire's
-    speed measured from the syncs (False: only when positions take more
-    bytes).
+    calling thread alone). ``dense_by_time``: a unit of a delta framed on
+    the host (a host tensor's, or a CUDA tensor's whose changes come back
+    to host frames) goes dense when that takes less time than its
+    positions, by the work per byte and per change measured on this
+    machine and the wire's speed measured from the syncs (False: only when
+    positions take more bytes).
     """
 
     def __init__(

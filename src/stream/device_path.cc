@@ -47,6 +47,9 @@ Result<std::unique_ptr<DeviceDestination>> DeviceDestination::Create(DeviceConte
                                                                      const Placement&) {
   return NotBuilt("tensor '" + name + "'");
 }
+Result<std::unique_ptr<HostFrameUpload>> HostFrameUpload::Create(DeviceContext& ctx) {
+  return NotBuilt("a frame on CUDA device " + std::to_string(ctx.device()));
+}
 
 #else
 
@@ -590,6 +593,7 @@ class FrameReaderImpl final : public DeviceFrameReader {
 
   Status Read(FlushReader* reader, uint64_t bytes) override {
     reader->Clear();
+    host_read_ = false;
     if (bytes < kFlushHeaderBytes + kFlushTrailerBytes || bytes > bucket_.size()) {
       return Status::Corruption("flush frame of " + std::to_string(bytes) +
                                 " bytes: shorter than a 64-byte header and a 16-byte trailer");
@@ -626,7 +630,13 @@ class FrameReaderImpl final : public DeviceFrameReader {
     if (!needs_host) return Status::OK();
     host_.resize(bytes);
     DS_RETURN_IF_ERROR(cuda::CopyBytes(kReceivedName, host_.data(), f, bytes, s, /*wait=*/true));
+    host_read_ = true;
     return reader->Read(host_);
+  }
+
+  const uint8_t* bucket() const override { return Bytes(bucket_); }
+  std::span<const uint8_t> host_copy() const override {
+    return host_read_ ? std::span<const uint8_t>(host_) : std::span<const uint8_t>();
   }
 
   uint64_t buffer_bytes() const override {
@@ -639,6 +649,104 @@ class FrameReaderImpl final : public DeviceFrameReader {
   cuda::Buffer bucket_;
   std::vector<uint8_t> manifest_;
   std::vector<uint8_t> host_;
+  bool host_read_ = false;
+};
+
+constexpr uint64_t kPlaceAlign = 16;
+uint64_t Aligned(uint64_t n) { return (n + kPlaceAlign - 1) / kPlaceAlign * kPlaceAlign; }
+
+class UploadImpl final : public HostFrameUpload {
+ public:
+  UploadImpl(ContextImpl& ctx, cuda::OwnedStream stream) : ctx_(ctx), stream_(std::move(stream)) {}
+
+  Status Place(std::span<const uint8_t> frame, const uint8_t* on_device,
+               std::span<const FlushEntry> entries, const std::vector<bool>& wanted,
+               std::vector<FlushEntry>* placed) override {
+    placed->assign(entries.begin(), entries.end());
+    const auto inside = [&](std::span<const uint8_t> s) {
+      return s.empty() ||
+             (s.data() >= frame.data() && s.data() + s.size() <= frame.data() + frame.size());
+    };
+    // What views the frame is found where the frame lies on the device;
+    // the rest is packed after it.
+    const auto packs = [&](const FlushEntry& e) {
+      return e.encoding == WireEncoding::kSparse || !inside(e.positions) || !inside(e.values);
+    };
+    const auto position_width = [](const FlushEntry& e) -> uint32_t {
+      if (e.encoding == WireEncoding::kDense) return 0;  // the range says where
+      return e.numel <= UINT32_MAX ? 4 : 8;
+    };
+    bool views = false;
+    uint64_t packed = 0;
+    for (size_t k = 0; k < entries.size(); ++k) {
+      const FlushEntry& e = entries[k];
+      if (!wanted[k] || e.value_count == 0) continue;
+      if (packs(e)) {
+        packed += Aligned(e.value_count * position_width(e)) + Aligned(e.values.size());
+      } else {
+        views = true;
+      }
+    }
+    const uint64_t frame_bytes = views && on_device == nullptr ? Aligned(frame.size()) : 0;
+    DS_RETURN_IF_ERROR(Reserve(&device_, frame_bytes + packed, ctx_.device()));
+    if (packed > 0) DS_RETURN_IF_ERROR(Reserve(&ctx_.staging, packed, -1));
+    void* s = stream_.get();
+    uint8_t* up = Bytes(device_);
+    const uint8_t* base = on_device;
+    if (frame_bytes > 0) {
+      DS_RETURN_IF_ERROR(cuda::CopyBytes(kUploadName, up, frame.data(), frame.size(), s, false));
+      base = up;
+    }
+    const auto moved = [&](std::span<const uint8_t> v) {
+      return v.empty() ? v : std::span<const uint8_t>(base + (v.data() - frame.data()), v.size());
+    };
+    uint8_t* host = Bytes(ctx_.staging);
+    uint64_t at = 0;
+    for (size_t k = 0; k < entries.size(); ++k) {
+      const FlushEntry& e = entries[k];
+      if (!wanted[k] || e.value_count == 0) continue;
+      FlushEntry& p = (*placed)[k];
+      p.host_readable = false;
+      if (!packs(e)) {
+        p.positions = moved(e.positions);
+        p.values = moved(e.values);
+        continue;
+      }
+      const uint32_t pw = position_width(e);
+      uint8_t* positions = host + at;
+      if (pw == 4) {
+        ForEachPosition(e, [&](uint64_t i, uint64_t q) {
+          StoreLe<uint32_t>(positions + 4 * i, static_cast<uint32_t>(q));
+        });
+      } else if (pw == 8) {
+        ForEachPosition(e,
+                        [&](uint64_t i, uint64_t q) { StoreLe<uint64_t>(positions + 8 * i, q); });
+      }
+      if (pw > 0) {
+        p.encoding = WireEncoding::kIndices;
+        p.position_width = pw;
+        p.positions = {up + frame_bytes + at, e.value_count * pw};
+      }
+      at += Aligned(e.value_count * pw);
+      std::memcpy(host + at, e.values.data(), e.values.size());
+      p.values = {up + frame_bytes + at, e.values.size()};
+      at += Aligned(e.values.size());
+    }
+    if (packed > 0) {
+      DS_RETURN_IF_ERROR(cuda::CopyBytes(kUploadName, up + frame_bytes, host, packed, s, true));
+    } else {
+      DS_RETURN_IF_ERROR(cuda::Synchronize(s));
+    }
+    return Status::OK();
+  }
+
+  uint64_t buffer_bytes() const override { return device_.size(); }
+
+ private:
+  static constexpr std::string_view kUploadName = "a host frame going to the device";
+  ContextImpl& ctx_;
+  cuda::OwnedStream stream_;
+  cuda::Buffer device_;
 };
 
 }  // namespace
@@ -716,6 +824,11 @@ Result<std::unique_ptr<DeviceFrame>> DeviceFrame::Create(DeviceContext& ctx,
 Result<std::unique_ptr<DeviceFrameReader>> DeviceFrameReader::Create(DeviceContext& ctx) {
   DS_ASSIGN_OR_RETURN(cuda::OwnedStream stream, cuda::OwnedStream::Create(ctx.device()));
   return std::unique_ptr<DeviceFrameReader>(new FrameReaderImpl(Impl(ctx), std::move(stream)));
+}
+
+Result<std::unique_ptr<HostFrameUpload>> HostFrameUpload::Create(DeviceContext& ctx) {
+  DS_ASSIGN_OR_RETURN(cuda::OwnedStream stream, cuda::OwnedStream::Create(ctx.device()));
+  return std::unique_ptr<HostFrameUpload>(new UploadImpl(Impl(ctx), std::move(stream)));
 }
 
 #endif  // DS_HAVE_CUDA

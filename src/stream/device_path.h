@@ -12,7 +12,9 @@
 //   receiver  over such a communicator, frames arrive in a device bucket
 //             and are checked there (DeviceFrameReader: trailer, padding,
 //             positions), entries scattered straight from it into the live
-//             tensors; otherwise host entries are copied up and scattered.
+//             tensors; otherwise a host frame goes up whole, a frame at
+//             a time (HostFrameUpload), and its entries are scattered from
+//             there with one wait per frame, none per entry.
 //             Digests are recomputed from device memory at every sync.
 // Built without CUDA, Create answers Unsupported, naming the tensor.
 #pragma once
@@ -186,6 +188,34 @@ class DeviceFrameReader {
   // FlushReader::Read: nothing exposed unless every check passes). Its
   // entries view the bucket, or a host copy when it held sparse entries.
   virtual Status Read(FlushReader* reader, uint64_t bytes) = 0;
+  // The bucket (device memory).
+  virtual const uint8_t* bucket() const = 0;
+  // The last frame's host copy when it was read there; empty otherwise.
+  virtual std::span<const uint8_t> host_copy() const = 0;
+  virtual uint64_t buffer_bytes() const = 0;
+};
+
+// A checked host frame's entries for device destinations, put in device
+// memory a frame at a time, so that each is applied with no wait of its own
+// (DeviceDestination::Apply of an entry that is not host_readable, then one
+// Wait per destination): the frame's bytes go up in one copy, or are found
+// where they already lie on the device, and what is not plain in them (a
+// sparse entry's decoded positions and values) is packed in pinned memory
+// and goes up in a second. One thread at a time.
+class HostFrameUpload {
+ public:
+  static Result<std::unique_ptr<HostFrameUpload>> Create(DeviceContext& ctx);
+  virtual ~HostFrameUpload() = default;
+  // `frame`: the host bytes the checked `entries` were read from (they view
+  // them, or decoded copies beside them); `on_device`: the same bytes in
+  // device memory of the context's device, or null. For each entry k with
+  // wanted[k], placed[k] is the entry as it lies in device memory
+  // (host_readable false; a sparse entry becomes indices of absolute 4- or
+  // 8-byte positions), valid until the next Place; the other entries are
+  // copied as they are. Waits for the copies.
+  virtual Status Place(std::span<const uint8_t> frame, const uint8_t* on_device,
+                       std::span<const FlushEntry> entries, const std::vector<bool>& wanted,
+                       std::vector<FlushEntry>* placed) = 0;
   virtual uint64_t buffer_bytes() const = 0;
 };
 

@@ -187,9 +187,11 @@ void Sender::EndTensor(TensorState& t, const TensorRound& tr) {
 
 bool Sender::DenseIsCheaper(const TensorState& t, uint64_t count, uint64_t n) const {
   const uint64_t pw = stream::WrittenPositionWidth(t.numel);
-  // The model measures the host's frame code: a device tensor's units
-  // keep the byte rule.
-  if (options_.dense_by_time && cost_ && cost_->wire_byte > 0 && !t.device) {
+  // The model measures the host's frame code: it decides for host frames
+  // (a device tensor's changes come back to them); units framed on the
+  // device keep the byte rule.
+  if (options_.dense_by_time && cost_ && cost_->wire_byte > 0 &&
+      (!t.device || !device_frames_now_)) {
     return stream::DenseIsFaster(*cost_, options_.encoding, count, n, t.w, pw);
   }
   // Until time is measured: by the bytes, where they are known ahead.
@@ -295,6 +297,7 @@ Status Sender::StreamUnits(TensorState& t, const UnitSource& src, Round* round, 
   // Frames on the device: the changes stay there, and entries are copied
   // into the device buckets from the diff's outputs and the tensor.
   stream::DeviceSource* dev = round->device_frames ? t.device.get() : nullptr;
+  device_frames_now_ = round->device_frames;
   if (dev) frame_stream_ = dev->stream();
   if (src.host && have_snapshot_ && t.unit <= UINT32_MAX) {
     return StreamHostUnits(t, src, round, tr, u_begin, u_end);

@@ -106,6 +106,9 @@ class Receiver final : public StreamReceiver {
   // tensor lives on one device and the communicator takes device memory;
   // null otherwise.
   Result<stream::DeviceFrameReader*> DeviceFrames();
+  // placed_: the checked frame's entries, those for device tensors put in
+  // device memory (HostFrameUpload), each device's in one copy.
+  Status PlaceOnDevices(bool on_device, std::span<const FlushEntry> entries);
   void Verify(SyncState* sync, ReceiveStats* stats);
   // The receiver's threads (ReceiverOptions::threads); nullptr for one.
   ThreadPool* Pool() {
@@ -148,6 +151,9 @@ class Receiver final : public StreamReceiver {
   // The running xxh3-128 of a host frame as its chunks come in.
   std::unique_ptr<Hasher> frame_hash_ = NewHasher(ChecksumAlgo::kXxh3_128);
   std::unique_ptr<stream::DeviceFrameReader> device_frames_;
+  std::map<int, std::unique_ptr<stream::HostFrameUpload>> uploads_;  // by CUDA device
+  std::vector<bool> wanted_;
+  std::vector<FlushEntry> placed_, on_device_;
   std::unique_ptr<ThreadPool> pool_;
   bool pool_made_ = false;
 };
@@ -340,6 +346,33 @@ Result<stream::DeviceFrameReader*> Receiver::DeviceFrames() {
   return device_frames_.get();
 }
 
+Status Receiver::PlaceOnDevices(bool on_device, std::span<const FlushEntry> entries) {
+  const std::span<const uint8_t> frame = on_device ? device_frames_->host_copy() : bucket_;
+  const uint8_t* there = on_device ? device_frames_->bucket() : nullptr;
+  placed_.assign(entries.begin(), entries.end());
+  for (auto& [device, ctx] : devices_) {
+    wanted_.assign(entries.size(), false);
+    bool any = false;
+    for (size_t k = 0; k < entries.size(); ++k) {
+      const Destination& d = *entry_dests_[k];
+      wanted_[k] = d.device != nullptr && d.place.cuda_device == device;
+      any = any || wanted_[k];
+    }
+    if (!any) continue;
+    std::unique_ptr<stream::HostFrameUpload>& up = uploads_[device];
+    if (!up) {
+      Result<std::unique_ptr<stream::HostFrameUpload>> u = stream::HostFrameUpload::Create(*ctx);
+      if (!u.ok()) return u.status();
+      up = std::move(*u);
+    }
+    DS_RETURN_IF_ERROR(up->Place(frame, there, entries, wanted_, &on_device_));
+    for (size_t k = 0; k < entries.size(); ++k) {
+      if (wanted_[k]) placed_[k] = std::move(on_device_[k]);
+    }
+  }
+  return Status::OK();
+}
+
 Status Receiver::TakeFrame(bool envelope_last, bool on_device, uint64_t bytes,
                            std::span<const uint8_t> checksum, SyncState* sync,
                            ReceiveStats* stats) {
@@ -438,6 +471,10 @@ Status Receiver::TakeFrame(bool envelope_last, bool on_device, uint64_t bytes,
     record_dests_.push_back(it->second);
   }
   const bool seed = sync->kind == FrameKind::kSeed;
+  // Host entries for device tensors: a host frame's, or a device frame's
+  // read on the host (sparse entries).
+  const bool staged =
+      any_device && (!on_device || !device_frames_->host_copy().empty()) && !entries.empty();
   const auto t0 = Clock::now();
   Status applied;
   // What each applied entry (or the first that fails) leaves behind.
@@ -462,10 +499,18 @@ Status Receiver::TakeFrame(bool envelope_last, bool on_device, uint64_t bytes,
     stats->elements_written += done.written;
     if (done.applied < entries.size()) applied = failed(*entry_dests_[done.applied], done.failed);
   } else {
-    // A device tensor takes a host frame's entries through its own
-    // scatter, in order.
-    for (size_t k = 0; k < entries.size(); ++k) {
-      const FlushEntry& e = entries[k];
+    // A device tensor takes a host frame's entries from device memory: the
+    // frame goes up whole (or is found in the device bucket it came in),
+    // and each entry is scattered from there with no wait of its own.
+    std::span<const FlushEntry> apply = entries;
+    if (staged) {
+      if (Status s = PlaceOnDevices(on_device, entries); !s.ok()) {
+        return Status(s.code(), frame + ": " + s.message());
+      }
+      apply = placed_;
+    }
+    for (size_t k = 0; k < apply.size(); ++k) {
+      const FlushEntry& e = apply[k];
       Destination& d = *entry_dests_[k];
       if (options_.apply_hook) {
         if (Status s = options_.apply_hook(sync->sync_id, e.name, sync->entries); !s.ok()) {
@@ -484,20 +529,20 @@ Status Receiver::TakeFrame(bool envelope_last, bool on_device, uint64_t bytes,
       written_by(d);
     }
   }
-  if (on_device) {
+  if (on_device || staged) {
     // The bucket takes the next frame only once every scatter from it ran,
     // whether or not the whole frame was applied.
     std::set<std::string_view> waited;
     for (size_t k = 0; k < entries.size(); ++k) {
       const FlushEntry& e = entries[k];
-      if (!waited.insert(e.name).second) continue;
+      if (!entry_dests_[k]->device || !waited.insert(e.name).second) continue;
       Status s = entry_dests_[k]->device->Wait();
       if (!s.ok() && applied.ok()) {
         applied = Status(s.code(),
                          frame + ": applying tensor '" + std::string(e.name) + "': " + s.message());
       }
     }
-    ++stats->device_frames;
+    if (on_device) ++stats->device_frames;
   }
   if (!applied.ok()) {
     sync->clean = false;

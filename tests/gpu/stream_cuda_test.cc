@@ -16,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "comm/communicator_test_util.h"
@@ -107,12 +108,12 @@ std::vector<uint8_t> ToHost(std::span<const uint8_t> bytes) {
 enum class Hold { kWhole, kRows, kColumns };
 
 // One receiver on its own thread: every tensor registered in device memory
-// (or host memory for `host`), the 2-D ones as `hold` says.
+// (or host memory for `host`, and those named in `on_host`), the 2-D ones
+// as `hold` says.
 class ReceiverRig {
  public:
   ReceiverRig(const Model& m, Hold hold, bool host, CommunicatorFactory connect,
-              ReceiverOptions options = {})
-      : host_(host) {
+              ReceiverOptions options = {}, const std::set<std::string>& on_host = {}) {
     Result<std::unique_ptr<StreamReceiver>> r =
         StreamReceiver::Create(std::move(connect), std::move(options));
     EXPECT_TRUE(r.ok()) << r.status().ToString();
@@ -137,12 +138,14 @@ class ReceiverRig {
       runs_.push_back(runs);
       std::span<uint8_t> dest = host_bytes_.back();
       Placement place;
-      if (!host_) {
+      here_.push_back(host || on_host.count(t.name) > 0);
+      device_.emplace_back();
+      if (!here_.back()) {
         Result<cuda::Buffer> b = cuda::Buffer::Device(std::max<uint64_t>(elements * w, 1));
         EXPECT_TRUE(b.ok()) << b.status().ToString();
         EXPECT_EQ(cudaMemset(b->data(), 0, b->size()), cudaSuccess);
         dest = {static_cast<uint8_t*>(b->data()), elements * w};
-        device_.push_back(std::move(*b));
+        device_.back() = std::move(*b);
         place = Placement::Cuda(0);
       }
       Status s = receiver_->Register(t.name, t.dtype, t.shape, dest, runs, place);
@@ -177,15 +180,16 @@ class ReceiverRig {
       const size_t w = DTypeSize(t.dtype);
       const std::vector<uint8_t>& want = m.bytes[i];
       const std::vector<uint8_t> got =
-          host_ ? host_bytes_[i]
-                : ToHost({static_cast<const uint8_t*>(device_[i].data()), host_bytes_[i].size()});
+          here_[i]
+              ? host_bytes_[i]
+              : ToHost({static_cast<const uint8_t*>(device_[i].data()), host_bytes_[i].size()});
       DS_RETURN_IF_ERROR(sync_test::HeldMatches(t.name, w, want, got, runs_[i]));
     }
     return Status::OK();
   }
 
  private:
-  bool host_;
+  std::vector<bool> here_;  // per tensor: in host memory
   std::unique_ptr<StreamReceiver> receiver_;
   std::vector<std::vector<uint8_t>> host_bytes_;
   std::vector<cuda::Buffer> device_;
@@ -240,7 +244,7 @@ class StreamCudaEncodings : public StreamCudaTest,
                             public ::testing::WithParamInterface<StreamEncoding> {};
 
 TEST_P(StreamCudaEncodings, DeviceTensorsOnBothSidesStayBitExactAfterEverySync) {
-  size_ = 5;
+  size_ = 6;
   Model m = Model::Make(11, Specs());
   DeviceModel dm(m, {"norm.weight"}, stream_);  // one tensor stays on the host
   SenderOptions o;
@@ -252,14 +256,16 @@ TEST_P(StreamCudaEncodings, DeviceTensorsOnBothSidesStayBitExactAfterEverySync) 
   ReceiverRig rows(m, Hold::kRows, false, Factory(2));
   ReceiverRig cols(m, Hold::kColumns, false, Factory(3));
   ReceiverRig host(m, Hold::kColumns, true, Factory(4));
-  std::initializer_list<ReceiverRig*> rigs = {&whole, &rows, &cols, &host};
+  // Device tensors beside host ones in one receiver.
+  ReceiverRig mixed(m, Hold::kRows, false, Factory(5), {}, {"embed.weight", "scale"});
+  std::initializer_list<ReceiverRig*> rigs = {&whole, &rows, &cols, &host, &mixed};
   for (ReceiverRig* r : rigs) r->Start();
   for (int step = 0; step < 6; ++step) {
     if (step > 0) m.Step(200 + step, step == 3 ? 0.0 : (step == 4 ? 0.6 : 0.03));
     dm.Upload(m);
     Result<SyncStats> s = sender->Sync(dm.tensors());
     ASSERT_TRUE(s.ok()) << "step " << step << ": " << s.status().ToString();
-    EXPECT_EQ(s->seeded, step == 0 ? 4u : 0u);
+    EXPECT_EQ(s->seeded, step == 0 ? 5u : 0u);
     if (step == 3) {
       EXPECT_EQ(s->changed, 0u);
     } else if (step > 0) {
@@ -553,6 +559,16 @@ std::vector<SeenEntry> Seen(const stream::FlushReader& r) {
   return out;
 }
 
+// The absolute positions of a placed entry, read back from the device.
+std::vector<uint64_t> PlacedPositions(const stream::FlushEntry& e) {
+  const std::vector<uint8_t> positions = ToHost(e.positions), values = ToHost(e.values);
+  stream::FlushEntry h = e;
+  h.positions = positions;
+  h.values = values;
+  h.host_readable = true;
+  return stream::EntryPositions(h);
+}
+
 TEST_F(StreamCudaTest, AFrameReadOnTheDeviceExposesWhatTheHostReaderDoes) {
   std::mt19937_64 rng(42);
   const FrameParts p = FrameParts::Make(rng);
@@ -649,6 +665,85 @@ TEST_F(StreamCudaTest, AFrameReadOnTheDeviceExposesWhatTheHostReaderDoes) {
   ASSERT_EQ(dev.entries().size(), 1u);
   EXPECT_TRUE(dev.entries()[0].host_readable);
   EXPECT_EQ(stream::EntryPositions(dev.entries()[0]), stream::EntryPositions(host.entries()[0]));
+}
+
+// A host frame's entries put on the device a frame at a time: what views
+// the frame goes up with it (or is found in a device bucket holding the same
+// bytes), a sparse entry's decoded positions and values are packed beside,
+// and each placed entry applies into a whole tensor and into a slice as the
+// host applies the host entry. Entries not wanted stay as they were.
+TEST_F(StreamCudaTest, AHostFramePlacedOnTheDeviceAppliesAsTheHostEntry) {
+  std::mt19937_64 rng(43);
+  const FrameParts p = FrameParts::Make(rng);
+  stream::FrameBuffer sparse;
+  stream::FlushWriter w;
+  ASSERT_TRUE(w.Begin(p.header, 1 << 20, &sparse).ok());
+  ASSERT_TRUE(
+      *w.AddSparse(p.A(300, 700), stream::Positions::Of(p.a_changes, 300), p.a_changes.new_values));
+  ASSERT_TRUE(*w.AddSparse(p.B(), stream::Positions::Of(p.b_changes, 0), p.b_changes.new_values));
+  ASSERT_TRUE(w.Finish().ok());
+  const stream::FrameBuffer plain = p.OnHost();
+  Result<std::unique_ptr<stream::DeviceContext>> ctx = stream::DeviceContext::Create(0);
+  ASSERT_TRUE(ctx.ok()) << ctx.status().ToString();
+  Result<std::unique_ptr<stream::HostFrameUpload>> up = stream::HostFrameUpload::Create(**ctx);
+  ASSERT_TRUE(up.ok()) << up.status().ToString();
+  // a whole; b's columns 2..4 (three runs).
+  Result<stream::DestinationMap> a_map = stream::DestinationMap::Create(1000, {{0, 1000, 0, 1}});
+  Result<stream::DestinationMap> b_map =
+      stream::DestinationMap::Create(21, {{2, 3, 0, 1}, {9, 3, 3, 1}, {16, 3, 6, 1}});
+  ASSERT_TRUE(a_map.ok() && b_map.ok());
+  for (const stream::FrameBuffer* frame :
+       {&plain, static_cast<const stream::FrameBuffer*>(&sparse)}) {
+    for (bool from_bucket : {false, true}) {
+      SCOPED_TRACE(std::string(frame == &plain ? "dense and indices" : "sparse") +
+                   (from_bucket ? ", frame in a device bucket" : ", frame on the host"));
+      stream::FlushReader host;
+      ASSERT_TRUE(host.Read(*frame).ok());
+      std::vector<uint8_t> a_want(1000 * 2), b_want(9 * 4);
+      for (auto& x : a_want) x = static_cast<uint8_t>(rng());
+      for (auto& x : b_want) x = static_cast<uint8_t>(rng());
+      const OnDevice a_init(a_want), b_init(b_want), bucket(*frame);
+      std::span<uint8_t> a_dest(static_cast<uint8_t*>(a_init.buffer.data()), a_want.size());
+      std::span<uint8_t> b_dest(static_cast<uint8_t*>(b_init.buffer.data()), b_want.size());
+      Result<std::unique_ptr<stream::DeviceDestination>> a = stream::DeviceDestination::Create(
+          **ctx, "a", DType::kBF16, *a_map, a_dest, Placement::Cuda(0, stream_));
+      Result<std::unique_ptr<stream::DeviceDestination>> b = stream::DeviceDestination::Create(
+          **ctx, "b", DType::kF32, *b_map, b_dest, Placement::Cuda(0, stream_));
+      ASSERT_TRUE(a.ok() && b.ok());
+      const std::span<const stream::FlushEntry> entries = host.entries();
+      std::vector<bool> wanted(entries.size(), true);
+      wanted[0] = false;  // left to the host, as it was
+      std::vector<stream::FlushEntry> placed;
+      Status s =
+          (*up)->Place(*frame, from_bucket ? bucket.data() : nullptr, entries, wanted, &placed);
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      ASSERT_EQ(placed.size(), entries.size());
+      EXPECT_TRUE(placed[0].host_readable);
+      EXPECT_EQ(placed[0].values.data(), entries[0].values.data());
+      for (size_t k = 0; k < entries.size(); ++k) {
+        const bool is_a = entries[k].name == "a";
+        stream::DeviceDestination& d = is_a ? **a : **b;
+        ASSERT_TRUE(stream::ApplyEntry(entries[k], is_a ? *a_map : *b_map,
+                                       is_a ? std::span<uint8_t>(a_want) : b_want)
+                        .ok());
+        if (!wanted[k]) {
+          // A host entry into the device destination, as before.
+          Result<uint64_t> wrote = d.Apply(entries[k]);
+          ASSERT_TRUE(wrote.ok()) << wrote.status().ToString();
+          continue;
+        }
+        EXPECT_FALSE(placed[k].host_readable);
+        EXPECT_EQ(ToHost(placed[k].values), ToHost(entries[k].values)) << "entry " << k;
+        EXPECT_EQ(PlacedPositions(placed[k]), stream::EntryPositions(entries[k])) << "entry " << k;
+        Result<uint64_t> wrote = d.Apply(placed[k]);
+        ASSERT_TRUE(wrote.ok()) << wrote.status().ToString();
+      }
+      ASSERT_TRUE((*a)->Wait().ok());
+      ASSERT_TRUE((*b)->Wait().ok());
+      EXPECT_EQ(ToHost(a_dest), a_want);
+      EXPECT_EQ(ToHost(b_dest), b_want);
+    }
+  }
 }
 
 TEST(StreamCudaWithoutGpu, DevicePlacementsAreAFailedPreconditionNamingTheTensor) {
