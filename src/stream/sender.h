@@ -583,8 +583,8 @@ class Sender final : public StreamSender {
   // The time model of a unit's encodings (SenderOptions::dense_by_time):
   // set once its CPU terms are measured, its wire term from the syncs.
   std::optional<stream::CostModel> cost_;
-  bool cost_failed_ = false;  // the measurement failed: bytes decide
-  bool cost_fixed_ = false;   // set by SetCostModel: never measured
+  bool cost_failed_ = false;        // the measurement failed: bytes decide
+  bool cost_fixed_ = false;         // set by SetCostModel: never measured
   bool device_frames_now_ = false;  // the round being streamed frames on the device
   // After a committed sync: the wire term from its send, and the CPU terms
   // measured the first time.
