@@ -96,6 +96,12 @@ struct SizeFigures {
   double copy_s = 0, pcie_read_s = 0;
   double diff_device_s = 0, diff_pinned_s = 0, diff_identical_s = 0, diff_pinned_no_refresh_s = 0,
          scatter_s = 0, digest_s = 0, digest_f32_s = 0, xxh3_s = 0;
+  // The apply of one frame's changes (the step's density, positions and
+  // values in device memory) into `experts` tensors of a mixture-of-experts
+  // layout in one batched launch, into one tensor of all the elements, and
+  // into the small tensors with a launch each.
+  uint64_t experts = 0, batch_changed = 0;
+  double batch_one_s = 0, batch_many_s = 0, launch_each_s = 0;
   bool have_torch = false;
   double torch_device_s = 0, torch_pinned_s = 0, torch_index_put_s = 0, torch_copy_s = 0;
   std::string torch_error;
@@ -335,6 +341,91 @@ Result<nlohmann::json> RunTorchBaseline(const GpuBenchConfig& config, uint64_t b
   }
 }
 
+// 48 layers x 128 experts x 3 projections (Qwen3-30B-A3B's expert tensors),
+// scaled to `n` elements; `density` of each tensor's elements changed at
+// spread positions. Times the batched scatter of all of them against the
+// same changes in one tensor and against a launch per tensor.
+Status MeasureBatchedApply(const GpuBenchConfig& config, uint64_t n, void* dest, SizeFigures* f) {
+  const uint64_t experts = 48 * 128 * 3;
+  const uint64_t m = n / experts;
+  const uint64_t step = std::max<uint64_t>(1, static_cast<uint64_t>(1.0 / config.density + 0.5));
+  const uint64_t per = m / step;
+  const uint64_t count = per * experts;
+  if (per == 0) return Status::InvalidArgument("too few elements for the expert layout");
+  // Positions within each tensor (relative) and in the whole (absolute).
+  // Absolute positions in 4 bytes where they fit the kernel's int32.
+  const uint32_t aw = m * experts < (uint64_t{1} << 31) ? 4 : 8;
+  std::vector<uint32_t> rel(count);
+  std::vector<uint8_t> abs(count * aw);
+  std::vector<uint16_t> values(count);
+  for (uint64_t e = 0; e < experts; ++e) {
+    for (uint64_t j = 0; j < per; ++j) {
+      const uint64_t r = SplitMix(config.seed * 7919 + e * per + j);
+      const uint64_t p = j * step + r % step;
+      rel[e * per + j] = static_cast<uint32_t>(p);
+      const uint64_t q = e * m + p;
+      std::memcpy(&abs[(e * per + j) * aw], &q, aw);  // little-endian
+      values[e * per + j] = static_cast<uint16_t>(r >> 32);
+    }
+  }
+  DS_ASSIGN_OR_RETURN(cuda::Buffer d_rel, cuda::Buffer::Device(count * 4));
+  DS_ASSIGN_OR_RETURN(cuda::Buffer d_abs, cuda::Buffer::Device(count * aw));
+  DS_ASSIGN_OR_RETURN(cuda::Buffer d_val, cuda::Buffer::Device(count * 2));
+  std::vector<cuda::DeviceRun> runs = {{0, m, 0}, {0, m * experts, 0}};
+  DS_ASSIGN_OR_RETURN(cuda::Buffer d_runs, cuda::Buffer::Device(runs.size() * sizeof(runs[0])));
+  if (cudaMemcpy(d_rel.data(), rel.data(), count * 4, cudaMemcpyHostToDevice) != cudaSuccess ||
+      cudaMemcpy(d_abs.data(), abs.data(), count * aw, cudaMemcpyHostToDevice) != cudaSuccess ||
+      cudaMemcpy(d_val.data(), values.data(), count * 2, cudaMemcpyHostToDevice) != cudaSuccess ||
+      cudaMemcpy(d_runs.data(), runs.data(), runs.size() * sizeof(runs[0]),
+                 cudaMemcpyHostToDevice) != cudaSuccess) {
+    return Status::Internal("copying the expert changes to the device failed");
+  }
+  const auto* run = static_cast<const cuda::DeviceRun*>(d_runs.data());
+  auto* out = static_cast<uint8_t*>(dest);
+  std::vector<cuda::ScatterItem> many(experts), one(1);
+  for (uint64_t e = 0; e < experts; ++e) {
+    cuda::ScatterItem& it = many[e];
+    it.dest = out + e * m * 2;
+    it.dest_numel = m;
+    it.elem_size = 2;
+    it.changes = {static_cast<uint8_t*>(d_rel.data()) + e * per * 4, 4,
+                  static_cast<uint8_t*>(d_val.data()) + e * per * 2, per};
+    it.runs = run;
+    it.run_count = 1;
+  }
+  one[0] = {dest, m * experts, 2, {d_abs.data(), aw, d_val.data(), count}, 0, run + 1, 1};
+  DS_ASSIGN_OR_RETURN(cuda::Buffer scratch, cuda::Buffer::Device(cuda::ScatterBatchBytes(experts)));
+  Status first_error;
+  bool ok = true;
+  const auto note = [&](const Status& s) {
+    if (!s.ok() && first_error.ok()) first_error = s;
+    return s.ok();
+  };
+  f->experts = experts;
+  f->batch_changed = count;
+  f->batch_one_s = Median(
+      config.repeat,
+      [&] { return note(cuda::ScatterBatchOnDevice("one", one, scratch.data(), nullptr)); }, &ok);
+  f->batch_many_s = Median(
+      config.repeat,
+      [&] { return note(cuda::ScatterBatchOnDevice("experts", many, scratch.data(), nullptr)); },
+      &ok);
+  f->launch_each_s = Median(
+      config.repeat,
+      [&] {
+        for (const cuda::ScatterItem& it : many) {
+          cuda::DeviceTensor t{"expert", DType::kBF16, {static_cast<int64_t>(m)},
+                               it.dest,  nullptr,      {}};
+          if (!note(cuda::ScatterRunsOnDevice(t, it.changes, it.runs, 1))) return false;
+        }
+        return true;
+      },
+      &ok);
+  if (!first_error.ok()) return first_error;
+  if (!ok) return Status::Internal("a CUDA call failed during the batched apply");
+  return Status::OK();
+}
+
 Result<SizeFigures> MeasureSize(cuda::Workspace& ws, const GpuBenchConfig& config, uint64_t bytes) {
   SizeFigures f;
   const uint64_t n = bytes / 2;
@@ -438,6 +529,7 @@ Result<SizeFigures> MeasureSize(cuda::Workspace& ws, const GpuBenchConfig& confi
                                     last->count};
   f.scatter_s = Median(
       config.repeat, [&] { return note(cuda::ScatterOnDevice(ws, dest_t, changes)); }, &ok);
+  DS_RETURN_IF_ERROR(MeasureBatchedApply(config, n, dest.data(), &f));
   f.digest_s = Median(
       config.repeat, [&] { return note(cuda::StateDigestOnDevice(ws, cur[0]).status()); }, &ok);
   const cuda::DeviceTensor as_f32{"a",          DType::kF32, {static_cast<int64_t>(n / 2)},
@@ -516,7 +608,12 @@ int RunGpuBench(const GpuBenchConfig& config, bool json) {
                           {"scatter_s", f.scatter_s},
                           {"digest_s", f.digest_s},
                           {"digest_f32_s", f.digest_f32_s},
-                          {"xxh3_s", f.xxh3_s}};
+                          {"xxh3_s", f.xxh3_s},
+                          {"experts", f.experts},
+                          {"batch_changed", f.batch_changed},
+                          {"batch_one_s", f.batch_one_s},
+                          {"batch_many_s", f.batch_many_s},
+                          {"launch_each_s", f.launch_each_s}};
       if (f.have_stream) {
         s["sync_device_s"] = f.sync_device_s;
         s["sync_host_s"] = f.sync_host_s;
@@ -574,6 +671,12 @@ int RunGpuBench(const GpuBenchConfig& config, bool json) {
     row("  pinned, without the snapshot write-back", f.diff_pinned_no_refresh_s,
         Ratio(f.diff_pinned_no_refresh_s / f.pcie_read_s) + " of the PCIe read");
     row("scatter of the changes", f.scatter_s, "");
+    row("batched apply, " + std::to_string(f.batch_changed) + " changes in 1 tensor", f.batch_one_s,
+        "");
+    row("  the same in " + std::to_string(f.experts) + " expert tensors", f.batch_many_s,
+        Ratio(f.batch_many_s / f.batch_one_s) + " of 1 tensor");
+    row("  a launch per expert tensor", f.launch_each_s,
+        Ratio(f.launch_each_s / f.batch_one_s) + " of 1 tensor");
     row("state digest (BF16 elements)", f.digest_s, Rate(f.bytes, f.digest_s));
     row("state digest (the same bytes as F32)", f.digest_f32_s, Rate(f.bytes, f.digest_f32_s));
     row("xxh3-128", f.xxh3_s, Rate(f.bytes, f.xxh3_s));

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -207,6 +208,33 @@ struct DeviceRun {
 };
 Status ScatterRunsOnDevice(DeviceTensor& dest, const DeviceChanges& changes, const DeviceRun* runs,
                            uint64_t run_count);
+
+// One entry of a batched scatter: `changes` (absolute tensor positions the
+// caller has checked, as ScatterRunsOnDevice takes them; a `width` of 0: a
+// dense range, value k at tensor position `first` + k) written through the
+// stride-1 `runs` (device memory, ascending hf_first) into `dest`, a
+// destination of `dest_numel` elements of `elem_size` bytes (1, 2, 4 or 8).
+struct ScatterItem {
+  void* dest = nullptr;
+  uint64_t dest_numel = 0;
+  uint32_t elem_size = 2;
+  DeviceChanges changes;
+  uint64_t first = 0;
+  const DeviceRun* runs = nullptr;
+  uint64_t run_count = 0;
+};
+// Device memory a batch of `items` items needs for its descriptors.
+uint64_t ScatterBatchBytes(uint64_t items);
+// Every item's scatter in one kernel launch on `stream`, whatever the number
+// of items: the descriptors go up into `scratch` (device memory of
+// ScatterBatchBytes(items.size()) bytes that stays untouched until the
+// launch ran), then one thread per value finds its item. The pointers are
+// the caller's to vouch for (they are not inspected one by one: a frame
+// may hold thousands of entries). InvalidArgument naming `name` for a null
+// pointer or an element size or width it cannot take. Enqueues only (the
+// descriptors' copy may wait for work queued on `stream` before it).
+Status ScatterBatchOnDevice(std::string_view name, std::span<const ScatterItem> items,
+                            void* scratch, StreamHandle stream);
 
 // Checks of a flush frame's payload in device memory (docs/format.md,
 // "Rules the reader enforces", 9 and 10): `bytes` bytes at base + offset

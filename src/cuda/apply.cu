@@ -57,6 +57,55 @@ __global__ void ScatterRunsKernel(ScatterRunsLaunch p) {
   }
 }
 
+// One value of a batch: item k is the last whose first value is at or
+// before i; its value i - starts[k] goes where ScatterRunsKernel would put
+// it.
+template <int W>
+__device__ __forceinline__ void CopyElem(void* dest, uint64_t at, const void* values, uint64_t j) {
+  using T = typename ElemType<W>::T;
+  static_cast<T*>(dest)[at] = static_cast<const T*>(values)[j];
+}
+
+__global__ void ScatterBatchKernel(ScatterBatchLaunch p) {
+  const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
+  for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < p.total; i += stride) {
+    uint64_t lo = 0, hi = p.nitems;
+    while (lo < hi) {
+      const uint64_t mid = lo + (hi - lo) / 2;
+      if (p.starts[mid] <= i) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    const BatchItemLaunch& it = p.items[lo - 1];
+    const uint64_t j = i - p.starts[lo - 1];
+    const uint64_t pos = it.positions == nullptr
+                             ? it.first + j
+                             : static_cast<uint64_t>(PositionOfWidth(it.positions, it.width, j));
+    uint64_t rl = 0, rh = it.nruns;
+    while (rl < rh) {
+      const uint64_t mid = rl + (rh - rl) / 2;
+      if (it.runs[mid].hf_first <= pos) {
+        rl = mid + 1;
+      } else {
+        rh = mid;
+      }
+    }
+    if (rl == 0) continue;
+    const RunLaunch r = it.runs[rl - 1];
+    if (pos - r.hf_first >= r.count) continue;
+    const uint64_t at = r.dest_offset + (pos - r.hf_first);
+    if (at >= it.dest_numel) continue;
+    switch (it.elem_size) {
+      case 1: CopyElem<1>(it.dest, at, it.values, j); break;
+      case 2: CopyElem<2>(it.dest, at, it.values, j); break;
+      case 4: CopyElem<4>(it.dest, at, it.values, j); break;
+      default: CopyElem<8>(it.dest, at, it.values, j); break;
+    }
+  }
+}
+
 unsigned GridFor(uint64_t count, unsigned threads) {
   const uint64_t blocks = (count + threads - 1) / threads;
   return static_cast<unsigned>(blocks < 65536 ? (blocks == 0 ? 1 : blocks) : 65536);
@@ -90,6 +139,11 @@ cudaError_t LaunchScatterRuns(const ScatterRunsLaunch& p) {
     case 4: ScatterRunsKernel<4><<<grid, 256, 0, p.stream>>>(p); break;
     default: ScatterRunsKernel<8><<<grid, 256, 0, p.stream>>>(p); break;
   }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchScatterBatch(const ScatterBatchLaunch& p) {
+  ScatterBatchKernel<<<GridFor(p.total, 256), 256, 0, p.stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -112,6 +112,30 @@ struct ScatterRunsLaunch {
 };
 cudaError_t LaunchScatterRuns(const ScatterRunsLaunch& launch);
 
+// A batched scatter (ScatterBatchOnDevice): `items` and `starts` (items + 1
+// entries: the index of each item's first value among all `total`) in
+// device memory.
+struct BatchItemLaunch {
+  void* dest;
+  uint64_t dest_numel;
+  const void* positions;  // null for a dense range from `first`
+  const void* values;
+  uint64_t count;
+  uint64_t first;
+  const RunLaunch* runs;
+  uint64_t nruns;
+  uint32_t elem_size;
+  uint32_t width;
+};
+struct ScatterBatchLaunch {
+  const BatchItemLaunch* items = nullptr;
+  const uint64_t* starts = nullptr;
+  uint64_t nitems = 0;
+  uint64_t total = 0;
+  cudaStream_t stream = nullptr;
+};
+cudaError_t LaunchScatterBatch(const ScatterBatchLaunch& launch);
+
 // The frame checks (include/deltasync/cuda.h, CheckFrameOnDevice): `zeros`
 // then `position_checks`, and per position check the index of its first
 // element among all positions (`starts`, position_checks + 1 entries), in

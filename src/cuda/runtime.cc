@@ -7,6 +7,7 @@
 #include <cstring>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "cuda/cuda_internal.h"
 #include "deltasync/cuda.h"
@@ -576,6 +577,73 @@ Status ScatterRunsOnDevice(DeviceTensor& dest, const DeviceChanges& changes, con
   launch.nruns = run_count;
   launch.stream = AsStream(dest.stream);
   DS_CUDA_RETURN(internal::LaunchScatterRuns(launch), "scatter into " + Quoted(dest.name));
+  return Status::OK();
+}
+
+uint64_t ScatterBatchBytes(uint64_t items) {
+  return items * sizeof(internal::BatchItemLaunch) + (items + 1) * sizeof(uint64_t);
+}
+
+Status ScatterBatchOnDevice(std::string_view name, std::span<const ScatterItem> items,
+                            void* scratch, StreamHandle stream) {
+  if (DeviceCount() == 0) return NoDevice();
+  std::vector<uint8_t> up(ScatterBatchBytes(items.size()));
+  auto* launches = reinterpret_cast<internal::BatchItemLaunch*>(up.data());
+  auto* starts = reinterpret_cast<uint64_t*>(up.data() + items.size() * sizeof(*launches));
+  uint64_t total = 0;
+  uint64_t n = 0;
+  for (const ScatterItem& it : items) {
+    const DeviceChanges& c = it.changes;
+    if (c.count == 0 || it.run_count == 0) continue;
+    const std::string which =
+        "batched scatter of " + std::string(name) + ", item " + std::to_string(&it - items.data());
+    if (it.dest == nullptr || c.values == nullptr || it.runs == nullptr ||
+        (c.width != 0 && c.positions == nullptr)) {
+      return Status::InvalidArgument(which + ": a null pointer");
+    }
+    if (it.elem_size != 1 && it.elem_size != 2 && it.elem_size != 4 && it.elem_size != 8) {
+      return Status::InvalidArgument(which + ": elements of " + std::to_string(it.elem_size) +
+                                     " bytes");
+    }
+    if (c.width != 0 && c.width != 3 && c.width != 4 && c.width != 8) {
+      return Status::InvalidArgument(which + ": positions of " + std::to_string(c.width) +
+                                     " bytes");
+    }
+    launches[n] = {it.dest,
+                   it.dest_numel,
+                   c.width == 0 ? nullptr : c.positions,
+                   c.values,
+                   c.count,
+                   it.first,
+                   reinterpret_cast<const internal::RunLaunch*>(it.runs),
+                   it.run_count,
+                   it.elem_size,
+                   c.width};
+    starts[n] = total;
+    total += c.count;
+    ++n;
+  }
+  if (total == 0) return Status::OK();
+  if (scratch == nullptr)
+    return Status::InvalidArgument("batched scatter of " + std::string(name) +
+                                   ": no descriptor memory");
+  // The starts follow the n items actually launched.
+  auto* dev_items = static_cast<internal::BatchItemLaunch*>(scratch);
+  auto* dev_starts = reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(scratch) +
+                                                 n * sizeof(internal::BatchItemLaunch));
+  starts[n] = total;
+  std::memmove(up.data() + n * sizeof(*launches), starts, (n + 1) * sizeof(uint64_t));
+  const uint64_t bytes = n * sizeof(*launches) + (n + 1) * sizeof(uint64_t);
+  DS_CUDA_RETURN(
+      cudaMemcpyAsync(scratch, up.data(), bytes, cudaMemcpyHostToDevice, AsStream(stream)),
+      "batched scatter of " + std::string(name) + ": its descriptors");
+  internal::ScatterBatchLaunch launch;
+  launch.items = dev_items;
+  launch.starts = dev_starts;
+  launch.nitems = n;
+  launch.total = total;
+  launch.stream = AsStream(stream);
+  DS_CUDA_RETURN(internal::LaunchScatterBatch(launch), "batched scatter of " + std::string(name));
   return Status::OK();
 }
 

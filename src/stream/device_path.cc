@@ -47,6 +47,9 @@ Result<std::unique_ptr<DeviceDestination>> DeviceDestination::Create(DeviceConte
                                                                      const Placement&) {
   return NotBuilt("tensor '" + name + "'");
 }
+Result<std::unique_ptr<DeviceBatch>> DeviceBatch::Create(DeviceContext& ctx) {
+  return NotBuilt("a frame on CUDA device " + std::to_string(ctx.device()));
+}
 Result<std::unique_ptr<HostFrameUpload>> HostFrameUpload::Create(DeviceContext& ctx) {
   return NotBuilt("a frame on CUDA device " + std::to_string(ctx.device()));
 }
@@ -444,6 +447,42 @@ class DestinationImpl final : public DeviceDestination {
 
   Status Wait() override { return cuda::Synchronize(stream_); }
 
+  // A checked entry in device memory as an item of a batched scatter (its
+  // stream: this destination's), and the elements it writes.
+  Result<uint64_t> Item(const FlushEntry& e, cuda::ScatterItem* item) const {
+    if (e.host_readable) {
+      return Status::Internal(Quoted(name_) + ": a host entry in a batched scatter");
+    }
+    if (e.encoding != WireEncoding::kDense && e.encoding != WireEncoding::kIndices) {
+      return Status::Internal(Quoted(name_) + ": a " + std::string(WireEncodingName(e.encoding)) +
+                              " entry left in device memory");
+    }
+    const auto runs = map_.runs();
+    *item = {};
+    item->dest = dest_;
+    item->dest_numel = map_.dest_extent();
+    item->elem_size = w_;
+    item->runs = static_cast<const cuda::DeviceRun*>(runs_.data());
+    item->run_count = runs.size();
+    item->first = e.first;
+    item->changes.values = e.values.data();
+    item->changes.count = e.value_count;
+    if (e.encoding == WireEncoding::kIndices) {
+      item->changes.positions = e.positions.data();
+      item->changes.width = e.position_width;
+      return e.value_count;
+    }
+    item->changes.width = 0;
+    uint64_t written = 0;
+    for (const DestinationRun& r : runs) {
+      const uint64_t lo = std::max(r.hf_first, e.first);
+      const uint64_t hi = std::min(r.hf_first + r.count, e.first + e.count);
+      if (lo < hi) written += hi - lo;
+    }
+    return written;
+  }
+  void* stream() const { return stream_; }
+
   Result<StateDigest> Digest() override {
     StateDigest sum;
     for (const DestinationRun& r : map_.runs()) {
@@ -652,6 +691,60 @@ class FrameReaderImpl final : public DeviceFrameReader {
   bool host_read_ = false;
 };
 
+class BatchImpl final : public DeviceBatch {
+ public:
+  explicit BatchImpl(ContextImpl& ctx) : ctx_(ctx) {}
+
+  Result<uint64_t> Add(DeviceDestination& dest, const FlushEntry& e) override {
+    if (e.value_count == 0) return uint64_t{0};
+    const auto& d = static_cast<const DestinationImpl&>(dest);
+    cuda::ScatterItem item;
+    DS_ASSIGN_OR_RETURN(const uint64_t written, d.Item(e, &item));
+    items_.push_back({d.stream(), item});
+    return written;
+  }
+
+  Status Launch() override {
+    if (items_.empty()) return Status::OK();
+    // One launch per stream, in the order the entries came (a later entry
+    // of one tensor writes after an earlier one).
+    std::stable_sort(items_.begin(), items_.end(),
+                     [](const Pending& a, const Pending& b) { return a.stream < b.stream; });
+    uint64_t scratch = 0;
+    for (size_t i = 0, j = 0; i < items_.size(); i = j) {
+      while (j < items_.size() && items_[j].stream == items_[i].stream) ++j;
+      scratch += Aligned256(cuda::ScatterBatchBytes(j - i));
+    }
+    Status s = Reserve(&scratch_, scratch, ctx_.device());
+    uint64_t at = 0;
+    for (size_t i = 0, j = 0; s.ok() && i < items_.size(); i = j) {
+      group_.clear();
+      while (j < items_.size() && items_[j].stream == items_[i].stream) {
+        group_.push_back(items_[j].item);
+        ++j;
+      }
+      s = cuda::ScatterBatchOnDevice("a frame's entries", group_, Bytes(scratch_) + at,
+                                     items_[i].stream);
+      at += Aligned256(cuda::ScatterBatchBytes(group_.size()));
+    }
+    items_.clear();
+    return s;
+  }
+
+  uint64_t buffer_bytes() const override { return scratch_.size(); }
+
+ private:
+  static uint64_t Aligned256(uint64_t n) { return (n + 255) / 256 * 256; }
+  struct Pending {
+    void* stream;
+    cuda::ScatterItem item;
+  };
+  ContextImpl& ctx_;
+  std::vector<Pending> items_;
+  std::vector<cuda::ScatterItem> group_;
+  cuda::Buffer scratch_;
+};
+
 constexpr uint64_t kPlaceAlign = 16;
 uint64_t Aligned(uint64_t n) { return (n + kPlaceAlign - 1) / kPlaceAlign * kPlaceAlign; }
 
@@ -824,6 +917,10 @@ Result<std::unique_ptr<DeviceFrame>> DeviceFrame::Create(DeviceContext& ctx,
 Result<std::unique_ptr<DeviceFrameReader>> DeviceFrameReader::Create(DeviceContext& ctx) {
   DS_ASSIGN_OR_RETURN(cuda::OwnedStream stream, cuda::OwnedStream::Create(ctx.device()));
   return std::unique_ptr<DeviceFrameReader>(new FrameReaderImpl(Impl(ctx), std::move(stream)));
+}
+
+Result<std::unique_ptr<DeviceBatch>> DeviceBatch::Create(DeviceContext& ctx) {
+  return std::unique_ptr<DeviceBatch>(new BatchImpl(Impl(ctx)));
 }
 
 Result<std::unique_ptr<HostFrameUpload>> HostFrameUpload::Create(DeviceContext& ctx) {

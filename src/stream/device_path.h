@@ -195,6 +195,27 @@ class DeviceFrameReader {
   virtual uint64_t buffer_bytes() const = 0;
 };
 
+// A frame's entries for the device destinations of one context, applied
+// in one kernel launch per destination stream (cuda::ScatterBatchOnDevice),
+// whatever their count: a frame of thousands of small tensors costs what
+// one tensor of the same changes does. The entries are not host_readable
+// (a device bucket's, or placed by HostFrameUpload) and checked. One
+// thread at a time.
+class DeviceBatch {
+ public:
+  static Result<std::unique_ptr<DeviceBatch>> Create(DeviceContext& ctx);
+  virtual ~DeviceBatch() = default;
+  // Adds an entry for `dest` (a destination of the same context): the
+  // elements it will write, as DeviceDestination::Apply counts them.
+  // Nothing runs until Launch.
+  virtual Result<uint64_t> Add(DeviceDestination& dest, const FlushEntry& entry) = 0;
+  // Enqueues the added entries' writes, one launch on each destination
+  // stream, and starts over. Each destination's Wait then waits for them;
+  // every one is waited for before the next Launch.
+  virtual Status Launch() = 0;
+  virtual uint64_t buffer_bytes() const = 0;
+};
+
 // A checked host frame's entries for device destinations, put in device
 // memory a frame at a time, so that each is applied with no wait of its own
 // (DeviceDestination::Apply of an entry that is not host_readable, then one

@@ -109,6 +109,8 @@ class Receiver final : public StreamReceiver {
   // placed_: the checked frame's entries, those for device tensors put in
   // device memory (HostFrameUpload), each device's in one copy.
   Status PlaceOnDevices(bool on_device, std::span<const FlushEntry> entries);
+  // The batched apply of a frame's entries in memory of CUDA device `device`.
+  Result<stream::DeviceBatch*> Batch(int device);
   void Verify(SyncState* sync, ReceiveStats* stats);
   // The receiver's threads (ReceiverOptions::threads); nullptr for one.
   ThreadPool* Pool() {
@@ -152,6 +154,7 @@ class Receiver final : public StreamReceiver {
   std::unique_ptr<Hasher> frame_hash_ = NewHasher(ChecksumAlgo::kXxh3_128);
   std::unique_ptr<stream::DeviceFrameReader> device_frames_;
   std::map<int, std::unique_ptr<stream::HostFrameUpload>> uploads_;  // by CUDA device
+  std::map<int, std::unique_ptr<stream::DeviceBatch>> batches_;      // by CUDA device
   std::vector<bool> wanted_;
   std::vector<FlushEntry> placed_, on_device_;
   std::unique_ptr<ThreadPool> pool_;
@@ -346,6 +349,20 @@ Result<stream::DeviceFrameReader*> Receiver::DeviceFrames() {
   return device_frames_.get();
 }
 
+Result<stream::DeviceBatch*> Receiver::Batch(int device) {
+  std::unique_ptr<stream::DeviceBatch>& b = batches_[device];
+  if (!b) {
+    Result<std::unique_ptr<stream::DeviceBatch>> made =
+        stream::DeviceBatch::Create(*devices_.at(device));
+    if (!made.ok()) {
+      batches_.erase(device);
+      return made.status();
+    }
+    b = std::move(*made);
+  }
+  return b.get();
+}
+
 Status Receiver::PlaceOnDevices(bool on_device, std::span<const FlushEntry> entries) {
   const std::span<const uint8_t> frame = on_device ? device_frames_->host_copy() : bucket_;
   const uint8_t* there = on_device ? device_frames_->bucket() : nullptr;
@@ -518,15 +535,28 @@ Status Receiver::TakeFrame(bool envelope_last, bool on_device, uint64_t bytes,
           break;
         }
       }
-      Result<uint64_t> written =
-          d.device ? d.device->Apply(e)
-                   : stream::ApplyEntry(e, d.map, d.bytes, seed ? nullptr : &d.running);
+      // An entry in device memory joins its device's batch: one launch
+      // per stream for the whole frame.
+      const auto apply_one = [&]() -> Result<uint64_t> {
+        if (!d.device) return stream::ApplyEntry(e, d.map, d.bytes, seed ? nullptr : &d.running);
+        if (e.host_readable) return d.device->Apply(e);
+        DS_ASSIGN_OR_RETURN(stream::DeviceBatch * batch, Batch(d.place.cuda_device));
+        return batch->Add(*d.device, e);
+      };
+      Result<uint64_t> written = apply_one();
       if (!written.ok()) {
         applied = failed(d, written.status());
         break;
       }
       stats->elements_written += *written;
       written_by(d);
+    }
+    // What was added runs, whether or not the whole frame was applied (the
+    // stamps above say it was written).
+    for (auto& [device, batch] : batches_) {
+      if (Status s = batch->Launch(); !s.ok() && applied.ok()) {
+        applied = Status(s.code(), frame + ": " + s.message());
+      }
     }
   }
   if (on_device || staged) {

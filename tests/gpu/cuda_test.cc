@@ -546,6 +546,104 @@ TEST_F(CudaTest, ScatterThroughRunsWritesHeldPositionsOnly) {
   EXPECT_NE(s.message().find("'cols' (runs)"), std::string::npos) << s.message();
 }
 
+// Thousands of items in one launch: every element size, every position
+// width and dense ranges, whole destinations and column slices, empty
+// items between; each lands as a host reference writes it.
+TEST_F(CudaTest, ABatchedScatterWritesEachItemAsItsOwnScatterWould) {
+  struct Host {
+    uint32_t w;
+    uint64_t rows, cols;
+    bool slice;  // columns [1, cols - 1) of every row
+    std::vector<DeviceRun> runs;
+    uint64_t extent;
+    std::vector<uint8_t> dest, want;
+    std::vector<uint8_t> positions, values;
+    uint32_t width = 0;
+    uint64_t first = 0, count = 0;
+  };
+  std::vector<Host> hosts;
+  const uint32_t widths[] = {0, 3, 4, 8};
+  const uint32_t sizes[] = {1, 2, 4, 8};
+  for (int k = 0; k < 3000; ++k) {
+    Host h;
+    h.w = sizes[rng_() % 4];
+    h.width = widths[rng_() % 4];
+    h.rows = 1 + rng_() % 5;
+    h.cols = 3 + rng_() % 9;
+    h.slice = rng_() % 2 == 0;
+    const uint64_t numel = h.rows * h.cols;
+    if (h.slice) {
+      for (uint64_t r = 0; r < h.rows; ++r)
+        h.runs.push_back({r * h.cols + 1, h.cols - 2, r * (h.cols - 2)});
+      h.extent = h.rows * (h.cols - 2);
+    } else {
+      h.runs.push_back({0, numel, 0});
+      h.extent = numel;
+    }
+    h.dest = RandomElements(h.extent, h.w, rng_);
+    h.want = h.dest;
+    std::vector<uint64_t> pos;
+    if (k % 7 == 3) {
+      h.count = 0;  // an empty item
+    } else if (h.width == 0) {
+      h.first = rng_() % numel;
+      h.count = 1 + rng_() % (numel - h.first);
+      for (uint64_t p = h.first; p < h.first + h.count; ++p) pos.push_back(p);
+    } else {
+      for (uint64_t p = 0; p < numel; ++p) {
+        if (rng_() % 3 == 0) pos.push_back(p);
+      }
+      h.count = pos.size();
+      for (uint64_t p : pos) {
+        for (uint32_t b = 0; b < h.width; ++b)
+          h.positions.push_back(static_cast<uint8_t>(p >> (8 * b)));
+      }
+    }
+    h.values = RandomElements(pos.size(), h.w, rng_);
+    for (size_t i = 0; i < pos.size(); ++i) {
+      for (const DeviceRun& r : h.runs) {
+        if (pos[i] >= r.hf_first && pos[i] < r.hf_first + r.count) {
+          std::memcpy(&h.want[(r.dest_offset + pos[i] - r.hf_first) * h.w], &h.values[i * h.w],
+                      h.w);
+        }
+      }
+    }
+    hosts.push_back(std::move(h));
+  }
+  std::vector<DeviceCopy> keep;
+  std::vector<ScatterItem> items;
+  for (Host& h : hosts) {
+    keep.push_back(ToDevice(h.dest, 0));
+    keep.push_back(ToDevice(h.positions, 0));
+    keep.push_back(ToDevice(h.values, 0));
+    keep.push_back(ToDevice(AsBytes(h.runs), 0));
+    const size_t n = keep.size();
+    ScatterItem it;
+    it.dest = keep[n - 4].data;
+    it.dest_numel = h.extent;
+    it.elem_size = h.w;
+    it.changes = DeviceChanges{keep[n - 3].data, h.width, keep[n - 2].data, h.count};
+    it.first = h.first;
+    it.runs = reinterpret_cast<const DeviceRun*>(keep[n - 1].data);
+    it.run_count = h.runs.size();
+    items.push_back(it);
+  }
+  Result<Buffer> scratch = Buffer::Device(ScatterBatchBytes(items.size()));
+  ASSERT_TRUE(scratch.ok());
+  Status s = ScatterBatchOnDevice("test", items, scratch->data(), nullptr);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (size_t k = 0; k < hosts.size(); ++k) {
+    ASSERT_EQ(ToHost(items[k].dest, hosts[k].extent * hosts[k].w), hosts[k].want) << "item " << k;
+  }
+  // Refused by name, nothing launched: a width it cannot read.
+  items[1].changes.width = 5;
+  items[1].changes.count = std::max<uint64_t>(items[1].changes.count, 1);
+  s = ScatterBatchOnDevice("test", items, scratch->data(), nullptr);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("item 1: positions of 5 bytes"), std::string::npos) << s.message();
+}
+
 TEST_F(CudaTest, DigestChangeOverABlockMatchesTheCpu) {
   const uint32_t w = 4;
   const uint64_t n = 5000, base = 123;

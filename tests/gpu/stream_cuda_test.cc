@@ -671,7 +671,8 @@ TEST_F(StreamCudaTest, AFrameReadOnTheDeviceExposesWhatTheHostReaderDoes) {
 // the frame goes up with it (or is found in a device bucket holding the same
 // bytes), a sparse entry's decoded positions and values are packed beside,
 // and each placed entry applies into a whole tensor and into a slice as the
-// host applies the host entry. Entries not wanted stay as they were.
+// host applies the host entry, one by one or in a batch. Entries not wanted
+// stay as they were.
 TEST_F(StreamCudaTest, AHostFramePlacedOnTheDeviceAppliesAsTheHostEntry) {
   std::mt19937_64 rng(43);
   const FrameParts p = FrameParts::Make(rng);
@@ -687,6 +688,8 @@ TEST_F(StreamCudaTest, AHostFramePlacedOnTheDeviceAppliesAsTheHostEntry) {
   ASSERT_TRUE(ctx.ok()) << ctx.status().ToString();
   Result<std::unique_ptr<stream::HostFrameUpload>> up = stream::HostFrameUpload::Create(**ctx);
   ASSERT_TRUE(up.ok()) << up.status().ToString();
+  Result<std::unique_ptr<stream::DeviceBatch>> batch = stream::DeviceBatch::Create(**ctx);
+  ASSERT_TRUE(batch.ok()) << batch.status().ToString();
   // a whole; b's columns 2..4 (three runs).
   Result<stream::DestinationMap> a_map = stream::DestinationMap::Create(1000, {{0, 1000, 0, 1}});
   Result<stream::DestinationMap> b_map =
@@ -735,8 +738,12 @@ TEST_F(StreamCudaTest, AHostFramePlacedOnTheDeviceAppliesAsTheHostEntry) {
         EXPECT_FALSE(placed[k].host_readable);
         EXPECT_EQ(ToHost(placed[k].values), ToHost(entries[k].values)) << "entry " << k;
         EXPECT_EQ(PlacedPositions(placed[k]), stream::EntryPositions(entries[k])) << "entry " << k;
-        Result<uint64_t> wrote = d.Apply(placed[k]);
+        // Entry by entry, or all in one batched launch.
+        Result<uint64_t> wrote = from_bucket ? (*batch)->Add(d, placed[k]) : d.Apply(placed[k]);
         ASSERT_TRUE(wrote.ok()) << wrote.status().ToString();
+      }
+      if (from_bucket) {
+        ASSERT_TRUE((*batch)->Launch().ok());
       }
       ASSERT_TRUE((*a)->Wait().ok());
       ASSERT_TRUE((*b)->Wait().ok());
