@@ -128,10 +128,8 @@ void CheckApply(const FlushEntry& e, const DestinationMap& map, uint64_t dest_el
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   std::vector<uint8_t> frame(data + 1, data + size);
-  if ((data[0] & 1) && frame.size() >= kFlushTrailerBytes) {
-    const std::vector<uint8_t> sum = ChecksumBytes(
-        ChecksumAlgo::kXxh3_128, std::span(frame).first(frame.size() - kFlushTrailerBytes));
-    std::copy(sum.begin(), sum.end(), frame.end() - kFlushTrailerBytes);
+  if (data[0] & 1) {
+    deltasync::stream::ResealFlushFrame(frame);
   }
   FlushReader reader;
   if (!reader.Read(frame).ok()) {

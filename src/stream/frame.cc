@@ -567,4 +567,11 @@ Status FlushWriter::Finish() {
   return Status::OK();
 }
 
+void ResealFlushFrame(std::span<uint8_t> frame) {
+  if (frame.size() < kFlushTrailerBytes) return;
+  const std::span<const uint8_t> body = frame.first(frame.size() - kFlushTrailerBytes);
+  const std::vector<uint8_t> sum = ChecksumBytes(ChecksumAlgo::kXxh3_128, body);
+  std::copy(sum.begin(), sum.end(), frame.end() - kFlushTrailerBytes);
+}
+
 }  // namespace deltasync::stream

@@ -402,6 +402,11 @@ class FlushReader {
   std::unique_ptr<ZstdContexts> zstd_;
 };
 
+// Rewrites the trailer of `frame` (at least kFlushTrailerBytes bytes) to the
+// xxh3-128 of the bytes before it: a frame edited behind a good trailer, as
+// tests and the fuzz target make them to reach the checks after it.
+void ResealFlushFrame(std::span<uint8_t> frame);
+
 // Read's refusal of a frame of `frame_bytes` bytes whose `trailer` is not
 // the `computed` xxh3-128 of the rest (`header`: its first 64 bytes).
 Status TrailerMismatch(uint64_t frame_bytes, std::span<const uint8_t> header,

@@ -1482,10 +1482,8 @@ TEST(FlushFrameCorpus, SeedsAreFramesTheReaderAccepts) {
     // rewritten with the checksum of what precedes it (an input the fuzzer
     // kept can be one of these).
     Bytes frame(bytes.begin() + 1, bytes.end());
-    if ((bytes[0] & 1) != 0 && frame.size() >= kFlushTrailerBytes) {
-      const std::vector<uint8_t> sum = ChecksumBytes(
-          ChecksumAlgo::kXxh3_128, std::span(frame).first(frame.size() - kFlushTrailerBytes));
-      std::copy(sum.begin(), sum.end(), frame.end() - kFlushTrailerBytes);
+    if ((bytes[0] & 1) != 0) {
+      ResealFlushFrame(frame);
     }
     EXPECT_TRUE(reader.Read(frame).ok()) << e.path();
     ++seen;

@@ -236,13 +236,7 @@ FaultPlan OnFrame(uint64_t sync_id, FaultKind kind,
   return p;
 }
 
-// Recomputes a frame's trailer, so that an edited frame passes its checksum.
-void Reseal(std::span<uint8_t> frame) {
-  const XXH128_hash_t h = XXH3_128bits(frame.data(), frame.size() - 16);
-  XXH128_canonical_t c;
-  XXH128_canonicalFromHash(&c, h);
-  std::memcpy(frame.data() + frame.size() - 16, c.digest, 16);
-}
+void Reseal(std::span<uint8_t> frame) { stream::ResealFlushFrame(frame); }
 
 // Replaces the first occurrence of `from` in the frame's manifest (after
 // the payload) by `to`, of the same length, and reseals it.

@@ -627,9 +627,7 @@ TEST_F(StreamCudaTest, AFrameReadOnTheDeviceExposesWhatTheHostReaderDoes) {
   EXPECT_TRUE(Contains(s, "xxh3-128 mismatch")) << s.ToString();
   EXPECT_TRUE(dev.entries().empty());
   const auto resealed = [](std::vector<uint8_t> f) {
-    const std::vector<uint8_t> sum =
-        ChecksumBytes(ChecksumAlgo::kXxh3_128, std::span<const uint8_t>(f).first(f.size() - 16));
-    std::copy(sum.begin(), sum.end(), f.end() - 16);
+    stream::ResealFlushFrame(f);
     return f;
   };
   const stream::FlushEntry& a1 = host.entries()[1];
