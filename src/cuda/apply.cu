@@ -58,31 +58,49 @@ __global__ void ScatterRunsKernel(ScatterRunsLaunch p) {
 }
 
 // One value of a batch: item k is the last whose first value is at or
-// before i; its value i - starts[k] goes where ScatterRunsKernel would put
-// it.
+// before i; its value j = i - starts[k] goes where ScatterRunsKernel would
+// put it.
 template <int W>
 __device__ __forceinline__ void CopyElem(void* dest, uint64_t at, const void* values, uint64_t j) {
   using T = typename ElemType<W>::T;
   static_cast<T*>(dest)[at] = static_cast<const T*>(values)[j];
 }
 
-__global__ void ScatterBatchKernel(ScatterBatchLaunch p) {
-  const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
-  for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < p.total; i += stride) {
-    uint64_t lo = 0, hi = p.nitems;
-    while (lo < hi) {
-      const uint64_t mid = lo + (hi - lo) / 2;
-      if (p.starts[mid] <= i) {
-        lo = mid + 1;
-      } else {
-        hi = mid;
-      }
+// The last item whose first value is at or before i, searched in [lo, hi).
+__device__ __forceinline__ uint64_t ItemOf(const uint64_t* starts, uint64_t lo, uint64_t hi,
+                                           uint64_t i) {
+  while (lo < hi) {
+    const uint64_t mid = lo + (hi - lo) / 2;
+    if (starts[mid] <= i) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
     }
-    const BatchItemLaunch& it = p.items[lo - 1];
-    const uint64_t j = i - p.starts[lo - 1];
+  }
+  return lo - 1;
+}
+
+// Each block takes blockDim.x consecutive values at a time: one thread finds
+// the item of the first among all items, the others search only the
+// blockDim.x items after it (each item holds at least one value), so the
+// cost per value does not grow with the number of items.
+__global__ void ScatterBatchKernel(ScatterBatchLaunch p) {
+  __shared__ uint64_t first_item;
+  const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
+  for (uint64_t base = uint64_t{blockIdx.x} * blockDim.x; base < p.total; base += stride) {
+    if (threadIdx.x == 0) first_item = ItemOf(p.starts, 0, p.nitems, base);
+    __syncthreads();
+    const uint64_t i = base + threadIdx.x;
+    const uint64_t lo = first_item;
+    __syncthreads();
+    if (i >= p.total) continue;
+    const uint64_t k = ItemOf(p.starts, lo, min(p.nitems, lo + blockDim.x), i);
+    const BatchItemLaunch& it = p.items[k];
+    const uint64_t j = i - p.starts[k];
     const uint64_t pos = it.positions == nullptr
                              ? it.first + j
                              : static_cast<uint64_t>(PositionOfWidth(it.positions, it.width, j));
+    // The last run starting at or before pos.
     uint64_t rl = 0, rh = it.nruns;
     while (rl < rh) {
       const uint64_t mid = rl + (rh - rl) / 2;
