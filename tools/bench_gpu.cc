@@ -405,10 +405,11 @@ Status MeasureBatchedApply(const GpuBenchConfig& config, uint64_t n, void* dest,
   f->batch_changed = count;
   f->batch_one_s = Median(
       config.repeat,
-      [&] { return note(cuda::ScatterBatchOnDevice("one", one, scratch.data(), nullptr)); }, &ok);
+      [&] { return note(cuda::ScatterBatchOnDevice("one", 0, one, scratch.data(), nullptr)); },
+      &ok);
   f->batch_many_s = Median(
       config.repeat,
-      [&] { return note(cuda::ScatterBatchOnDevice("experts", many, scratch.data(), nullptr)); },
+      [&] { return note(cuda::ScatterBatchOnDevice("experts", 0, many, scratch.data(), nullptr)); },
       &ok);
   f->launch_each_s = Median(
       config.repeat,

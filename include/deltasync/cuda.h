@@ -225,15 +225,17 @@ struct ScatterItem {
 };
 // Device memory a batch of `items` items needs for its descriptors.
 uint64_t ScatterBatchBytes(uint64_t items);
-// Every item's scatter in one kernel launch on `stream`, whatever the number
-// of items: the descriptors go up into `scratch` (device memory of
+// Every item's scatter in one kernel launch on `stream` (of CUDA device
+// `device`, made current), whatever the number of items: the items write
+// disjoint elements (they run in no order), the descriptors go up into
+// `scratch` (device memory of
 // ScatterBatchBytes(items.size()) bytes that stays untouched until the
 // launch ran), then one thread per value finds its item. The pointers are
 // the caller's to vouch for (they are not inspected one by one: a frame
 // may hold thousands of entries). InvalidArgument naming `name` for a null
 // pointer or an element size or width it cannot take. Enqueues only (the
 // descriptors' copy may wait for work queued on `stream` before it).
-Status ScatterBatchOnDevice(std::string_view name, std::span<const ScatterItem> items,
+Status ScatterBatchOnDevice(std::string_view name, int device, std::span<const ScatterItem> items,
                             void* scratch, StreamHandle stream);
 
 // Checks of a flush frame's payload in device memory (docs/format.md,

@@ -584,9 +584,10 @@ uint64_t ScatterBatchBytes(uint64_t items) {
   return items * sizeof(internal::BatchItemLaunch) + (items + 1) * sizeof(uint64_t);
 }
 
-Status ScatterBatchOnDevice(std::string_view name, std::span<const ScatterItem> items,
+Status ScatterBatchOnDevice(std::string_view name, int device, std::span<const ScatterItem> items,
                             void* scratch, StreamHandle stream) {
   if (DeviceCount() == 0) return NoDevice();
+  DS_CUDA_RETURN(cudaSetDevice(device), "cudaSetDevice");
   std::vector<uint8_t> up(ScatterBatchBytes(items.size()));
   auto* launches = reinterpret_cast<internal::BatchItemLaunch*>(up.data());
   auto* starts = reinterpret_cast<uint64_t*>(up.data() + items.size() * sizeof(*launches));

@@ -706,8 +706,8 @@ class BatchImpl final : public DeviceBatch {
 
   Status Launch() override {
     if (items_.empty()) return Status::OK();
-    // One launch per stream, in the order the entries came (a later entry
-    // of one tensor writes after an earlier one).
+    // One launch per stream. The entries of a checked frame write disjoint
+    // elements (no two overlap), so the order they run in does not matter.
     std::stable_sort(items_.begin(), items_.end(),
                      [](const Pending& a, const Pending& b) { return a.stream < b.stream; });
     uint64_t scratch = 0;
@@ -723,8 +723,8 @@ class BatchImpl final : public DeviceBatch {
         group_.push_back(items_[j].item);
         ++j;
       }
-      s = cuda::ScatterBatchOnDevice("a frame's entries", group_, Bytes(scratch_) + at,
-                                     items_[i].stream);
+      s = cuda::ScatterBatchOnDevice("a frame's entries", ctx_.device(), group_,
+                                     Bytes(scratch_) + at, items_[i].stream);
       at += Aligned256(cuda::ScatterBatchBytes(group_.size()));
     }
     items_.clear();
@@ -767,7 +767,8 @@ class UploadImpl final : public HostFrameUpload {
     };
     const auto position_width = [](const FlushEntry& e) -> uint32_t {
       if (e.encoding == WireEncoding::kDense) return 0;  // the range says where
-      return e.numel <= UINT32_MAX ? 4 : 8;
+      // The kernels read 4-byte positions as int32.
+      return e.numel < (uint64_t{1} << 31) ? 4 : 8;
     };
     bool views = false;
     uint64_t packed = 0;

@@ -630,7 +630,7 @@ TEST_F(CudaTest, ABatchedScatterWritesEachItemAsItsOwnScatterWould) {
   }
   Result<Buffer> scratch = Buffer::Device(ScatterBatchBytes(items.size()));
   ASSERT_TRUE(scratch.ok());
-  Status s = ScatterBatchOnDevice("test", items, scratch->data(), nullptr);
+  Status s = ScatterBatchOnDevice("test", 0, items, scratch->data(), nullptr);
   ASSERT_TRUE(s.ok()) << s.ToString();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   for (size_t k = 0; k < hosts.size(); ++k) {
@@ -639,7 +639,7 @@ TEST_F(CudaTest, ABatchedScatterWritesEachItemAsItsOwnScatterWould) {
   // Refused by name, nothing launched: a width it cannot read.
   items[1].changes.width = 5;
   items[1].changes.count = std::max<uint64_t>(items[1].changes.count, 1);
-  s = ScatterBatchOnDevice("test", items, scratch->data(), nullptr);
+  s = ScatterBatchOnDevice("test", 0, items, scratch->data(), nullptr);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("item 1: positions of 5 bytes"), std::string::npos) << s.message();
 }

@@ -751,6 +751,51 @@ TEST_F(StreamCudaTest, AHostFramePlacedOnTheDeviceAppliesAsTheHostEntry) {
   }
 }
 
+// A sparse entry of a tensor past 2^31 elements is placed with 8-byte
+// positions (the kernels read 4-byte ones as int32), and lands in a slice
+// the receiver holds near the tensor's end.
+TEST_F(StreamCudaTest, ASparseEntryPastTwoToThe31IsPlacedWithWidePositions) {
+  const uint64_t numel = (uint64_t{1} << 31) + 100, first = (uint64_t{1} << 31) + 20;
+  const std::vector<int64_t> shape = {static_cast<int64_t>(numel)};
+  ChangeSet changes;
+  changes.pos32 = {0, 5, 6, 30, 59};  // from `first`
+  changes.new_values = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+  stream::FlushHeader header;
+  header.sync_id = 3;
+  header.kind = stream::FrameKind::kDelta;
+  stream::FrameBuffer frame;
+  stream::FlushWriter w;
+  ASSERT_TRUE(w.Begin(header, 1 << 20, &frame).ok());
+  ASSERT_TRUE(*w.AddSparse({"big", DType::kBF16, shape, first, 60},
+                           stream::Positions::Of(changes, first), changes.new_values));
+  ASSERT_TRUE(w.Finish().ok());
+  stream::FlushReader host;
+  ASSERT_TRUE(host.Read(frame).ok());
+  // The receiver holds elements [first + 4, first + 44).
+  Result<stream::DestinationMap> map =
+      stream::DestinationMap::Create(numel, {{first + 4, 40, 0, 1}});
+  ASSERT_TRUE(map.ok()) << map.status().ToString();
+  std::vector<uint8_t> want(40 * 2, 0x77);
+  const OnDevice init(want);
+  std::span<uint8_t> dest(static_cast<uint8_t*>(init.buffer.data()), want.size());
+  ASSERT_TRUE(stream::ApplyEntry(host.entries()[0], *map, want).ok());
+  Result<std::unique_ptr<stream::DeviceContext>> ctx = stream::DeviceContext::Create(0);
+  ASSERT_TRUE(ctx.ok());
+  Result<std::unique_ptr<stream::DeviceDestination>> d = stream::DeviceDestination::Create(
+      **ctx, "big", DType::kBF16, *map, dest, Placement::Cuda(0, stream_));
+  Result<std::unique_ptr<stream::HostFrameUpload>> up = stream::HostFrameUpload::Create(**ctx);
+  Result<std::unique_ptr<stream::DeviceBatch>> batch = stream::DeviceBatch::Create(**ctx);
+  ASSERT_TRUE(d.ok() && up.ok() && batch.ok());
+  std::vector<stream::FlushEntry> placed;
+  ASSERT_TRUE((*up)->Place(frame, nullptr, host.entries(), {true}, &placed).ok());
+  EXPECT_EQ(placed[0].position_width, 8u);
+  ASSERT_TRUE((*batch)->Add(**d, placed[0]).ok());
+  ASSERT_TRUE((*batch)->Launch().ok());
+  ASSERT_TRUE((*d)->Wait().ok());
+  EXPECT_EQ(ToHost(dest), want);
+  EXPECT_NE(want, std::vector<uint8_t>(40 * 2, 0x77));  // the slice took changes
+}
+
 TEST(StreamCudaWithoutGpu, DevicePlacementsAreAFailedPreconditionNamingTheTensor) {
   if (HaveGpu()) GTEST_SKIP() << "a CUDA device is present";
   Result<std::unique_ptr<StreamSender>> s = StreamSender::Create(sync_test::NoGroup());
