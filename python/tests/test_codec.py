@@ -346,7 +346,11 @@ def test_quantize_fp8_equals_the_engines_torch_code(scheme, scale_format, shape)
     m, n = shape
     if scheme == "block128":
         # per_block_cast_to_fp8's statements, eagerly.
-        padded = torch.zeros((-(-m // 128) * 128, -(-n // 128) * 128), dtype=x.dtype)
+        # On the GPU, as the engines run it: there torch divides by the
+        # scalar 448.0 as a product with its float32 reciprocal (a CPU
+        # tensor would divide, an ULP away for about a third of amaxes).
+        padded = torch.zeros((-(-m // 128) * 128, -(-n // 128) * 128), dtype=x.dtype,
+                             device=x.device)
         padded[:m, :n] = x
         view = padded.view(-1, 128, padded.size(1) // 128, 128)
         amax = view.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
