@@ -102,8 +102,15 @@ struct SizeFigures {
   // into the small tensors with a launch each.
   uint64_t experts = 0, batch_changed = 0;
   double batch_one_s = 0, batch_many_s = 0, launch_each_s = 0;
+  // Quantize-then-diff of the same bytes as a [n / 4096, 4096] BF16 weight
+  // of finite values (block-scaled 128 x 128, ue8m0 scales), the step's
+  // density of its elements nudged: the fused pass against the snapshot of
+  // codes and scales, and the quantization's changed codes and scales.
+  uint64_t quant_changed = 0, quant_scales_changed = 0;
+  double quant_diff_s = 0;
   bool have_torch = false;
-  double torch_device_s = 0, torch_pinned_s = 0, torch_index_put_s = 0, torch_copy_s = 0;
+  double torch_device_s = 0, torch_pinned_s = 0, torch_index_put_s = 0, torch_copy_s = 0,
+         torch_quant_diff_s = 0;
   std::string torch_error;
   // The stream (one sender, one receiver, gloo on loopback): a sync of the
   // tensor on the device at both ends, the same in host memory, and the
@@ -427,6 +434,88 @@ Status MeasureBatchedApply(const GpuBenchConfig& config, uint64_t n, void* dest,
   return Status::OK();
 }
 
+// A finite BF16 weight (magnitudes over about 11 binades, 1 in 64 a zero
+// or subnormal) into `a`, and in `b` the same with a `density` fraction of
+// elements nudged by a few ULPs, as an optimizer step moves them.
+void MakeWeightStep(uint64_t n, double density, uint64_t seed, std::vector<uint16_t>& a,
+                    std::vector<uint16_t>& b) {
+  a.resize(n);
+  b.resize(n);
+  const uint64_t threshold = static_cast<uint64_t>(density * 18446744073709551615.0);
+  const unsigned workers = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::thread> threads;
+  for (unsigned w = 0; w < workers; ++w) {
+    threads.emplace_back([&, w] {
+      const uint64_t lo = n * w / workers, hi = n * (w + 1) / workers;
+      for (uint64_t i = lo; i < hi; ++i) {
+        const uint64_t r = SplitMix(seed * 0x9E3779B97F4A7C15ull + i);
+        const uint32_t e = r % 64 == 0 ? 0 : 118 + static_cast<uint32_t>((r >> 8) % 11);
+        a[i] = static_cast<uint16_t>(((r >> 20) & 0x8000u) | e << 7 | ((r >> 32) & 0x7Fu));
+        const uint64_t pick = SplitMix(r);
+        b[i] = pick < threshold ? static_cast<uint16_t>(a[i] ^ (1 + (r >> 48) % 3)) : a[i];
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+// The fused quantize-then-diff of a weight step in dev_a / dev_b (their
+// bytes are overwritten), each run against the codes the run before left.
+Status MeasureQuantizeDiff(cuda::Workspace& ws, const GpuBenchConfig& config, uint64_t n,
+                           cuda::Buffer& dev_a, cuda::Buffer& dev_b, cuda::Buffer& positions,
+                           cuda::Buffer& values, SizeFigures* f) {
+  constexpr int64_t kCols = 4096;
+  const int64_t rows = static_cast<int64_t>(n) / kCols;
+  if (rows == 0) return Status::OK();
+  const uint64_t m = static_cast<uint64_t>(rows * kCols);
+  std::vector<uint16_t> a, b;
+  MakeWeightStep(m, config.density, config.seed, a, b);
+  if (cudaMemcpy(dev_a.data(), a.data(), m * 2, cudaMemcpyHostToDevice) != cudaSuccess ||
+      cudaMemcpy(dev_b.data(), b.data(), m * 2, cudaMemcpyHostToDevice) != cudaSuccess) {
+    return Status::Internal("copying the weights to the device failed");
+  }
+  const QuantRecipe recipe{QuantScheme::kBlock128, ScaleFormat::kUe8m0};
+  DS_ASSIGN_OR_RETURN(const std::vector<int64_t> scale_shape, QuantScaleShape(recipe, rows, kCols));
+  const uint64_t groups = static_cast<uint64_t>(scale_shape[0] * scale_shape[1]);
+  DS_ASSIGN_OR_RETURN(cuda::Buffer codes, cuda::Buffer::Device(m));
+  DS_ASSIGN_OR_RETURN(cuda::Buffer scales, cuda::Buffer::Device(groups));
+  DS_ASSIGN_OR_RETURN(cuda::Buffer scale_positions, cuda::Buffer::Device(groups * 4));
+  DS_ASSIGN_OR_RETURN(cuda::Buffer scale_values, cuda::Buffer::Device(groups));
+  const std::vector<int64_t> shape = {rows, kCols};
+  cuda::DeviceTensor weight[2] = {{"a", DType::kBF16, shape, dev_a.data(), nullptr, {}},
+                                  {"b", DType::kBF16, shape, dev_b.data(), nullptr, {}}};
+  cuda::DeviceTensor codes_t{"a", DType::kF8_E4M3, shape, codes.data(), nullptr, {}};
+  cuda::DeviceTensor scales_t{"a", DType::kF8_E8M0, scale_shape, scales.data(), nullptr, {}};
+  const cuda::DiffOutput code_out{positions.data(), values.data(), nullptr, m};
+  const cuda::DiffOutput scale_out{scale_positions.data(), scale_values.data(), nullptr, groups};
+  // The first quantization of a, into zeroed snapshots.
+  cudaMemset(codes.data(), 0, m);
+  cudaMemset(scales.data(), 0, groups);
+  DS_RETURN_IF_ERROR(
+      cuda::QuantizeDiffOnDevice(ws, recipe, weight[0], codes_t, scales_t, code_out, scale_out)
+          .status());
+  Status first_error;
+  bool ok = true;
+  int k = 1;
+  f->quant_diff_s = Median(
+      config.repeat,
+      [&] {
+        auto r = cuda::QuantizeDiffOnDevice(ws, recipe, weight[k], codes_t, scales_t, code_out,
+                                            scale_out);
+        k ^= 1;
+        if (r.ok()) {
+          f->quant_changed = r->codes.count;
+          f->quant_scales_changed = r->scales.count;
+        } else if (first_error.ok()) {
+          first_error = r.status();
+        }
+        return r.ok();
+      },
+      &ok);
+  if (!first_error.ok()) return first_error;
+  return ok ? Status::OK() : Status::Internal("a CUDA call failed during the quantize-then-diff");
+}
+
 Result<SizeFigures> MeasureSize(cuda::Workspace& ws, const GpuBenchConfig& config, uint64_t bytes) {
   SizeFigures f;
   const uint64_t n = bytes / 2;
@@ -545,6 +634,7 @@ Result<SizeFigures> MeasureSize(cuda::Workspace& ws, const GpuBenchConfig& confi
       &ok);
   if (!first_error.ok()) return first_error;
   if (!ok) return Status::Internal("a CUDA copy failed during the benchmark");
+  DS_RETURN_IF_ERROR(MeasureQuantizeDiff(ws, config, n, dev_a, dev_b, positions, values, &f));
   return f;
 }
 
@@ -586,6 +676,7 @@ int RunGpuBench(const GpuBenchConfig& config, bool json) {
         f->torch_pinned_s = (*t)["torch_diff_pinned_s"];
         f->torch_index_put_s = (*t)["torch_index_put_s"];
         f->torch_copy_s = (*t)["torch_copy_s"];
+        f->torch_quant_diff_s = (*t)["torch_quant_diff_s"];
       } else {
         f->torch_error = t.status().message();
       }
@@ -614,7 +705,10 @@ int RunGpuBench(const GpuBenchConfig& config, bool json) {
                           {"batch_changed", f.batch_changed},
                           {"batch_one_s", f.batch_one_s},
                           {"batch_many_s", f.batch_many_s},
-                          {"launch_each_s", f.launch_each_s}};
+                          {"launch_each_s", f.launch_each_s},
+                          {"quant_diff_s", f.quant_diff_s},
+                          {"quant_changed", f.quant_changed},
+                          {"quant_scales_changed", f.quant_scales_changed}};
       if (f.have_stream) {
         s["sync_device_s"] = f.sync_device_s;
         s["sync_host_s"] = f.sync_host_s;
@@ -643,6 +737,7 @@ int RunGpuBench(const GpuBenchConfig& config, bool json) {
         s["torch_diff_pinned_s"] = f.torch_pinned_s;
         s["torch_index_put_s"] = f.torch_index_put_s;
         s["torch_copy_s"] = f.torch_copy_s;
+        s["torch_quant_diff_s"] = f.torch_quant_diff_s;
       } else if (!f.torch_error.empty()) {
         s["torch_error"] = f.torch_error;
       }
@@ -678,6 +773,11 @@ int RunGpuBench(const GpuBenchConfig& config, bool json) {
         Ratio(f.batch_many_s / f.batch_one_s) + " of 1 tensor");
     row("  a launch per expert tensor", f.launch_each_s,
         Ratio(f.launch_each_s / f.batch_one_s) + " of 1 tensor");
+    row("quantize-then-diff to FP8 (block128, ue8m0)", f.quant_diff_s,
+        Ratio(f.quant_diff_s / f.copy_s) + " of the copy");
+    std::printf("    %llu codes and %llu scales changed\n",
+                static_cast<unsigned long long>(f.quant_changed),
+                static_cast<unsigned long long>(f.quant_scales_changed));
     row("state digest (BF16 elements)", f.digest_s, Rate(f.bytes, f.digest_s));
     row("state digest (the same bytes as F32)", f.digest_f32_s, Rate(f.bytes, f.digest_f32_s));
     row("xxh3-128", f.xxh3_s, Rate(f.bytes, f.xxh3_s));
@@ -689,6 +789,8 @@ int RunGpuBench(const GpuBenchConfig& config, bool json) {
       row("torch: index_put_ of the changes", f.torch_index_put_s,
           "scatter: " + Ratio(f.scatter_s / f.torch_index_put_s) + " of it");
       row("torch: copy_", f.torch_copy_s, Rate(2 * f.bytes, f.torch_copy_s));
+      row("torch: quantize to FP8, then diff ops", f.torch_quant_diff_s,
+          Ratio(f.torch_quant_diff_s / f.quant_diff_s) + " of the fused pass");
     } else if (!f.torch_error.empty()) {
       std::cout << "  torch baseline skipped: " << f.torch_error << "\n";
     }

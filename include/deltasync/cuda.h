@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "deltasync/dtype.h"
+#include "deltasync/quantize.h"
 #include "deltasync/status.h"
 
 namespace deltasync::cuda {
@@ -163,6 +164,33 @@ struct DiffResult {
 // capacity below numel or a tensor of 2^56 elements or more.
 Result<DiffResult> DiffOnDevice(Workspace& ws, const DeviceTensor& current, DeviceTensor& snapshot,
                                 const DiffOutput& out);
+
+// Quantize-then-diff on the device: the F8_E4M3 codes and scales of
+// `weight` (device memory, BF16, F16 or F32, [rows, cols], contiguous)
+// under `recipe`, exactly as deltasync/quantize.h's Fp8Quantize makes them
+// on the CPU, diffed against `code_snapshot` (F8_E4M3, the weight's shape)
+// and `scale_snapshot` (QuantScaleDType, QuantScaleShape), both in device or
+// pinned host memory, as DiffOnDevice diffs: the codes' changes go to
+// `code_out` (1-byte values), the scales' to `scale_out`, and each snapshot
+// takes its changes when its output says so. One pass over the weight takes
+// the scale groups' amax; a second quantizes each element as the diff reads
+// it, compares its code with the snapshot's and compacts the changes, so the
+// codes are never written out whole. A group whose scale changed shows in
+// `scales` with its new scale, and every code of it that changed in `codes`.
+// Waits for the weight's stream. InvalidArgument naming the tensor for a bad
+// argument (DiffOnDevice's, CheckQuantRecipe's, a weight that is not 2-D of
+// those dtypes, snapshots of the wrong dtype or shape) and for a weight that
+// holds a NaN or an infinity: then nothing is written.
+struct QuantDiffResult {
+  DiffResult codes;
+  DiffResult scales;
+};
+Result<QuantDiffResult> QuantizeDiffOnDevice(Workspace& ws, const QuantRecipe& recipe,
+                                             const DeviceTensor& weight,
+                                             DeviceTensor& code_snapshot,
+                                             DeviceTensor& scale_snapshot,
+                                             const DiffOutput& code_out,
+                                             const DiffOutput& scale_out);
 
 // Changes to apply on the device: `count` positions into `dest`'s
 // elements, strictly ascending, of `width` bytes each (3: u24, a flush

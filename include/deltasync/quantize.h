@@ -73,6 +73,7 @@
 #pragma once
 
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <span>
 #include <string_view>
@@ -80,6 +81,15 @@
 
 #include "deltasync/dtype.h"
 #include "deltasync/status.h"
+
+// The scale step and the encoder below are compiled for the GPU too (the
+// fused quantize-then-diff of include/deltasync/cuda.h), so that both sides
+// run one definition.
+#if defined(__CUDACC__)
+#define DS_QUANT_HOST_DEVICE __host__ __device__
+#else
+#define DS_QUANT_HOST_DEVICE
+#endif
 
 namespace deltasync {
 
@@ -209,7 +219,7 @@ Status Fp8Quantize(const QuantRecipe& recipe, const QuantTensor& tensor, const v
 // gives 0x80. Every recipe encodes with it. For finite x: a NaN gives
 // +-448 too, but recipes never pass one. Branch-free, so that loops over
 // it vectorize; defined here so that they inline it.
-inline uint8_t Fp8E4M3FromFloat(float x) {
+DS_QUANT_HOST_DEVICE inline uint8_t Fp8E4M3FromFloat(float x) {
   const uint32_t bits = std::bit_cast<uint32_t>(x);
   const uint32_t sign = (bits >> 24) & 0x80u;
   // |x| as bits, saturated at 448 (0x43E00000). Signed compares: they
@@ -231,6 +241,55 @@ inline uint8_t Fp8E4M3FromFloat(float x) {
   const int32_t is_subnormal = -static_cast<int32_t>(mag < 0x3C800000);
   const int32_t code = (subnormal & is_subnormal) | (normal & ~is_subnormal);
   return static_cast<uint8_t>(sign | static_cast<uint32_t>(code));
+}
+
+// 1/448 rounded to float32 (0x3B124925), as torch computes it on the host
+// for `cuda_tensor / 448.0`.
+inline constexpr float kInverseE4M3Max = 1.0f / kE4M3Max;
+
+// A scale group's dequantization multiplier as stored (sf) and what its
+// elements are multiplied by before encoding (inv = 1.0f / sf).
+struct Fp8GroupScale {
+  float sf = 1.0f;
+  float inv = 1.0f;
+};
+
+// The recipes' amax -> scale step (the sources are at the top of this
+// file), for a group's amax over the whole weight: finite and >= 0.
+DS_QUANT_HOST_DEVICE inline Fp8GroupScale Fp8ScaleFor(const QuantRecipe& recipe, float amax) {
+  float sf = 1.0f;
+  switch (recipe.scheme) {
+    case QuantScheme::kBlock128:
+      // torch: x_amax.clamp(1e-4) / 448.0, then ceil_to_ue8m0. On a CUDA
+      // tensor that division is a multiplication by the float32 reciprocal,
+      // which differs from amax / 448.0f for about a third of all amax
+      // values.
+      sf = std::fmax(amax, 1e-4f) * kInverseE4M3Max;
+      if (recipe.scale_format != ScaleFormat::kF32) {
+        // The smallest power of two >= sf (a positive normal): the
+        // mantissa rounded up into the exponent.
+        sf = std::bit_cast<float>((std::bit_cast<uint32_t>(sf) + 0x7FFFFFu) & 0xFF800000u);
+      }
+      break;
+    case QuantScheme::kPerChannel:
+      // Triton: tl.maximum(absmax, eps = 1e-10) / fp8_max, whose
+      // div.full.f32 multiplies by the reciprocal of 448: float32(1/448).
+      sf = std::fmax(amax, 1e-10f) * kInverseE4M3Max;
+      break;
+    case QuantScheme::kPerTensor:
+      // vLLM divides by whatever comes out, 0 included; we keep the codes
+      // finite and meaningful instead.
+      sf = amax / kE4M3Max;
+      if (!(sf > 0.0f) || std::isinf(1.0f / sf)) sf = 1.0f;
+      break;
+  }
+  return {sf, 1.0f / sf};
+}
+
+// The stored byte of a ue8m0 scale (ScaleFormat::kUe8m0): its float32
+// exponent field.
+DS_QUANT_HOST_DEVICE inline uint8_t Ue8m0Byte(float sf) {
+  return static_cast<uint8_t>(std::bit_cast<uint32_t>(sf) >> 23);
 }
 
 }  // namespace deltasync

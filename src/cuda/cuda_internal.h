@@ -38,6 +38,22 @@ struct Results {
   unsigned long long pad;
 };
 
+// A diff's current elements made by quantizing a weight on the fly (the
+// fused quantize-then-diff): element e of the diff is the F8_E4M3 code of
+// weight element first + e. `weight` null: the current elements are read
+// as they are.
+enum class QuantKind : uint32_t { kBf16 = 0, kF16 = 1, kF32 = 2 };
+struct QuantLoad {
+  const void* weight = nullptr;  // the whole [rows, cols] weight
+  QuantKind kind = QuantKind::kBf16;
+  bool aligned16 = false;  // weight 16-byte aligned
+  uint32_t scheme = 0;     // a deltasync::QuantScheme
+  uint64_t cols = 1;
+  uint64_t scale_cols = 1;     // scale groups per scale row
+  const float* inv = nullptr;  // per scale group: what its elements are multiplied by
+  uint64_t first = 0;
+};
+
 struct DiffLaunch {
   const void* current = nullptr;
   void* snapshot = nullptr;  // refreshed here
@@ -65,6 +81,7 @@ struct DiffLaunch {
   unsigned long long* ticket = nullptr;
   Results* results = nullptr;
   cudaStream_t stream = nullptr;
+  QuantLoad quant;  // elem_size 1 only
 };
 // Zeroes the tile states and the ticket for `tiles` tiles.
 cudaError_t LaunchDiffReset(const DiffLaunch& launch, uint64_t tiles);
@@ -72,6 +89,24 @@ cudaError_t LaunchDiffReset(const DiffLaunch& launch, uint64_t tiles);
 cudaError_t LaunchDiffTiles(const DiffLaunch& launch);
 // The count and digest change over `tiles` tiles, into results.
 cudaError_t LaunchDiffFinish(const DiffLaunch& launch, uint64_t tiles);
+
+// The scale step of the fused quantize-then-diff: each scale group's amax
+// (MAX-reduced as float bits into `amax_bits`, zeroed first), then its
+// scale (into `scales`, as the recipe stores it) and inverse (into `inv`).
+// A group whose amax is a NaN or an infinity sets results->count to 1
+// (zeroed first).
+struct QuantScaleLaunch {
+  QuantLoad load;  // weight, kind, aligned16, scheme, cols, scale_cols
+  uint64_t rows = 0;
+  uint32_t scale_format = 0;  // a deltasync::ScaleFormat
+  uint64_t groups = 0;
+  unsigned int* amax_bits = nullptr;
+  float* inv = nullptr;
+  void* scales = nullptr;
+  Results* results = nullptr;
+  cudaStream_t stream = nullptr;
+};
+cudaError_t LaunchQuantScales(const QuantScaleLaunch& launch);
 
 struct ScatterLaunch {
   void* dest = nullptr;

@@ -12,6 +12,7 @@
 #include "core/element_digest.h"
 #include "cuda/cuda_internal.h"
 #include "cuda/kernel_util.cuh"
+#include "cuda/quantize.cuh"
 
 namespace deltasync::cuda::internal {
 namespace {
@@ -110,7 +111,9 @@ __device__ uint64_t LookBack(unsigned long long* state, uint64_t tile, uint64_t 
   return exclusive;
 }
 
-template <int W, bool kAligned>
+// kQuant: the current elements are the codes of p.quant's weight, of that
+// kind (W == 1); -1: read from p.current.
+template <int W, bool kAligned, int kQuant = -1>
 __global__ void __launch_bounds__(kDiffThreads) DiffKernel(DiffLaunch p) {
   constexpr int E = 16 / W;
   constexpr int R = DiffRounds(W);
@@ -134,7 +137,12 @@ __global__ void __launch_bounds__(kDiffThreads) DiffKernel(DiffLaunch p) {
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const uint64_t first = tile_first + (static_cast<uint64_t>(r) * kDiffThreads + t) * E;
-    cur[r] = LoadGroup<W, kAligned>(p.current, first, p.numel);
+    if constexpr (kQuant < 0) {
+      cur[r] = LoadGroup<W, kAligned>(p.current, first, p.numel);
+    } else {
+      static_assert(W == 1, "codes are bytes");
+      cur[r] = QuantizeGroup<static_cast<QuantKind>(kQuant)>(p.quant, first, p.numel);
+    }
     old[r] = LoadGroup<W, kAligned>(snap_read, first - read_first, p.numel - read_first);
   }
   uint32_t mask[R];
@@ -248,13 +256,13 @@ __global__ void FinishDiffKernel(const unsigned long long* state,
   }
 }
 
-template <int W>
+template <int W, int kQuant = -1>
 cudaError_t LaunchDiffW(const DiffLaunch& p) {
   const unsigned grid = static_cast<unsigned>(p.tiles);
   if (p.aligned16) {
-    DiffKernel<W, true><<<grid, kDiffThreads, 0, p.stream>>>(p);
+    DiffKernel<W, true, kQuant><<<grid, kDiffThreads, 0, p.stream>>>(p);
   } else {
-    DiffKernel<W, false><<<grid, kDiffThreads, 0, p.stream>>>(p);
+    DiffKernel<W, false, kQuant><<<grid, kDiffThreads, 0, p.stream>>>(p);
   }
   return cudaGetLastError();
 }
@@ -268,6 +276,14 @@ cudaError_t LaunchDiffReset(const DiffLaunch& p, uint64_t tiles) {
 }
 
 cudaError_t LaunchDiffTiles(const DiffLaunch& p) {
+  if (p.quant.weight != nullptr) {
+    switch (p.quant.kind) {
+      case QuantKind::kBf16: return LaunchDiffW<1, static_cast<int>(QuantKind::kBf16)>(p);
+      case QuantKind::kF16: return LaunchDiffW<1, static_cast<int>(QuantKind::kF16)>(p);
+      case QuantKind::kF32: return LaunchDiffW<1, static_cast<int>(QuantKind::kF32)>(p);
+    }
+    return cudaErrorInvalidValue;
+  }
   switch (p.elem_size) {
     case 1: return LaunchDiffW<1>(p);
     case 2: return LaunchDiffW<2>(p);

@@ -177,6 +177,7 @@ class WorkspaceImpl final : public Workspace {
     if (start_ != nullptr) cudaEventDestroy(start_);
     if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
     if (scratch_ != nullptr) cudaFree(scratch_);
+    if (quant_scratch_ != nullptr) cudaFree(quant_scratch_);
     if (results_ != nullptr) cudaFree(results_);
     if (host_results_ != nullptr) cudaFreeHost(host_results_);
   }
@@ -193,27 +194,39 @@ class WorkspaceImpl final : public Workspace {
 
   // At least `bytes` of device scratch, 256-byte aligned.
   Result<unsigned long long*> Scratch(uint64_t bytes) {
-    DS_CUDA_RETURN(cudaSetDevice(device_), "cudaSetDevice");
-    if (bytes > scratch_bytes_) {
-      if (scratch_ != nullptr) {
-        // Earlier work on any stream may still use the old scratch.
-        DS_CUDA_RETURN(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-        cudaFree(scratch_);
-        scratch_ = nullptr;
-        scratch_bytes_ = 0;
-      }
-      // To the next power of two: sizes that creep up do not reallocate
-      // (and synchronize the device) time after time.
-      uint64_t grown = uint64_t{1} << 20;
-      while (grown < bytes) grown *= 2;
-      DS_CUDA_RETURN(cudaMalloc(&scratch_, grown), "cudaMalloc (workspace scratch)");
-      scratch_bytes_ = grown;
-    }
+    DS_RETURN_IF_ERROR(Grow(&scratch_, &scratch_bytes_, bytes));
     return static_cast<unsigned long long*>(scratch_);
+  }
+  // A second such scratch, for the scale groups of a quantize-then-diff
+  // (which runs a diff, using the first, while it holds them).
+  Result<uint8_t*> QuantScratch(uint64_t bytes) {
+    DS_RETURN_IF_ERROR(Grow(&quant_scratch_, &quant_scratch_bytes_, bytes));
+    return static_cast<uint8_t*>(quant_scratch_);
   }
 
   Results* results() { return results_; }
 
+ private:
+  Status Grow(void** buffer, uint64_t* size, uint64_t bytes) {
+    DS_CUDA_RETURN(cudaSetDevice(device_), "cudaSetDevice");
+    if (bytes <= *size) return Status::OK();
+    if (*buffer != nullptr) {
+      // Earlier work on any stream may still use the old scratch.
+      DS_CUDA_RETURN(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+      cudaFree(*buffer);
+      *buffer = nullptr;
+      *size = 0;
+    }
+    // To the next power of two: sizes that creep up do not reallocate (and
+    // synchronize the device) time after time.
+    uint64_t grown = uint64_t{1} << 20;
+    while (grown < bytes) grown *= 2;
+    DS_CUDA_RETURN(cudaMalloc(buffer, grown), "cudaMalloc (workspace scratch)");
+    *size = grown;
+    return Status::OK();
+  }
+
+ public:
   // Two device chunks for staging a pinned snapshot, the stream that copies
   // into them, and the events that order the copies with the compares.
   Status EnsureStaging() {
@@ -250,6 +263,8 @@ class WorkspaceImpl final : public Workspace {
   int device_;
   void* scratch_ = nullptr;
   uint64_t scratch_bytes_ = 0;
+  void* quant_scratch_ = nullptr;
+  uint64_t quant_scratch_bytes_ = 0;
   Results* results_ = nullptr;
   Results* host_results_ = nullptr;
   void* stage_[2] = {nullptr, nullptr};
@@ -352,35 +367,39 @@ Buffer::~Buffer() {
   }
 }
 
-Result<DiffResult> DiffOnDevice(Workspace& ws, const DeviceTensor& current, DeviceTensor& snapshot,
-                                const DiffOutput& out) {
-  const int device = ws.device();
-  DS_RETURN_IF_ERROR(CheckTensor(current, "current", Place::kDevice, device).status());
-  DS_ASSIGN_OR_RETURN(const MemoryKind snapshot_kind,
-                      CheckTensor(snapshot, "snapshot", Place::kDeviceOrPinned, device));
-  if (current.dtype != snapshot.dtype || current.shape != snapshot.shape) {
-    return Status::InvalidArgument(
-        Quoted(current.name) + ": current is " + std::string(DTypeName(current.dtype)) + " " +
-        ShapeToString(current.shape) + ", its snapshot " + std::string(DTypeName(snapshot.dtype)) +
-        " " + ShapeToString(snapshot.shape));
-  }
-  const uint64_t numel = current.numel();
-  const uint32_t w = static_cast<uint32_t>(DTypeSize(current.dtype));
-  DiffResult result;
-  result.wide = numel >= kNarrowLimit;
-  DS_RETURN_IF_ERROR(CheckDigestRange(current.name, out.first_position, numel));
-  if (numel == 0) return result;
+namespace {
+
+// `out` can take the diff of `numel` elements of `w` bytes.
+Status CheckDiffOutput(std::string_view name, const DiffOutput& out, uint64_t numel, uint32_t w,
+                       int device) {
+  DS_RETURN_IF_ERROR(CheckDigestRange(name, out.first_position, numel));
+  if (numel == 0) return Status::OK();
   if (out.capacity < numel) {
-    return Status::InvalidArgument(Quoted(current.name) + ": output capacity " +
+    return Status::InvalidArgument(Quoted(name) + ": output capacity " +
                                    std::to_string(out.capacity) + " below its " +
                                    std::to_string(numel) + " elements");
   }
   DS_RETURN_IF_ERROR(
-      CheckDevicePointer(out.positions, current.name, "positions", result.wide ? 8 : 4, device));
-  DS_RETURN_IF_ERROR(CheckDevicePointer(out.values, current.name, "values", w, device));
+      CheckDevicePointer(out.positions, name, "positions", numel >= kNarrowLimit ? 8 : 4, device));
+  DS_RETURN_IF_ERROR(CheckDevicePointer(out.values, name, "values", w, device));
   if (out.old_values != nullptr) {
-    DS_RETURN_IF_ERROR(CheckDevicePointer(out.old_values, current.name, "old values", w, device));
+    DS_RETURN_IF_ERROR(CheckDevicePointer(out.old_values, name, "old values", w, device));
   }
+  return Status::OK();
+}
+
+// The diff's launches once its tensors are checked: `current` holds
+// `numel` elements of `w` bytes (or, with quant.weight set, is that weight,
+// quantized on the fly into 1-byte codes), `snapshot` as many, and `out` is
+// checked here.
+Result<DiffResult> RunDiff(Workspace& ws, std::string_view name, const void* current,
+                           StreamHandle stream, DeviceTensor& snapshot, MemoryKind snapshot_kind,
+                           uint64_t numel, uint32_t w, const DiffOutput& out,
+                           const internal::QuantLoad& quant) {
+  DiffResult result;
+  result.wide = numel >= kNarrowLimit;
+  DS_RETURN_IF_ERROR(CheckDiffOutput(name, out, numel, w, ws.device()));
+  if (numel == 0) return result;
 
   const uint64_t tiles = internal::DiffTiles(numel, w);
   const uint64_t state_words = RoundUp(tiles, 32);
@@ -388,11 +407,12 @@ Result<DiffResult> DiffOnDevice(Workspace& ws, const DeviceTensor& current, Devi
   DS_ASSIGN_OR_RETURN(unsigned long long* scratch, Impl(ws).Scratch(words * 8));
 
   internal::DiffLaunch launch;
-  launch.current = current.data;
+  launch.current = current;
+  launch.quant = quant;
   launch.snapshot = snapshot.data;
   launch.numel = numel;
   launch.elem_size = w;
-  launch.aligned16 = Aligned16(current.data) && Aligned16(snapshot.data);
+  launch.aligned16 = (quant.weight != nullptr || Aligned16(current)) && Aligned16(snapshot.data);
   launch.positions = out.positions;
   launch.wide = result.wide;
   launch.values = out.values;
@@ -404,8 +424,8 @@ Result<DiffResult> DiffOnDevice(Workspace& ws, const DeviceTensor& current, Devi
   launch.tile_digest = scratch + state_words;
   launch.ticket = scratch + state_words + (out.digest ? 2 * tiles : 0);
   launch.results = Impl(ws).results();
-  launch.stream = AsStream(current.stream);
-  const std::string what = "diff of " + Quoted(current.name);
+  launch.stream = AsStream(stream);
+  const std::string what = "diff of " + Quoted(name);
   DS_CUDA_RETURN(internal::LaunchDiffReset(launch, tiles), what);
   if (snapshot_kind != MemoryKind::kPinnedHost) {
     launch.tiles = tiles;
@@ -442,6 +462,112 @@ Result<DiffResult> DiffOnDevice(Workspace& ws, const DeviceTensor& current, Devi
   DS_ASSIGN_OR_RETURN(const Results r, Impl(ws).Fetch(launch.stream));
   result.count = r.count;
   result.digest_change = {r.a, r.b};
+  return result;
+}
+
+}  // namespace
+
+Result<DiffResult> DiffOnDevice(Workspace& ws, const DeviceTensor& current, DeviceTensor& snapshot,
+                                const DiffOutput& out) {
+  const int device = ws.device();
+  DS_RETURN_IF_ERROR(CheckTensor(current, "current", Place::kDevice, device).status());
+  DS_ASSIGN_OR_RETURN(const MemoryKind snapshot_kind,
+                      CheckTensor(snapshot, "snapshot", Place::kDeviceOrPinned, device));
+  if (current.dtype != snapshot.dtype || current.shape != snapshot.shape) {
+    return Status::InvalidArgument(
+        Quoted(current.name) + ": current is " + std::string(DTypeName(current.dtype)) + " " +
+        ShapeToString(current.shape) + ", its snapshot " + std::string(DTypeName(snapshot.dtype)) +
+        " " + ShapeToString(snapshot.shape));
+  }
+  return RunDiff(ws, current.name, current.data, current.stream, snapshot, snapshot_kind,
+                 current.numel(), static_cast<uint32_t>(DTypeSize(current.dtype)), out, {});
+}
+
+Result<QuantDiffResult> QuantizeDiffOnDevice(Workspace& ws, const QuantRecipe& recipe,
+                                             const DeviceTensor& weight,
+                                             DeviceTensor& code_snapshot,
+                                             DeviceTensor& scale_snapshot,
+                                             const DiffOutput& code_out,
+                                             const DiffOutput& scale_out) {
+  const int device = ws.device();
+  const std::string who = Quoted(weight.name);
+  Status recipe_ok = CheckQuantRecipe(recipe);
+  if (!recipe_ok.ok()) return recipe_ok.WithContext(who);
+  internal::QuantLoad load;
+  switch (weight.dtype) {
+    case DType::kBF16: load.kind = internal::QuantKind::kBf16; break;
+    case DType::kF16: load.kind = internal::QuantKind::kF16; break;
+    case DType::kF32: load.kind = internal::QuantKind::kF32; break;
+    default:
+      return Status::InvalidArgument(who + ": dtype " + std::string(DTypeName(weight.dtype)) +
+                                     " cannot be quantized (BF16, F16 or F32 only)");
+  }
+  DS_RETURN_IF_ERROR(CheckTensor(weight, "weight", Place::kDevice, device).status());
+  if (weight.shape.size() != 2 || weight.shape[0] < 1 || weight.shape[1] < 1) {
+    return Status::InvalidArgument(who + ": quantizing takes a 2-D weight with elements, not " +
+                                   ShapeToString(weight.shape));
+  }
+  DS_ASSIGN_OR_RETURN(const MemoryKind code_kind,
+                      CheckTensor(code_snapshot, "code snapshot", Place::kDeviceOrPinned, device));
+  DS_ASSIGN_OR_RETURN(const MemoryKind scale_kind, CheckTensor(scale_snapshot, "scale snapshot",
+                                                               Place::kDeviceOrPinned, device));
+  const int64_t rows = weight.shape[0], cols = weight.shape[1];
+  DS_ASSIGN_OR_RETURN(const std::vector<int64_t> scale_shape, QuantScaleShape(recipe, rows, cols));
+  const DType scale_dtype = QuantScaleDType(recipe.scale_format);
+  if (code_snapshot.dtype != DType::kF8_E4M3 || code_snapshot.shape != weight.shape) {
+    return Status::InvalidArgument(
+        who + ": its code snapshot is " + std::string(DTypeName(code_snapshot.dtype)) + " " +
+        ShapeToString(code_snapshot.shape) + ", not F8_E4M3 " + ShapeToString(weight.shape));
+  }
+  if (scale_snapshot.dtype != scale_dtype || scale_snapshot.shape != scale_shape) {
+    return Status::InvalidArgument(
+        who + ": its scale snapshot is " + std::string(DTypeName(scale_snapshot.dtype)) + " " +
+        ShapeToString(scale_snapshot.shape) + ", the recipe's scales " +
+        std::string(DTypeName(scale_dtype)) + " " + ShapeToString(scale_shape));
+  }
+  const uint64_t numel = weight.numel();
+  const uint64_t groups = static_cast<uint64_t>(scale_shape[0]) *
+                          static_cast<uint64_t>(scale_shape.size() > 1 ? scale_shape[1] : 1);
+  // Both outputs are checked before any kernel runs: a refusal writes
+  // nothing.
+  const uint32_t scale_size = static_cast<uint32_t>(DTypeSize(scale_dtype));
+  DS_RETURN_IF_ERROR(CheckDiffOutput(weight.name, code_out, numel, 1, device));
+  DS_RETURN_IF_ERROR(
+      CheckDiffOutput(weight.name + " scales", scale_out, groups, scale_size, device));
+
+  // Scratch: amax bits, inverses and the current scales, one 4-byte slot
+  // each per group.
+  WorkspaceImpl& impl = Impl(ws);
+  DS_ASSIGN_OR_RETURN(uint8_t * scratch, impl.QuantScratch(RoundUp(groups, 64) * 12));
+  const uint64_t slots = RoundUp(groups, 64) * 4;
+  load.weight = weight.data;
+  load.aligned16 = Aligned16(weight.data);
+  load.scheme = static_cast<uint32_t>(recipe.scheme);
+  load.cols = static_cast<uint64_t>(cols);
+  load.scale_cols = static_cast<uint64_t>(scale_shape.size() > 1 ? scale_shape[1] : 1);
+  load.inv = reinterpret_cast<const float*>(scratch + slots);
+  internal::QuantScaleLaunch scales;
+  scales.load = load;
+  scales.rows = static_cast<uint64_t>(rows);
+  scales.scale_format = static_cast<uint32_t>(recipe.scale_format);
+  scales.groups = groups;
+  scales.amax_bits = reinterpret_cast<unsigned int*>(scratch);
+  scales.inv = reinterpret_cast<float*>(scratch + slots);
+  scales.scales = scratch + 2 * slots;
+  scales.results = impl.results();
+  scales.stream = AsStream(weight.stream);
+  DS_CUDA_RETURN(internal::LaunchQuantScales(scales), "quantize " + who);
+  DS_ASSIGN_OR_RETURN(const Results flag, impl.Fetch(scales.stream));
+  if (flag.count != 0) {
+    return Status::InvalidArgument(who + ": holds a NaN or an infinity; nothing was quantized");
+  }
+
+  QuantDiffResult result;
+  DS_ASSIGN_OR_RETURN(result.codes, RunDiff(ws, weight.name, nullptr, weight.stream, code_snapshot,
+                                            code_kind, numel, 1, code_out, load));
+  DS_ASSIGN_OR_RETURN(result.scales,
+                      RunDiff(ws, weight.name + " scales", scales.scales, weight.stream,
+                              scale_snapshot, scale_kind, groups, scale_size, scale_out, {}));
   return result;
 }
 

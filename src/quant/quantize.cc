@@ -146,51 +146,9 @@ bool CpuRuns(QuantKernel kernel) {
   return false;
 }
 
-// The smallest power of two >= sf, for a positive normal sf: round the
-// mantissa up into the exponent.
-float CeilPowerOfTwo(float sf) {
-  return std::bit_cast<float>((std::bit_cast<uint32_t>(sf) + 0x7FFFFFu) & 0xFF800000u);
-}
-
-// 1/448 rounded to float32 (0x3B124925), as torch computes it on the host
-// for `cuda_tensor / 448.0`.
-constexpr float kInverseE4M3Max = 1.0f / kE4M3Max;
-
-struct GroupScale {
-  float sf;   // the dequantization multiplier, as stored
-  float inv;  // what elements are multiplied by before encoding
-};
-
-// The recipes' amax -> scale step (see quantize.h for the sources).
-GroupScale ScaleFor(const QuantRecipe& recipe, float amax) {
-  float sf = 1.0f;
-  switch (recipe.scheme) {
-    case QuantScheme::kBlock128:
-      // torch: x_amax.clamp(1e-4) / 448.0, then ceil_to_ue8m0. On a CUDA
-      // tensor that division is a multiplication by the float32 reciprocal
-      // (quantize.h), which differs from amax / 448.0f for about a third of
-      // all amax values.
-      sf = std::fmax(amax, 1e-4f) * kInverseE4M3Max;
-      if (recipe.scale_format != ScaleFormat::kF32) sf = CeilPowerOfTwo(sf);
-      break;
-    case QuantScheme::kPerChannel:
-      // Triton: tl.maximum(absmax, eps = 1e-10) / fp8_max, whose
-      // div.full.f32 multiplies by the reciprocal of 448: float32(1/448).
-      sf = std::fmax(amax, 1e-10f) * kInverseE4M3Max;
-      break;
-    case QuantScheme::kPerTensor:
-      // vLLM divides by whatever comes out, 0 included; we keep the codes
-      // finite and meaningful instead (quantize.h).
-      sf = amax / kE4M3Max;
-      if (!(sf > 0.0f) || std::isinf(1.0f / sf)) sf = 1.0f;
-      break;
-  }
-  return {sf, 1.0f / sf};
-}
-
 void StoreScale(ScaleFormat format, float sf, void* scales, int64_t index) {
   if (format == ScaleFormat::kUe8m0) {
-    static_cast<uint8_t*>(scales)[index] = static_cast<uint8_t>(std::bit_cast<uint32_t>(sf) >> 23);
+    static_cast<uint8_t*>(scales)[index] = Ue8m0Byte(sf);
   } else {
     std::memcpy(static_cast<uint8_t*>(scales) + index * 4, &sf, 4);
   }
@@ -330,7 +288,7 @@ Status QuantizeImpl(const QuantRecipe& recipe, const QuantTensor& tensor, const 
   const int64_t count = g.groups.count();
   std::vector<float> inv(static_cast<size_t>(count));
   for (int64_t i = 0; i < count; ++i) {
-    const GroupScale s = ScaleFor(recipe, group_amax[i]);
+    const Fp8GroupScale s = Fp8ScaleFor(recipe, group_amax[i]);
     inv[static_cast<size_t>(i)] = s.inv;
     StoreScale(recipe.scale_format, s.sf, scales, i);
   }

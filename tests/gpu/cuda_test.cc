@@ -13,10 +13,13 @@
 #include <cstring>
 #include <optional>
 #include <random>
+#include <span>
+#include <utility>
 #include <vector>
 
 #include "deltasync/cuda.h"
 #include "deltasync/diff.h"
+#include "deltasync/quantize.h"
 #include "stream/state_digest.h"
 
 namespace deltasync::cuda {
@@ -681,6 +684,215 @@ TEST_F(CudaTest, DigestChangeOverABlockMatchesTheCpu) {
   EXPECT_FALSE(DigestChangeOnDevice(*ws_, "d", w, {p.data, 4, v.data, pos.size()}, o.data, base, n,
                                     nullptr, &bad)
                    .ok());
+}
+
+// Finite random weights of `dtype` (BF16, F16, F32) with magnitudes over a
+// few binades, zeros and subnormals mixed in, as bytes.
+std::vector<uint8_t> RandomWeights(DType dtype, uint64_t n, std::mt19937_64& rng) {
+  const uint32_t w = static_cast<uint32_t>(DTypeSize(dtype));
+  std::vector<uint8_t> out(n * w);
+  for (uint64_t i = 0; i < n; ++i) {
+    const uint64_t r = rng();
+    uint32_t bits = 0;
+    if (dtype == DType::kF16) {
+      // exponent 6..16 of bias 15; 1 in 50 a subnormal or zero
+      const uint32_t e = r % 50 == 0 ? 0 : 6 + static_cast<uint32_t>((r >> 8) % 11);
+      bits = (static_cast<uint32_t>(r >> 20) & 0x8000u) | e << 10 |
+             static_cast<uint32_t>(r >> 32) % 1024u;
+    } else {
+      const uint32_t e = r % 50 == 0 ? 0 : 118 + static_cast<uint32_t>((r >> 8) % 11);
+      const uint32_t f32 = (static_cast<uint32_t>(r >> 20) & 0x80000000u) | e << 23 |
+                           static_cast<uint32_t>(r >> 32) % (1u << 23);
+      bits = dtype == DType::kBF16 ? f32 >> 16 : f32;
+    }
+    std::memcpy(&out[i * w], &bits, w);
+  }
+  return out;
+}
+
+// `base` with a `density` fraction of its elements nudged by a few ULPs,
+// and element `big` doubled (its group's amax, and so its scale, moves).
+std::vector<uint8_t> NudgeWeights(const std::vector<uint8_t>& base, DType dtype, double density,
+                                  uint64_t big, std::mt19937_64& rng) {
+  const uint32_t w = static_cast<uint32_t>(DTypeSize(dtype));
+  const uint32_t mantissa = dtype == DType::kF16 ? 10 : dtype == DType::kBF16 ? 7 : 23;
+  std::vector<uint8_t> out = base;
+  std::bernoulli_distribution pick(density);
+  for (uint64_t i = 0; i < base.size() / w; ++i) {
+    uint32_t bits = 0;
+    std::memcpy(&bits, &out[i * w], w);
+    if (i == big) {
+      bits += 1u << mantissa;  // one binade up
+    } else if (pick(rng)) {
+      bits ^= (1u + static_cast<uint32_t>(rng() % 3)) << (mantissa > 6 ? mantissa - 6 : 0);
+    } else {
+      continue;
+    }
+    std::memcpy(&out[i * w], &bits, w);
+  }
+  return out;
+}
+
+struct Quantized {
+  std::vector<uint8_t> codes, scales;
+};
+Quantized QuantizeOnCpu(const QuantRecipe& recipe, DType dtype, std::span<const int64_t> shape,
+                        const std::vector<uint8_t>& weight) {
+  Quantized q;
+  q.codes.resize(static_cast<size_t>(shape[0] * shape[1]));
+  auto scale_shape = QuantScaleShape(recipe, shape[0], shape[1]);
+  EXPECT_TRUE(scale_shape.ok());
+  q.scales.resize(static_cast<size_t>((*scale_shape)[0] * (*scale_shape)[1]) *
+                  DTypeSize(QuantScaleDType(recipe.scale_format)));
+  const Status s = Fp8Quantize(recipe, {"w", dtype, shape}, weight.data(), q.codes.data(),
+                               q.scales.data(), QuantKernel::kGeneric);
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  return q;
+}
+
+// The changed positions and values of `now` against `before` (1- or
+// 4-byte elements).
+std::pair<std::vector<uint32_t>, std::vector<uint8_t>> Changes(const std::vector<uint8_t>& before,
+                                                               const std::vector<uint8_t>& now,
+                                                               uint32_t w) {
+  std::pair<std::vector<uint32_t>, std::vector<uint8_t>> c;
+  for (uint32_t i = 0; i < now.size() / w; ++i) {
+    if (std::memcmp(&before[i * w], &now[i * w], w) == 0) continue;
+    c.first.push_back(i);
+    c.second.insert(c.second.end(), now.begin() + i * w, now.begin() + (i + 1) * w);
+  }
+  return c;
+}
+
+// One quantize-then-diff on the device against the CPU quantizer and a
+// CPU compare of its outputs: the changes, the refreshed snapshots, the
+// digest changes; then the same weight again changes nothing.
+void CheckQuantizeDiff(Workspace& ws, std::mt19937_64& rng, const QuantRecipe& recipe, DType dtype,
+                       int64_t rows, int64_t cols, uint64_t misalign) {
+  SCOPED_TRACE(std::string(QuantSchemeName(recipe.scheme)) + "/" +
+               std::string(ScaleFormatName(recipe.scale_format)) + " " +
+               std::string(DTypeName(dtype)) + " [" + std::to_string(rows) + ", " +
+               std::to_string(cols) + "] misalign " + std::to_string(misalign));
+  const std::vector<int64_t> shape = {rows, cols};
+  const uint64_t n = static_cast<uint64_t>(rows * cols);
+  const uint32_t w = static_cast<uint32_t>(DTypeSize(dtype));
+  const std::vector<uint8_t> before = RandomWeights(dtype, n, rng);
+  const std::vector<uint8_t> now = NudgeWeights(before, dtype, 0.03, rng() % n, rng);
+  const Quantized q0 = QuantizeOnCpu(recipe, dtype, shape, before);
+  const Quantized q1 = QuantizeOnCpu(recipe, dtype, shape, now);
+  const auto want_codes = Changes(q0.codes, q1.codes, 1);
+  const uint32_t sw = static_cast<uint32_t>(DTypeSize(QuantScaleDType(recipe.scale_format)));
+  const auto want_scales = Changes(q0.scales, q1.scales, sw);
+  const uint64_t groups = q0.scales.size() / sw;
+
+  DeviceCopy weight = ToDevice(now, misalign * w);
+  DeviceCopy codes = ToDevice(q0.codes, 0);
+  DeviceCopy scales = ToDevice(q0.scales, 0);
+  auto positions = Buffer::Device(n * 4), values = Buffer::Device(n);
+  auto scale_positions = Buffer::Device(groups * 4), scale_values = Buffer::Device(groups * 4);
+  ASSERT_TRUE(positions.ok() && values.ok() && scale_positions.ok() && scale_values.ok());
+  auto scale_shape = QuantScaleShape(recipe, rows, cols);
+  ASSERT_TRUE(scale_shape.ok());
+  DeviceTensor weight_t{"w", dtype, shape, weight.data, nullptr, {}};
+  DeviceTensor codes_t{"w", DType::kF8_E4M3, shape, codes.data, nullptr, {}};
+  DeviceTensor scales_t{
+      "w_scale", QuantScaleDType(recipe.scale_format), *scale_shape, scales.data, nullptr, {}};
+  DiffOutput code_out{positions->data(), values->data(), nullptr, n};
+  code_out.first_position = 77;
+  DiffOutput scale_out{scale_positions->data(), scale_values->data(), nullptr, groups};
+  auto got = QuantizeDiffOnDevice(ws, recipe, weight_t, codes_t, scales_t, code_out, scale_out);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  ASSERT_EQ(got->codes.count, want_codes.first.size());
+  ASSERT_EQ(got->scales.count, want_scales.first.size());
+  std::vector<uint32_t> pos(got->codes.count);
+  if (!pos.empty())
+    std::memcpy(pos.data(), ToHost(positions->data(), pos.size() * 4).data(), pos.size() * 4);
+  EXPECT_EQ(pos, want_codes.first);
+  EXPECT_EQ(ToHost(values->data(), pos.size()), want_codes.second);
+  std::vector<uint32_t> spos(got->scales.count);
+  if (!spos.empty())
+    std::memcpy(spos.data(), ToHost(scale_positions->data(), spos.size() * 4).data(),
+                spos.size() * 4);
+  EXPECT_EQ(spos, want_scales.first);
+  EXPECT_EQ(ToHost(scale_values->data(), spos.size() * sw), want_scales.second);
+  EXPECT_EQ(ToHost(codes.data, n), q1.codes) << "code snapshot";
+  EXPECT_EQ(ToHost(scales.data, q1.scales.size()), q1.scales) << "scale snapshot";
+  stream::DigestOptions scalar;
+  scalar.kernel = stream::DigestKernel::kScalar;
+  auto d0 = stream::ComputeStateDigest(q0.codes, 1, 77, scalar);
+  auto d1 = stream::ComputeStateDigest(q1.codes, 1, 77, scalar);
+  ASSERT_TRUE(d0.ok() && d1.ok());
+  EXPECT_EQ(got->codes.digest_change.a, (*d1 - *d0).a);
+  EXPECT_EQ(got->codes.digest_change.b, (*d1 - *d0).b);
+
+  auto again = QuantizeDiffOnDevice(ws, recipe, weight_t, codes_t, scales_t, code_out, scale_out);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(again->codes.count, 0u);
+  EXPECT_EQ(again->scales.count, 0u);
+}
+
+const QuantRecipe kRecipes[] = {{QuantScheme::kBlock128, ScaleFormat::kF32},
+                                {QuantScheme::kBlock128, ScaleFormat::kUe8m0},
+                                {QuantScheme::kBlock128, ScaleFormat::kUe8m0F32},
+                                {QuantScheme::kPerTensor, ScaleFormat::kF32},
+                                {QuantScheme::kPerChannel, ScaleFormat::kF32}};
+
+TEST_F(CudaTest, QuantizeDiffMatchesTheCpuQuantizerForEveryRecipeAndDtype) {
+  for (const QuantRecipe& recipe : kRecipes) {
+    for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
+      // Whole blocks; partial edge blocks; rows wider than a row tile of
+      // the amax pass (8192); a row shorter than one load; misaligned.
+      CheckQuantizeDiff(*ws_, rng_, recipe, dtype, 256, 512, 0);
+      CheckQuantizeDiff(*ws_, rng_, recipe, dtype, 300, 700, 0);
+      CheckQuantizeDiff(*ws_, rng_, recipe, dtype, 3, 9000, 0);
+      CheckQuantizeDiff(*ws_, rng_, recipe, dtype, 5, 3, 0);
+      CheckQuantizeDiff(*ws_, rng_, recipe, dtype, 130, 256, 1);
+    }
+  }
+}
+
+TEST_F(CudaTest, QuantizeDiffRefusesNonFiniteWeightsAndBadSnapshotsAndWritesNothing) {
+  const QuantRecipe recipe{QuantScheme::kBlock128, ScaleFormat::kUe8m0};
+  const std::vector<int64_t> shape = {200, 300};
+  const uint64_t n = 200 * 300;
+  std::vector<uint8_t> weight = RandomWeights(DType::kBF16, n, rng_);
+  const Quantized q = QuantizeOnCpu(recipe, DType::kBF16, shape, weight);
+  const uint16_t nan = 0x7FC0;
+  std::memcpy(&weight[2 * 12345], &nan, 2);
+  DeviceCopy wd = ToDevice(weight, 0), codes = ToDevice(q.codes, 0), scales = ToDevice(q.scales, 0);
+  auto positions = Buffer::Device(n * 4), values = Buffer::Device(n);
+  ASSERT_TRUE(positions.ok() && values.ok());
+  DeviceTensor weight_t{"layer.w", DType::kBF16, shape, wd.data, nullptr, {}};
+  DeviceTensor codes_t{"layer.w", DType::kF8_E4M3, shape, codes.data, nullptr, {}};
+  DeviceTensor scales_t{"layer.w_scale", DType::kF8_E8M0, {2, 3}, scales.data, nullptr, {}};
+  const DiffOutput code_out{positions->data(), values->data(), nullptr, n};
+  const DiffOutput scale_out{positions->data(), values->data(), nullptr, 6};
+  auto got = QuantizeDiffOnDevice(*ws_, recipe, weight_t, codes_t, scales_t, code_out, scale_out);
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(got.status().message().find("'layer.w': holds a NaN"), std::string::npos)
+      << got.status().message();
+  EXPECT_EQ(ToHost(codes.data, n), q.codes);
+  EXPECT_EQ(ToHost(scales.data, q.scales.size()), q.scales);
+
+  DeviceTensor wrong_scales = scales_t;
+  wrong_scales.dtype = DType::kF32;
+  got = QuantizeDiffOnDevice(*ws_, recipe, weight_t, codes_t, wrong_scales, code_out, scale_out);
+  ASSERT_FALSE(got.ok());
+  EXPECT_NE(got.status().message().find("scale snapshot is F32"), std::string::npos)
+      << got.status().message();
+  DeviceTensor wrong_codes = codes_t;
+  wrong_codes.shape = {300, 200};
+  got = QuantizeDiffOnDevice(*ws_, recipe, weight_t, wrong_codes, scales_t, code_out, scale_out);
+  EXPECT_EQ(got.status().code(), StatusCode::kInvalidArgument);
+  got = QuantizeDiffOnDevice(*ws_, {QuantScheme::kPerTensor, ScaleFormat::kUe8m0}, weight_t,
+                             codes_t, scales_t, code_out, scale_out);
+  EXPECT_EQ(got.status().code(), StatusCode::kInvalidArgument);
+  DiffOutput small = code_out;
+  small.capacity = n - 1;
+  got = QuantizeDiffOnDevice(*ws_, recipe, weight_t, codes_t, scales_t, small, scale_out);
+  EXPECT_EQ(got.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ToHost(codes.data, n), q.codes);
 }
 
 // Runs everywhere: without a GPU every entry point is a clean error, never
