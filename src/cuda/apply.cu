@@ -81,20 +81,26 @@ __device__ __forceinline__ uint64_t ItemOf(const uint64_t* starts, uint64_t lo, 
 }
 
 // Each block takes blockDim.x consecutive values at a time: one thread finds
-// the item of the first among all items, the others search only the
-// blockDim.x items after it (each item holds at least one value), so the
-// cost per value does not grow with the number of items.
+// the item of the first among all items and then the item of the last
+// among the blockDim.x items after it (each item holds at least one
+// value); every value then searches only between the two, mostly one or two
+// items, so the cost per value does not grow with the number of items.
 __global__ void ScatterBatchKernel(ScatterBatchLaunch p) {
-  __shared__ uint64_t first_item;
+  __shared__ uint64_t block_items[2];
   const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
   for (uint64_t base = uint64_t{blockIdx.x} * blockDim.x; base < p.total; base += stride) {
-    if (threadIdx.x == 0) first_item = ItemOf(p.starts, 0, p.nitems, base);
+    if (threadIdx.x == 0) {
+      const uint64_t first = ItemOf(p.starts, 0, p.nitems, base);
+      const uint64_t last_value = min(p.total, base + blockDim.x) - 1;
+      block_items[0] = first;
+      block_items[1] = ItemOf(p.starts, first, min(p.nitems, first + blockDim.x), last_value) + 1;
+    }
     __syncthreads();
     const uint64_t i = base + threadIdx.x;
-    const uint64_t lo = first_item;
+    const uint64_t lo = block_items[0], hi = block_items[1];
     __syncthreads();
     if (i >= p.total) continue;
-    const uint64_t k = ItemOf(p.starts, lo, min(p.nitems, lo + blockDim.x), i);
+    const uint64_t k = ItemOf(p.starts, lo, hi, i);
     const BatchItemLaunch& it = p.items[k];
     const uint64_t j = i - p.starts[k];
     const uint64_t pos = it.positions == nullptr

@@ -722,19 +722,20 @@ Status ScatterBatchOnDevice(std::string_view name, int device, std::span<const S
   for (const ScatterItem& it : items) {
     const DeviceChanges& c = it.changes;
     if (c.count == 0 || it.run_count == 0) continue;
-    const std::string which =
-        "batched scatter of " + std::string(name) + ", item " + std::to_string(&it - items.data());
+    // Named only on a refusal: a batch may hold tens of thousands of items.
+    const auto refuse = [&](const std::string& why) {
+      return Status::InvalidArgument("batched scatter of " + std::string(name) + ", item " +
+                                     std::to_string(&it - items.data()) + ": " + why);
+    };
     if (it.dest == nullptr || c.values == nullptr || it.runs == nullptr ||
         (c.width != 0 && c.positions == nullptr)) {
-      return Status::InvalidArgument(which + ": a null pointer");
+      return refuse("a null pointer");
     }
     if (it.elem_size != 1 && it.elem_size != 2 && it.elem_size != 4 && it.elem_size != 8) {
-      return Status::InvalidArgument(which + ": elements of " + std::to_string(it.elem_size) +
-                                     " bytes");
+      return refuse("elements of " + std::to_string(it.elem_size) + " bytes");
     }
     if (c.width != 0 && c.width != 3 && c.width != 4 && c.width != 8) {
-      return Status::InvalidArgument(which + ": positions of " + std::to_string(c.width) +
-                                     " bytes");
+      return refuse("positions of " + std::to_string(c.width) + " bytes");
     }
     launches[n] = {it.dest,
                    it.dest_numel,
