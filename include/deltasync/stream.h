@@ -46,6 +46,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -55,6 +56,7 @@
 
 #include "deltasync/communicator.h"
 #include "deltasync/dtype.h"
+#include "deltasync/quantize.h"
 #include "deltasync/shard.h"
 #include "deltasync/status.h"
 
@@ -98,7 +100,8 @@ struct Placement {
 // One tensor the sender syncs, named as in the Hugging Face checkpoint:
 // `data` holds numel(shape) elements of `dtype`, row-major, contiguous, in
 // the memory `place` says. Every Sync passes the same tensors (names,
-// dtypes, shapes, placements), in any order.
+// dtypes, shapes, placements), in any order. SenderOptions::quantize names
+// those sent as FP8.
 struct SyncTensor {
   std::string name;
   DType dtype = DType::kBF16;
@@ -126,6 +129,25 @@ struct ShardedTensor {
   ShardSpec spec;
   std::span<const uint8_t> data;
   Placement place;
+};
+
+// A tensor the whole-tensor sender sends as FP8 (quantize-then-diff): the
+// SyncTensor of that name (BF16, F16 or F32, 2-D [rows, cols], in host
+// memory) is quantized at each sync under `recipe`, exactly as
+// deltasync/quantize.h's Fp8Quantize (and the engines' loaders it follows)
+// would, and the receivers get two tensors: the codes, F8_E4M3 of the same
+// shape under the same name, and the scales (QuantScaleDType,
+// QuantScaleShape) under `scale_name` (empty: the name + "_scale_inv",
+// DeepSeek-V3's). Both are diffed against the sender's snapshot of the
+// quantized state, so a sync sends the codes and scales that changed and a
+// receiver's FP8 weights are bit-identical to quantizing the trainer's
+// weights directly. The sender holds the current codes and scales (half the
+// BF16 bytes) beside its snapshot of them. A weight the recipe cannot take
+// (not 2-D, another dtype, on a device, a NaN or an infinity) fails the
+// sync with InvalidArgument naming it, before anything is sent.
+struct QuantizedSend {
+  QuantRecipe recipe;
+  std::string scale_name;
 };
 
 struct SenderOptions {
@@ -161,6 +183,8 @@ struct SenderOptions {
   // then, and for frames built on the device: dense when positions would
   // take more bytes than the values (`indices` only).
   bool dense_by_time = true;
+  // Tensors sent quantized, by name (above; whole-tensor senders only).
+  std::map<std::string, QuantizedSend, std::less<>> quantize;
 };
 
 // What one sync did, split by phase (seconds).

@@ -109,6 +109,19 @@ class StreamSender(Closing):
     positions, by the work per byte and per change measured on this
     machine and the wire's speed measured from the syncs (False: only when
     positions take more bytes).
+
+    ``quantize`` sends weights as FP8 (quantize-then-diff; whole-tensor
+    senders only): ``{name: (scheme, scale_format)}`` or ``{name: (scheme,
+    scale_format, scale_name)}``, scheme and scale format as for
+    :func:`deltasync.quantize_fp8`. The named tensors (2-D BF16, F16 or F32
+    in host memory) are quantized at every sync exactly as
+    :func:`~deltasync.quantize_fp8` does, and the receivers get their codes
+    (``float8_e4m3fn``/uint8, same name and shape) and scales (under
+    ``scale_name``, default the name + ``"_scale_inv"``), each diffed
+    against the sender's snapshot of the quantized state: a sync sends the
+    codes and scales that changed. A weight the recipe cannot take (a NaN,
+    an infinity, not 2-D) raises InvalidArgumentError naming it, and nothing
+    is sent.
     """
 
     def __init__(
@@ -123,13 +136,22 @@ class StreamSender(Closing):
         pinned_snapshot: bool = False,
         threads: int = 0,
         dense_by_time: bool = True,
+        quantize: Optional[Mapping[str, Sequence[str]]] = None,
     ) -> None:
         if group is None and trainers is None:
             raise InvalidArgumentError("StreamSender: needs a group")
+        specs = {}
+        for name, spec in (quantize or {}).items():
+            spec = (spec,) if isinstance(spec, str) else tuple(spec)
+            if not 1 <= len(spec) <= 3 or not all(isinstance(x, str) for x in spec):
+                raise InvalidArgumentError(
+                    f"StreamSender: quantize[{name!r}] must be (scheme, scale_format"
+                    f"[, scale_name]), not {spec!r}")
+            specs[name] = (spec + ("f32", "")[len(spec) - 1:])[:3]
         self._impl = _deltasync.StreamSender(
             group, trainers, encoding, bucket_bytes,
             verify_every, zstd_level, bool(pinned_snapshot), int(threads),
-            bool(dense_by_time),
+            bool(dense_by_time), specs,
         )
 
     def sync(self, tensors: Any) -> dict:

@@ -276,10 +276,16 @@ py::dict ReceiveDict(const ReceiveStats& s) {
 
 class PySender {
  public:
-  PySender(const py::object& group, const py::object& trainers, const std::string& encoding,
-           uint64_t bucket_bytes, uint32_t verify_every, int zstd_level, bool pinned_snapshot,
-           uint32_t threads, bool dense_by_time) {
+  PySender(
+      const py::object& group, const py::object& trainers, const std::string& encoding,
+      uint64_t bucket_bytes, uint32_t verify_every, int zstd_level, bool pinned_snapshot,
+      uint32_t threads, bool dense_by_time,
+      const std::map<std::string, std::tuple<std::string, std::string, std::string>>& quantize) {
     SenderOptions so;
+    for (const auto& [name, spec] : quantize) {
+      so.quantize[name] = {ParseQuantRecipe(std::get<0>(spec), std::get<1>(spec)),
+                           std::get<2>(spec)};
+    }
     so.pinned_snapshot = pinned_snapshot;
     so.threads = threads;
     so.dense_by_time = dense_by_time;
@@ -673,11 +679,15 @@ void BindStream(py::module_& m) {
           "Raises InvalidArgumentError unless the pieces cover the local tensor exactly.");
 
   py::class_<PySender>(m, "StreamSender")
-      .def(py::init<const py::object&, const py::object&, const std::string&, uint64_t, uint32_t,
-                    int, bool, uint32_t, bool>(),
+      .def(py::init<
+               const py::object&, const py::object&, const std::string&, uint64_t, uint32_t, int,
+               bool, uint32_t, bool,
+               const std::map<std::string, std::tuple<std::string, std::string, std::string>>&>(),
            py::arg("group"), py::arg("trainers"), py::arg("encoding"), py::arg("bucket_bytes"),
            py::arg("verify_every"), py::arg("zstd_level"), py::arg("pinned_snapshot") = false,
-           py::arg("threads") = 0, py::arg("dense_by_time") = true)
+           py::arg("threads") = 0, py::arg("dense_by_time") = true,
+           py::arg("quantize") =
+               std::map<std::string, std::tuple<std::string, std::string, std::string>>())
       .def("sync", &PySender::Sync)
       .def("sync_shards", &PySender::SyncShards)
       .def("snapshot", &PySender::Snapshot)

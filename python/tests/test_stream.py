@@ -127,6 +127,73 @@ def test_prepared_tensors_sync_as_the_tensors_do_and_a_moved_one_is_refused(rend
     assert [n for n in want if not torch.equal(received[-1][n], want[n])] == []
 
 
+def test_the_sender_quantizes_to_fp8_and_receivers_hold_what_quantize_fp8_gives(rendezvous):
+    g = torch.Generator().manual_seed(4)
+    w = {"up": (torch.randn(200, 300, generator=g) * 0.02).to(torch.bfloat16),
+         "down": (torch.randn(130, 64, generator=g) * 0.02).to(torch.float32),
+         "norm": torch.ones(64)}
+    recipes = {"up": ("block128", "ue8m0"), "down": ("per_channel", "f32", "down.scale")}
+    held = {"up": torch.zeros(200, 300, dtype=torch.uint8),
+            "up_scale_inv": torch.zeros(2, 3, dtype=torch.uint8),
+            "down": torch.zeros(130, 64, dtype=torch.uint8),
+            "down.scale": torch.zeros(130, 1),
+            "norm": torch.zeros(64)}
+    dtypes = {"up": "F8_E4M3", "up_scale_inv": "F8_E8M0", "down": "F8_E4M3"}
+    syncs, errors, received = 3, [], []
+
+    def receiver(r):
+        with ds.StreamReceiver(ds.Group(rendezvous, r, 2, timeout_s=30)) as rx:
+            for n, t in held.items():
+                if n in dtypes:
+                    rx.register(n, t, runs=[(0, t.numel(), 0, 1)], shape=list(t.shape),
+                                dtype=dtypes[n])
+                else:
+                    rx.register(n, t)
+            for _ in range(syncs):
+                rx.receive()
+                received.append({n: bits(t).clone() for n, t in held.items()})
+
+    def quantized():
+        codes, scales = ds.quantize_fp8(w["up"], "block128", "ue8m0")
+        dcodes, dscales = ds.quantize_fp8(w["down"], "per_channel", "f32")
+        return {"up": codes, "up_scale_inv": scales, "down": dcodes, "down.scale": dscales,
+                "norm": w["norm"].numpy()}
+
+    ts = run_receivers(1, receiver, errors)
+    wanted = []
+    with ds.StreamSender(ds.Group(rendezvous, 0, 2, timeout_s=30), quantize=recipes) as tx:
+        for k in range(syncs):
+            if k:
+                w["up"] += (torch.randn(200, 300, generator=g) * 1e-3).to(torch.bfloat16)
+                w["down"][k] *= 3.0  # row k's scale moves
+            wanted.append(quantized())
+            stats = tx.sync(w)
+            if k:
+                assert 0 < stats["changed"] < 200 * 300 + 130 * 64
+        assert tx.snapshot("up") == wanted[-1]["up"].tobytes()
+        # A weight the recipe cannot take: refused by name, nothing sent.
+        w["up"][7, 7] = float("inf")
+        with pytest.raises(ds.InvalidArgumentError, match="'up'.*NaN or an infinity"):
+            tx.sync(w)
+        assert tx.committed_sync_id == syncs
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    for k in range(syncs):
+        for n, want in wanted[k].items():
+            assert received[k][n].numpy().tobytes() == np.ascontiguousarray(want).tobytes(), (k, n)
+
+
+def test_quantize_specs_that_cannot_work_are_refused(rendezvous):
+    group = ds.Group(rendezvous, 0, 2, timeout_s=5)
+    with pytest.raises(ds.InvalidArgumentError, match="quantize\\['w'\\]"):
+        ds.StreamSender(group, quantize={"w": ("block128", "f32", "s", "x")})
+    with pytest.raises(ds.InvalidArgumentError, match="unknown scheme"):
+        ds.StreamSender(group, quantize={"w": ("block64",)})
+    with pytest.raises(ds.InvalidArgumentError, match="ue8m0"):
+        ds.StreamSender(group, quantize={"w": ("per_tensor", "ue8m0")})
+
+
 def test_a_receiver_subset_says_so_a_tensor_the_sender_lacks_is_named(rendezvous):
     w = model(1)
     errors = []

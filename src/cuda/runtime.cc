@@ -5,6 +5,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -710,22 +713,43 @@ uint64_t ScatterBatchBytes(uint64_t items) {
   return items * sizeof(internal::BatchItemLaunch) + (items + 1) * sizeof(uint64_t);
 }
 
+namespace {
+
+// Pinned host memory a device's batched scatters stage their descriptors
+// in (an upload from pageable memory goes through a staging copy of the
+// driver's, and a fresh vector's pages fault in), reused once the last
+// upload from it is done. Held for the life of the process.
+struct BatchStaging {
+  std::mutex mu;
+  uint8_t* host = nullptr;
+  uint64_t bytes = 0;
+  cudaEvent_t uploaded = nullptr;  // recorded after the last upload
+};
+
+BatchStaging& StagingOf(int device) {
+  static std::mutex mu;
+  static std::map<int, std::unique_ptr<BatchStaging>> staging;
+  std::lock_guard<std::mutex> lock(mu);
+  std::unique_ptr<BatchStaging>& s = staging[device];
+  if (!s) s = std::make_unique<BatchStaging>();
+  return *s;
+}
+
+}  // namespace
+
 Status ScatterBatchOnDevice(std::string_view name, int device, std::span<const ScatterItem> items,
                             void* scratch, StreamHandle stream) {
   if (DeviceCount() == 0) return NoDevice();
   DS_CUDA_RETURN(cudaSetDevice(device), "cudaSetDevice");
-  std::vector<uint8_t> up(ScatterBatchBytes(items.size()));
-  auto* launches = reinterpret_cast<internal::BatchItemLaunch*>(up.data());
-  auto* starts = reinterpret_cast<uint64_t*>(up.data() + items.size() * sizeof(*launches));
-  uint64_t total = 0;
+  const std::string what = "batched scatter of " + std::string(name);
   uint64_t n = 0;
   for (const ScatterItem& it : items) {
     const DeviceChanges& c = it.changes;
     if (c.count == 0 || it.run_count == 0) continue;
     // Named only on a refusal: a batch may hold tens of thousands of items.
     const auto refuse = [&](const std::string& why) {
-      return Status::InvalidArgument("batched scatter of " + std::string(name) + ", item " +
-                                     std::to_string(&it - items.data()) + ": " + why);
+      return Status::InvalidArgument(what + ", item " + std::to_string(&it - items.data()) + ": " +
+                                     why);
     };
     if (it.dest == nullptr || c.values == nullptr || it.runs == nullptr ||
         (c.width != 0 && c.positions == nullptr)) {
@@ -737,7 +761,36 @@ Status ScatterBatchOnDevice(std::string_view name, int device, std::span<const S
     if (c.width != 0 && c.width != 3 && c.width != 4 && c.width != 8) {
       return refuse("positions of " + std::to_string(c.width) + " bytes");
     }
-    launches[n] = {it.dest,
+    ++n;
+  }
+  if (n == 0) return Status::OK();
+  if (scratch == nullptr) return Status::InvalidArgument(what + ": no descriptor memory");
+  const uint64_t bytes = ScatterBatchBytes(n);
+  BatchStaging& staging = StagingOf(device);
+  std::lock_guard<std::mutex> lock(staging.mu);
+  if (staging.uploaded == nullptr) {
+    DS_CUDA_RETURN(cudaEventCreateWithFlags(&staging.uploaded, cudaEventDisableTiming), what);
+  } else {
+    DS_CUDA_RETURN(cudaEventSynchronize(staging.uploaded), what);
+  }
+  if (staging.bytes < bytes) {
+    if (staging.host != nullptr) cudaFreeHost(staging.host);
+    staging.host = nullptr;
+    staging.bytes = 0;
+    uint64_t grown = uint64_t{1} << 16;
+    while (grown < bytes) grown *= 2;
+    DS_CUDA_RETURN(cudaMallocHost(reinterpret_cast<void**>(&staging.host), grown),
+                   what + ": pinned staging for its descriptors");
+    staging.bytes = grown;
+  }
+  // The n launched items, then their n + 1 starts.
+  auto* launches = reinterpret_cast<internal::BatchItemLaunch*>(staging.host);
+  auto* starts = reinterpret_cast<uint64_t*>(staging.host + n * sizeof(*launches));
+  uint64_t total = 0, k = 0;
+  for (const ScatterItem& it : items) {
+    const DeviceChanges& c = it.changes;
+    if (c.count == 0 || it.run_count == 0) continue;
+    launches[k] = {it.dest,
                    it.dest_numel,
                    c.width == 0 ? nullptr : c.positions,
                    c.values,
@@ -747,31 +800,22 @@ Status ScatterBatchOnDevice(std::string_view name, int device, std::span<const S
                    it.run_count,
                    it.elem_size,
                    c.width};
-    starts[n] = total;
+    starts[k++] = total;
     total += c.count;
-    ++n;
   }
-  if (total == 0) return Status::OK();
-  if (scratch == nullptr)
-    return Status::InvalidArgument("batched scatter of " + std::string(name) +
-                                   ": no descriptor memory");
-  // The starts follow the n items actually launched.
-  auto* dev_items = static_cast<internal::BatchItemLaunch*>(scratch);
-  auto* dev_starts = reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(scratch) +
-                                                 n * sizeof(internal::BatchItemLaunch));
   starts[n] = total;
-  std::memmove(up.data() + n * sizeof(*launches), starts, (n + 1) * sizeof(uint64_t));
-  const uint64_t bytes = n * sizeof(*launches) + (n + 1) * sizeof(uint64_t);
   DS_CUDA_RETURN(
-      cudaMemcpyAsync(scratch, up.data(), bytes, cudaMemcpyHostToDevice, AsStream(stream)),
-      "batched scatter of " + std::string(name) + ": its descriptors");
+      cudaMemcpyAsync(scratch, staging.host, bytes, cudaMemcpyHostToDevice, AsStream(stream)),
+      what + ": its descriptors");
+  DS_CUDA_RETURN(cudaEventRecord(staging.uploaded, AsStream(stream)), what);
   internal::ScatterBatchLaunch launch;
-  launch.items = dev_items;
-  launch.starts = dev_starts;
+  launch.items = static_cast<internal::BatchItemLaunch*>(scratch);
+  launch.starts =
+      reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(scratch) + n * sizeof(*launches));
   launch.nitems = n;
   launch.total = total;
   launch.stream = AsStream(stream);
-  DS_CUDA_RETURN(internal::LaunchScatterBatch(launch), "batched scatter of " + std::string(name));
+  DS_CUDA_RETURN(internal::LaunchScatterBatch(launch), what);
   return Status::OK();
 }
 

@@ -123,6 +123,85 @@ TEST_P(QuantizeThenDiff, ReceiversHoldTheTrainersWeightsQuantized) {
   Finish(sender, {&first, &second});
 }
 
+// The same with the sender quantizing (SenderOptions::quantize): it is
+// given the BF16 weights each step, and the receivers, which hold codes and
+// scales, end every step with exactly what quantizing them gives.
+TEST_P(QuantizeThenDiff, TheSenderQuantizesTheTrainersBf16Weights) {
+  const QuantRecipe recipe = GetParam().recipe;
+  const std::vector<std::vector<int64_t>> shapes = {{300, 200}, {129, 640}};
+  std::mt19937_64 rng(12);
+  std::normal_distribution<float> init(0.0f, 0.02f), step(0.0f, 2e-4f);
+  std::vector<std::vector<float>> master;
+  std::vector<Model::Spec> specs;
+  SenderOptions o;
+  o.encoding = StreamEncoding::kIndices;
+  o.bucket_bytes = 64 << 10;
+  for (size_t t = 0; t < shapes.size(); ++t) {
+    const std::string name = "model.layers." + std::to_string(t) + ".mlp.up_proj.weight";
+    std::vector<float>& w = master.emplace_back(shapes[t][0] * shapes[t][1]);
+    for (float& x : w) x = init(rng);
+    specs.emplace_back(name, DType::kF8_E4M3, shapes[t]);
+    specs.emplace_back(name + GetParam().scale_suffix, QuantScaleDType(recipe.scale_format),
+                       *QuantScaleShape(recipe, shapes[t][0], shapes[t][1]));
+    // The DeepSeek-V3 default name for one, a name of its own for the other.
+    const bool default_name = std::string(GetParam().scale_suffix) == "_scale_inv";
+    o.quantize[name] = {recipe, default_name ? "" : name + GetParam().scale_suffix};
+  }
+  specs.emplace_back("model.norm.weight", DType::kBF16, std::vector<int64_t>{200});
+  Model want = Model::Make(2, specs);  // what the receivers must hold
+  std::vector<std::vector<uint16_t>> bf16(shapes.size());
+  std::vector<SyncTensor> given;  // what the sender is given
+  for (size_t t = 0; t < shapes.size(); ++t) {
+    bf16[t].resize(master[t].size());
+    given.push_back({std::get<0>(specs[2 * t]), DType::kBF16, shapes[t], {}, {}});
+  }
+  given.push_back(want.tensors.back());  // sent as it is
+  const auto step_to = [&]() {
+    for (size_t t = 0; t < shapes.size(); ++t) {
+      for (size_t i = 0; i < bf16[t].size(); ++i) bf16[t][i] = synth::FloatToBf16(master[t][i]);
+      given[t].data = {reinterpret_cast<const uint8_t*>(bf16[t].data()), bf16[t].size() * 2};
+      ASSERT_TRUE(Fp8Quantize(recipe, {given[t].name, DType::kBF16, shapes[t]}, bf16[t].data(),
+                              want.bytes[2 * t].data(), want.bytes[2 * t + 1].data())
+                      .ok());
+    }
+    want.Rebind();
+  };
+  SetUpGroup(2);
+  std::unique_ptr<StreamSender> sender = MakeSender(Factory(0), o);
+  ASSERT_NE(sender, nullptr);
+  ReceiverRig first(want, Hold::kWhole, Factory(1));
+  ReceiverRig second(want, Hold::kWhole, Factory(2));
+  first.Start();
+  second.Start();
+  uint64_t sent = 0;
+  for (int s = 0; s <= 3; ++s) {
+    if (s > 0) {
+      for (std::vector<float>& w : master) {
+        for (float& x : w) x += step(rng);
+        w[0] *= 2.0f;
+      }
+    }
+    step_to();
+    Result<SyncStats> r = sender->Sync(given);
+    ASSERT_TRUE(r.ok()) << "step " << s << ": " << r.status().ToString();
+    EXPECT_TRUE(first.Matches(want).ok()) << "step " << s << ": " << first.Matches(want).ToString();
+    EXPECT_TRUE(second.Matches(want).ok())
+        << "step " << s << ": " << second.Matches(want).ToString();
+    // The snapshot is of the quantized state.
+    Result<std::span<const uint8_t>> snap = sender->Snapshot(given[0].name);
+    ASSERT_TRUE(snap.ok()) << snap.status().ToString();
+    EXPECT_TRUE(std::equal(snap->begin(), snap->end(), want.bytes[0].begin(), want.bytes[0].end()));
+    if (s > 0) {
+      sent += r->sent_elements;
+      EXPECT_GT(r->changed, 0u);
+    }
+  }
+  uint64_t codes = 0;
+  for (const auto& shape : shapes) codes += shape[0] * shape[1];
+  EXPECT_LT(sent, 3 * codes / 2) << "a delta, not a resend";
+  Finish(sender, {&first, &second});
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Recipes, QuantizeThenDiff,
     ::testing::Values(QuantCase{{QuantScheme::kBlock128, ScaleFormat::kF32}, "_scale_inv"},
@@ -223,6 +302,93 @@ TEST_F(SyncTest, ShardedFp8LayersSyncBitExact) {
   whole.RequestStop();
   ranks.clear();
   whole.Stop();
+}
+
+}  // namespace
+}  // namespace deltasync
+
+namespace deltasync {
+namespace {
+
+using namespace sync_rig;
+
+// A quantized send the recipe cannot take fails the sync before anything is
+// sent, naming the tensor; the receivers keep what they held, and the next
+// good sync goes through. Options that cannot work are refused at Create.
+TEST_F(SyncTest, AQuantizedSendOfABadWeightIsRefusedByNameAndSendsNothing) {
+  const QuantRecipe recipe{QuantScheme::kBlock128, ScaleFormat::kUe8m0};
+  const std::vector<int64_t> shape = {130, 260};
+  Model want = Model::Make(3, {{"w", DType::kF8_E4M3, shape},
+                               {"w_scale_inv", DType::kF8_E8M0, std::vector<int64_t>{2, 3}}});
+  std::vector<uint16_t> bf16(130 * 260);
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> init(0.0f, 0.02f);
+  for (uint16_t& x : bf16) x = synth::FloatToBf16(init(rng));
+  SyncTensor given{"w", DType::kBF16, shape, {}, {}};
+  given.data = {reinterpret_cast<const uint8_t*>(bf16.data()), bf16.size() * 2};
+  ASSERT_TRUE(Fp8Quantize(recipe, {"w", DType::kBF16, shape}, bf16.data(), want.bytes[0].data(),
+                          want.bytes[1].data())
+                  .ok());
+  want.Rebind();
+  SenderOptions o;
+  o.quantize["w"] = {recipe, ""};
+  SetUpGroup(1);
+  std::unique_ptr<StreamSender> sender = MakeSender(Factory(0), o);
+  ASSERT_NE(sender, nullptr);
+  ReceiverRig rx(want, Hold::kWhole, Factory(1));
+  rx.Start();
+  ASSERT_TRUE(sender->Sync({&given, 1}).ok());
+  ASSERT_TRUE(rx.Matches(want).ok());
+
+  const uint16_t saved = bf16[777];
+  bf16[777] = 0x7F80;  // +inf
+  Result<SyncStats> bad = sender->Sync({&given, 1});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(bad.status(), "'w'")) << bad.status().ToString();
+  EXPECT_TRUE(Contains(bad.status(), "NaN or an infinity")) << bad.status().ToString();
+  EXPECT_EQ(sender->committed_sync_id(), 1u);
+  EXPECT_TRUE(rx.Matches(want).ok());
+
+  SyncTensor flat = given;
+  flat.shape = {130 * 260};
+  bad = sender->Sync({&flat, 1});
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(bad.status(), "2-D")) << bad.status().ToString();
+  SyncTensor other = given;
+  other.name = "v";
+  bad = sender->Sync({&other, 1});
+  EXPECT_EQ(bad.status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(Contains(bad.status(), "'w'")) << bad.status().ToString();
+
+  bf16[777] = saved;
+  bf16[5] ^= 0x40;
+  ASSERT_TRUE(Fp8Quantize(recipe, {"w", DType::kBF16, shape}, bf16.data(), want.bytes[0].data(),
+                          want.bytes[1].data())
+                  .ok());
+  want.Rebind();
+  Result<SyncStats> good = sender->Sync({&given, 1});
+  ASSERT_TRUE(good.ok()) << good.status().ToString();
+  EXPECT_TRUE(rx.Matches(want).ok()) << rx.Matches(want).ToString();
+  Finish(sender, {&rx});
+}
+
+TEST(QuantizedSendOptions, RecipesAndNamesThatCannotWorkAreRefusedAtCreate) {
+  const CommunicatorFactory none = []() -> Result<std::unique_ptr<Communicator>> {
+    return Status::Unavailable("not used");
+  };
+  SenderOptions o;
+  o.quantize["w"] = {{QuantScheme::kPerTensor, ScaleFormat::kUe8m0}, ""};
+  EXPECT_EQ(StreamSender::Create(none, o).status().code(), StatusCode::kInvalidArgument);
+  o.quantize["w"] = {{QuantScheme::kBlock128, ScaleFormat::kF32}, "w"};
+  Result<std::unique_ptr<StreamSender>> r = StreamSender::Create(none, o);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(r.status(), "name of their own")) << r.status().ToString();
+  o.quantize["w"] = {{QuantScheme::kBlock128, ScaleFormat::kF32}, ""};
+  EXPECT_TRUE(StreamSender::Create(none, o).ok());
+  r = StreamSender::CreateSharded(none, none, o);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(r.status(), "Fp8QuantizeShard")) << r.status().ToString();
 }
 
 }  // namespace

@@ -33,6 +33,7 @@
 #include "stream/cost_model.h"
 #include "stream/device_path.h"
 #include "stream/frame.h"
+#include "stream/quantized_inputs.h"
 #include "stream/state_digest.h"
 #include "stream/sync_messages.h"
 
@@ -290,12 +291,13 @@ class Sender final : public StreamSender {
     cost_fixed_ = true;
   }
   Sender(CommunicatorFactory connect, SenderOptions options)
-      : connect_(std::move(connect)), options_(options) {}
+      : connect_(std::move(connect)), options_(options), quantized_(options.quantize) {}
   Sender(CommunicatorFactory trainer, CommunicatorFactory connect, SenderOptions options)
       : connect_(std::move(connect)),
         trainer_connect_(std::move(trainer)),
         options_(options),
-        sharded_(true) {}
+        sharded_(true),
+        quantized_(options.quantize) {}
   ~Sender() override { (void)Land(nullptr); }
 
   Result<SyncStats> Sync(std::span<const SyncTensor> tensors) override {
@@ -555,6 +557,7 @@ class Sender final : public StreamSender {
   std::vector<Peer> peers_;
   std::map<std::string, TensorState, std::less<>> tensors_;
   std::map<int, std::unique_ptr<stream::DeviceContext>> devices_;  // by CUDA device
+  stream::QuantizedInputs quantized_;  // the codes and scales of tensors sent quantized
   bool have_snapshot_ = false;
   uint64_t bucket_reserve_ = 0;
   uint64_t next_sync_id_ = 1;

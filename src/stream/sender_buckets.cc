@@ -28,6 +28,15 @@ Status CheckOptions(const SenderOptions& options) {
     return Status::InvalidArgument("bucket_bytes " + std::to_string(options.bucket_bytes) +
                                    ": at least 64 KiB and at most 2^40");
   }
+  for (const auto& [name, send] : options.quantize) {
+    if (name.empty()) return Status::InvalidArgument("SenderOptions::quantize: an empty name");
+    Status ok = CheckQuantRecipe(send.recipe);
+    if (!ok.ok()) return ok.WithContext("SenderOptions::quantize '" + name + "'");
+    if (send.scale_name == name) {
+      return Status::InvalidArgument("SenderOptions::quantize '" + name +
+                                     "': the scales need a name of their own");
+    }
+  }
   return ThreadPool::CheckThreads(options.threads);
 }
 

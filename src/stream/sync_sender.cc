@@ -468,6 +468,7 @@ Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>&
     }
   }
   for (const auto& [device, ctx] : devices_) stats.buffer_bytes += ctx->buffer_bytes();
+  stats.buffer_bytes += quantized_.buffer_bytes();
   for (const TensorState* t : order) {
     if (t->device) stats.buffer_bytes += t->device->buffer_bytes();
   }
@@ -579,9 +580,11 @@ Result<SyncStats> Sender::EndSync(Round* round, const std::vector<TensorState*>&
   return Status(code == StatusCode::kOk ? StatusCode::kAborted : code, msg);
 }
 
-Result<SyncStats> Sender::SyncAlone(std::span<const SyncTensor> tensors) {
+Result<SyncStats> Sender::SyncAlone(std::span<const SyncTensor> given) {
   const Clock::time_point start = Clock::now();
   if (sharded_) return Status::FailedPrecondition("a sharded sender syncs with SyncShards");
+  // Tensors sent quantized become their codes and scales here.
+  DS_ASSIGN_OR_RETURN(const std::span<const SyncTensor> tensors, quantized_.Expand(given, Pool()));
   std::vector<TensorMeta> metas;
   for (const SyncTensor& x : tensors) {
     metas.push_back({x.name, x.dtype, &x.shape, x.data, x.place});
@@ -716,6 +719,11 @@ Result<std::unique_ptr<StreamSender>> StreamSender::CreateSharded(CommunicatorFa
                                                                   SenderOptions options) {
   if (!trainer_group) return Status::InvalidArgument("StreamSender: no trainer group factory");
   DS_RETURN_IF_ERROR(stream_sender::CheckOptions(options));
+  if (!options.quantize.empty()) {
+    return Status::InvalidArgument(
+        "SenderOptions::quantize: a sharded sender sends its ranks' tensors as they are (quantize "
+        "each rank's part with Fp8QuantizeShard, deltasync/shard.h)");
+  }
   return std::unique_ptr<StreamSender>(
       new stream_sender::Sender(std::move(trainer_group), std::move(stream_group), options));
 }

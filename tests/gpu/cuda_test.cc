@@ -742,8 +742,9 @@ Quantized QuantizeOnCpu(const QuantRecipe& recipe, DType dtype, std::span<const 
   q.codes.resize(static_cast<size_t>(shape[0] * shape[1]));
   auto scale_shape = QuantScaleShape(recipe, shape[0], shape[1]);
   EXPECT_TRUE(scale_shape.ok());
-  q.scales.resize(static_cast<size_t>((*scale_shape)[0] * (*scale_shape)[1]) *
-                  DTypeSize(QuantScaleDType(recipe.scale_format)));
+  int64_t groups = 1;
+  for (int64_t d : *scale_shape) groups *= d;  // [1] for a per-tensor scale
+  q.scales.resize(static_cast<size_t>(groups) * DTypeSize(QuantScaleDType(recipe.scale_format)));
   const Status s = Fp8Quantize(recipe, {"w", dtype, shape}, weight.data(), q.codes.data(),
                                q.scales.data(), QuantKernel::kGeneric);
   EXPECT_TRUE(s.ok()) << s.ToString();
