@@ -31,6 +31,25 @@ __global__ void ScatterKernel(ScatterLaunch p) {
   }
 }
 
+// Where tensor element `pos` lies in a destination of `nruns` runs
+// (ascending hf_first): in the last run starting at or before it, when it
+// falls inside that run; UINT64_MAX when no run holds it.
+__device__ __forceinline__ uint64_t DestOf(const RunLaunch* runs, uint64_t nruns, uint64_t pos) {
+  uint64_t lo = 0, hi = nruns;
+  while (lo < hi) {
+    const uint64_t mid = lo + (hi - lo) / 2;
+    if (runs[mid].hf_first <= pos) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  if (lo == 0) return UINT64_MAX;
+  const RunLaunch r = runs[lo - 1];
+  if (pos - r.hf_first >= r.count) return UINT64_MAX;
+  return r.dest_offset + (pos - r.hf_first);
+}
+
 template <int W>
 __global__ void ScatterRunsKernel(ScatterRunsLaunch p) {
   using T = typename ElemType<W>::T;
@@ -39,20 +58,7 @@ __global__ void ScatterRunsKernel(ScatterRunsLaunch p) {
   const T* values = static_cast<const T*>(p.values);
   for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < p.count; i += stride) {
     const uint64_t pos = static_cast<uint64_t>(PositionOfWidth(p.positions, p.width, i));
-    // The last run starting at or before pos.
-    uint64_t lo = 0, hi = p.nruns;
-    while (lo < hi) {
-      const uint64_t mid = lo + (hi - lo) / 2;
-      if (p.runs[mid].hf_first <= pos) {
-        lo = mid + 1;
-      } else {
-        hi = mid;
-      }
-    }
-    if (lo == 0) continue;
-    const RunLaunch r = p.runs[lo - 1];
-    if (pos - r.hf_first >= r.count) continue;
-    const uint64_t at = r.dest_offset + (pos - r.hf_first);
+    const uint64_t at = DestOf(p.runs, p.nruns, pos);
     if (at < p.dest_numel) dest[at] = values[i];
   }
 }
@@ -106,20 +112,7 @@ __global__ void ScatterBatchKernel(ScatterBatchLaunch p) {
     const uint64_t pos = it.positions == nullptr
                              ? it.first + j
                              : static_cast<uint64_t>(PositionOfWidth(it.positions, it.width, j));
-    // The last run starting at or before pos.
-    uint64_t rl = 0, rh = it.nruns;
-    while (rl < rh) {
-      const uint64_t mid = rl + (rh - rl) / 2;
-      if (it.runs[mid].hf_first <= pos) {
-        rl = mid + 1;
-      } else {
-        rh = mid;
-      }
-    }
-    if (rl == 0) continue;
-    const RunLaunch r = it.runs[rl - 1];
-    if (pos - r.hf_first >= r.count) continue;
-    const uint64_t at = r.dest_offset + (pos - r.hf_first);
+    const uint64_t at = DestOf(it.runs, it.nruns, pos);
     if (at >= it.dest_numel) continue;
     switch (it.elem_size) {
       case 1: CopyElem<1>(it.dest, at, it.values, j); break;
