@@ -220,8 +220,9 @@ def main() -> int:
                  "bf16_density": bf16_changed / codes_total,
                  "fp8_code_density": codes_changed / codes_total,
                  "scale_density": scales_changed / scales_total,
-                 "sync": {k: stats[k] for k in ("total_s", "diff_s", "encode_s", "transfer_s",
-                                                 "changed", "bytes_sent", "sent_elements")},
+                 "sync": {k: stats[k] for k in ("total_s", "quantize_s", "diff_s", "encode_s",
+                                                 "transfer_s", "changed", "bytes_sent",
+                                                 "sent_elements")},
                  "receiver_apply_s": r_stats["apply_s"], "sync_and_checks_s": elapsed,
                  "bits_equal": ok_bits, "generations_equal": ok_gen}
         report["steps"].append(entry)

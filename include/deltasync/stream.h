@@ -208,6 +208,7 @@ struct SyncStats {
   // beside the snapshot (capacities, measured at the end of the sync;
   // device tensors' scratch and pinned staging included).
   uint64_t buffer_bytes = 0;
+  double quantize_s = 0;  // quantizing the tensors sent as FP8 (SenderOptions::quantize)
   double diff_s = 0;      // diff against the snapshot and digest updates
   double encode_s = 0;    // building frames
   double transfer_s = 0;  // sending them (while the next fills, see bucket_bytes)

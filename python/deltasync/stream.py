@@ -163,7 +163,8 @@ class StreamSender(Closing):
         ``changed`` (elements that differ from the last committed state: 0
         for the first sync, which has none to compare with),
         ``bytes_sent``, ``seeded``, ``receivers``, ``partial_receivers``
-        and the time split (``diff_s``, ``encode_s``, ``transfer_s``,
+        and the time split (``quantize_s`` for the tensors sent as FP8,
+        ``diff_s``, ``encode_s``, ``transfer_s``,
         ``report_s``, ``commit_s``, ``total_s``), and ``committed_bytes``
         (what the commit copied into the snapshot). On an error nothing is
         committed: the next sync resends. One call at a time: another

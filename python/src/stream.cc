@@ -246,6 +246,7 @@ py::dict SyncDict(const SyncStats& s) {
   d["bytes_sent"] = s.bytes_sent;
   d["verify_all"] = s.verify_all;
   d["buffer_bytes"] = s.buffer_bytes;
+  d["quantize_s"] = s.quantize_s;
   d["diff_s"] = s.diff_s;
   d["encode_s"] = s.encode_s;
   d["transfer_s"] = s.transfer_s;

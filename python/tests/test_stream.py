@@ -168,6 +168,7 @@ def test_the_sender_quantizes_to_fp8_and_receivers_hold_what_quantize_fp8_gives(
                 w["down"][k] *= 3.0  # row k's scale moves
             wanted.append(quantized())
             stats = tx.sync(w)
+            assert 0 < stats["quantize_s"] <= stats["total_s"]
             if k:
                 assert 0 < stats["changed"] < 200 * 300 + 130 * 64
         assert tx.snapshot("up") == wanted[-1]["up"].tobytes()

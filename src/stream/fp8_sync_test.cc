@@ -191,6 +191,8 @@ TEST_P(QuantizeThenDiff, TheSenderQuantizesTheTrainersBf16Weights) {
     Result<std::span<const uint8_t>> snap = sender->Snapshot(given[0].name);
     ASSERT_TRUE(snap.ok()) << snap.status().ToString();
     EXPECT_TRUE(std::equal(snap->begin(), snap->end(), want.bytes[0].begin(), want.bytes[0].end()));
+    EXPECT_GT(r->quantize_s, 0.0);
+    EXPECT_LE(r->quantize_s, r->total_s);
     if (s > 0) {
       sent += r->sent_elements;
       EXPECT_GT(r->changed, 0u);

@@ -585,6 +585,7 @@ Result<SyncStats> Sender::SyncAlone(std::span<const SyncTensor> given) {
   if (sharded_) return Status::FailedPrecondition("a sharded sender syncs with SyncShards");
   // Tensors sent quantized become their codes and scales here.
   DS_ASSIGN_OR_RETURN(const std::span<const SyncTensor> tensors, quantized_.Expand(given, Pool()));
+  const double quantize_s = std::chrono::duration<double>(Clock::now() - start).count();
   std::vector<TensorMeta> metas;
   for (const SyncTensor& x : tensors) {
     metas.push_back({x.name, x.dtype, &x.shape, x.data, x.place});
@@ -602,6 +603,7 @@ Result<SyncStats> Sender::SyncAlone(std::span<const SyncTensor> given) {
   }
   Round round;
   DS_RETURN_IF_ERROR(BeginSync(&round, start));
+  round.stats.quantize_s = quantize_s;
   diff_.refresh_snapshot = false;
   diff_.keep_old_values = true;
   diff_.pool = Pool();
