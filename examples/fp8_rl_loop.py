@@ -200,13 +200,7 @@ def main() -> int:
     codes_total = sum(prev_q[n].numel() for n in qnames)
     scales_total = sum(prev_q[n + "_scale_inv"].numel() for n in qnames)
     for step in range(1, args.steps + 1):
-        idx = torch.randint(0, corpus.numel() - args.seq - 1, (args.batch,), device="cuda",
-                            generator=g)
-        batch = torch.stack([corpus[i:i + args.seq + 1] for i in idx.tolist()])
-        out = master(input_ids=batch[:, :-1], labels=batch[:, 1:].contiguous())
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        opt.step()
+        loss = base.train_step(master, opt, corpus, g, args.batch, args.seq)
         bf = host_bf16()
         t0 = time.perf_counter()
         stats, r_stats, q, ok_bits, ok_gen = sync_and_check(bf, f"step {step}")
@@ -216,7 +210,7 @@ def main() -> int:
         codes_changed = sum(int((q[n] != prev_q[n]).sum()) for n in qnames)
         scales_changed = sum(int((q[n + "_scale_inv"] != prev_q[n + "_scale_inv"]).sum())
                              for n in qnames)
-        entry = {"step": step, "loss": float(out.loss.detach()),
+        entry = {"step": step, "loss": loss,
                  "bf16_density": bf16_changed / codes_total,
                  "fp8_code_density": codes_changed / codes_total,
                  "scale_density": scales_changed / scales_total,

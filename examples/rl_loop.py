@@ -95,6 +95,17 @@ def text_corpus(limit: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8).long()
 
 
+def train_step(master, opt, corpus, g, batch_size: int, seq: int) -> float:
+    """One AdamW step on `batch_size` random windows of the corpus; the loss."""
+    idx = torch.randint(0, corpus.numel() - seq - 1, (batch_size,), device="cuda", generator=g)
+    batch = torch.stack([corpus[i:i + seq + 1] for i in idx.tolist()])
+    out = master(input_ids=batch[:, :-1], labels=batch[:, 1:].contiguous())
+    opt.zero_grad(set_to_none=True)
+    out.loss.backward()
+    opt.step()
+    return float(out.loss.detach())
+
+
 def bf16_named(master) -> dict:
     return {n: p.detach().to(torch.bfloat16) for n, p in master.named_parameters()}
 
@@ -299,13 +310,7 @@ def main() -> int:
     ckdir = os.path.join(work, "steps")
     save_checkpoint(prev, os.path.join(ckdir, "step_000000"))
     for step in range(1, args.steps + 1):
-        idx = torch.randint(0, corpus.numel() - args.seq - 1, (args.batch,), device="cuda",
-                            generator=g)
-        batch = torch.stack([corpus[i:i + args.seq + 1] for i in idx.tolist()])
-        out = master(input_ids=batch[:, :-1], labels=batch[:, 1:].contiguous())
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        opt.step()
+        loss = train_step(master, opt, corpus, g, args.batch, args.seq)
         bf = bf16_named(master)
         changed = {n: int((bf[n].view(torch.int16) != prev[n].view(torch.int16)).sum())
                    for n in bf}
@@ -317,7 +322,7 @@ def main() -> int:
         t_sync = time.perf_counter()
         stats, _ = sync_and_check(bf, f"step {step}")
         t_sync = time.perf_counter() - t_sync
-        entry = {"step": step, "loss": float(out.loss.detach()), "changed": sum(changed.values()),
+        entry = {"step": step, "loss": loss, "changed": sum(changed.values()),
                  "density": sum(changed.values()) / total,
                  "density_by_kind": {k: v[0] / v[1] for k, v in kinds.items()},
                  "sync": {k: stats[k] for k in ("total_s", "diff_s", "encode_s", "transfer_s",

@@ -51,27 +51,32 @@ uint64_t SplitMix(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// A random BF16 step: `a` random bits, `b` the same with a `density`
-// fraction of elements changed; filled by all cores.
-void MakeStep(uint64_t n, double density, uint64_t seed, std::vector<uint16_t>& a,
-              std::vector<uint16_t>& b) {
-  a.resize(n);
-  b.resize(n);
-  const uint64_t threshold = static_cast<uint64_t>(density * 18446744073709551615.0);
+// fill(i) for i in [0, n), split over every core.
+void FillInParallel(uint64_t n, const std::function<void(uint64_t)>& fill) {
   const unsigned workers = std::max(1u, std::thread::hardware_concurrency());
   std::vector<std::thread> threads;
   for (unsigned w = 0; w < workers; ++w) {
     threads.emplace_back([&, w] {
       const uint64_t lo = n * w / workers, hi = n * (w + 1) / workers;
-      for (uint64_t i = lo; i < hi; ++i) {
-        const uint64_t r = SplitMix(seed * 0x100000001B3ull + i);
-        a[i] = static_cast<uint16_t>(r);
-        const uint64_t pick = SplitMix(r);
-        b[i] = pick < threshold ? static_cast<uint16_t>(a[i] ^ (1 + (r >> 48) % 0xFFFF)) : a[i];
-      }
+      for (uint64_t i = lo; i < hi; ++i) fill(i);
     });
   }
   for (auto& t : threads) t.join();
+}
+
+// A random BF16 step: `a` random bits, `b` the same with a `density`
+// fraction of elements changed.
+void MakeStep(uint64_t n, double density, uint64_t seed, std::vector<uint16_t>& a,
+              std::vector<uint16_t>& b) {
+  a.resize(n);
+  b.resize(n);
+  const uint64_t threshold = static_cast<uint64_t>(density * 18446744073709551615.0);
+  FillInParallel(n, [&](uint64_t i) {
+    const uint64_t r = SplitMix(seed * 0x100000001B3ull + i);
+    a[i] = static_cast<uint16_t>(r);
+    const uint64_t pick = SplitMix(r);
+    b[i] = pick < threshold ? static_cast<uint16_t>(a[i] ^ (1 + (r >> 48) % 0xFFFF)) : a[i];
+  });
 }
 
 // Median seconds of `repeat` runs of `fn` (after one warm-up), each timed
@@ -442,21 +447,13 @@ void MakeWeightStep(uint64_t n, double density, uint64_t seed, std::vector<uint1
   a.resize(n);
   b.resize(n);
   const uint64_t threshold = static_cast<uint64_t>(density * 18446744073709551615.0);
-  const unsigned workers = std::max(1u, std::thread::hardware_concurrency());
-  std::vector<std::thread> threads;
-  for (unsigned w = 0; w < workers; ++w) {
-    threads.emplace_back([&, w] {
-      const uint64_t lo = n * w / workers, hi = n * (w + 1) / workers;
-      for (uint64_t i = lo; i < hi; ++i) {
-        const uint64_t r = SplitMix(seed * 0x9E3779B97F4A7C15ull + i);
-        const uint32_t e = r % 64 == 0 ? 0 : 118 + static_cast<uint32_t>((r >> 8) % 11);
-        a[i] = static_cast<uint16_t>(((r >> 20) & 0x8000u) | e << 7 | ((r >> 32) & 0x7Fu));
-        const uint64_t pick = SplitMix(r);
-        b[i] = pick < threshold ? static_cast<uint16_t>(a[i] ^ (1 + (r >> 48) % 3)) : a[i];
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  FillInParallel(n, [&](uint64_t i) {
+    const uint64_t r = SplitMix(seed * 0x9E3779B97F4A7C15ull + i);
+    const uint32_t e = r % 64 == 0 ? 0 : 118 + static_cast<uint32_t>((r >> 8) % 11);
+    a[i] = static_cast<uint16_t>(((r >> 20) & 0x8000u) | e << 7 | ((r >> 32) & 0x7Fu));
+    const uint64_t pick = SplitMix(r);
+    b[i] = pick < threshold ? static_cast<uint16_t>(a[i] ^ (1 + (r >> 48) % 3)) : a[i];
+  });
 }
 
 // The fused quantize-then-diff of a weight step in dev_a / dev_b (their
