@@ -192,6 +192,15 @@ Result<QuantDiffResult> QuantizeDiffOnDevice(Workspace& ws, const QuantRecipe& r
                                              const DiffOutput& code_out,
                                              const DiffOutput& scale_out);
 
+// The same quantization without a diff: the F8_E4M3 codes of `weight` into
+// `codes` (rows * cols bytes of device memory) and its scales into `scales`
+// (device memory of QuantScaleShape elements of QuantScaleDType), as
+// Fp8Quantize makes them. Waits for the weight's stream. InvalidArgument
+// naming the tensor for a bad argument and for a weight that holds a NaN or
+// an infinity (then nothing is written).
+Status QuantizeOnDevice(Workspace& ws, const QuantRecipe& recipe, const DeviceTensor& weight,
+                        void* codes, void* scales);
+
 // Changes to apply on the device: `count` positions into `dest`'s
 // elements, strictly ascending, of `width` bytes each (3: u24, a flush
 // frame's positions in a tensor of at most 2^24 elements; 4: int32; 8:

@@ -132,8 +132,8 @@ struct ShardedTensor {
 };
 
 // A tensor the whole-tensor sender sends as FP8 (quantize-then-diff): the
-// SyncTensor of that name (BF16, F16 or F32, 2-D [rows, cols], in host
-// memory) is quantized at each sync under `recipe`, exactly as
+// SyncTensor of that name (BF16, F16 or F32, 2-D [rows, cols], in host or
+// device memory) is quantized at each sync under `recipe`, exactly as
 // deltasync/quantize.h's Fp8Quantize (and the engines' loaders it follows)
 // would, and the receivers get two tensors: the codes, F8_E4M3 of the same
 // shape under the same name, and the scales (QuantScaleDType,
@@ -142,9 +142,11 @@ struct ShardedTensor {
 // quantized state, so a sync sends the codes and scales that changed and a
 // receiver's FP8 weights are bit-identical to quantizing the trainer's
 // weights directly. The sender holds the current codes and scales (half the
-// BF16 bytes) beside its snapshot of them. A weight the recipe cannot take
-// (not 2-D, another dtype, on a device, a NaN or an infinity) fails the
-// sync with InvalidArgument naming it, before anything is sent.
+// BF16 bytes) beside its snapshot of them, where the tensor lives: a device
+// tensor is quantized on its GPU (cuda::QuantizeOnDevice) and diffed there.
+// A weight the recipe cannot take (not 2-D, another dtype, a NaN or an
+// infinity) fails the sync with InvalidArgument naming it, before anything
+// is sent.
 struct QuantizedSend {
   QuantRecipe recipe;
   std::string scale_name;

@@ -113,8 +113,9 @@ class StreamSender(Closing):
     ``quantize`` sends weights as FP8 (quantize-then-diff; whole-tensor
     senders only): ``{name: (scheme, scale_format)}`` or ``{name: (scheme,
     scale_format, scale_name)}``, scheme and scale format as for
-    :func:`deltasync.quantize_fp8`. The named tensors (2-D BF16, F16 or F32
-    in host memory) are quantized at every sync exactly as
+    :func:`deltasync.quantize_fp8`. The named tensors (2-D BF16, F16 or F32,
+    host or CUDA: a CUDA tensor is quantized on its GPU) are quantized at
+    every sync exactly as
     :func:`~deltasync.quantize_fp8` does, and the receivers get their codes
     (``float8_e4m3fn``/uint8, same name and shape) and scales (under
     ``scale_name``, default the name + ``"_scale_inv"``), each diffed

@@ -107,6 +107,9 @@ struct QuantScaleLaunch {
   cudaStream_t stream = nullptr;
 };
 cudaError_t LaunchQuantScales(const QuantScaleLaunch& launch);
+// Writes the codes of weight elements 0 .. numel - 1 (q.first 0) to `codes`.
+cudaError_t LaunchQuantEncode(const QuantLoad& q, uint64_t numel, uint8_t* codes,
+                              cudaStream_t stream);
 
 struct ScatterLaunch {
   void* dest = nullptr;

@@ -103,7 +103,42 @@ cudaError_t LaunchK(const QuantScaleLaunch& p) {
   return cudaGetLastError();
 }
 
+template <QuantKind K>
+__global__ void EncodeKernel(QuantLoad q, uint64_t numel, uint8_t* codes) {
+  const bool aligned = reinterpret_cast<uintptr_t>(codes) % 16 == 0;
+  for (uint64_t g = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; g * 16 < numel;
+       g += uint64_t{gridDim.x} * blockDim.x) {
+    const uint64_t first = g * 16;
+    const uint4 v = QuantizeGroup<K>(q, first, numel);
+    if (aligned && first + 16 <= numel) {
+      *reinterpret_cast<uint4*>(codes + first) = v;
+    } else {
+      for (int k = 0; k < 16 && first + k < numel; ++k) {
+        codes[first + k] = static_cast<uint8_t>(ElemAt<1>(v, k));
+      }
+    }
+  }
+}
+
 }  // namespace
+
+cudaError_t LaunchQuantEncode(const QuantLoad& q, uint64_t numel, uint8_t* codes,
+                              cudaStream_t stream) {
+  const uint64_t groups = (numel + 15) / 16;
+  const unsigned grid = static_cast<unsigned>(std::min<uint64_t>((groups + 255) / 256, 65536));
+  switch (q.kind) {
+    case QuantKind::kBf16:
+      EncodeKernel<QuantKind::kBf16><<<grid, 256, 0, stream>>>(q, numel, codes);
+      break;
+    case QuantKind::kF16:
+      EncodeKernel<QuantKind::kF16><<<grid, 256, 0, stream>>>(q, numel, codes);
+      break;
+    case QuantKind::kF32:
+      EncodeKernel<QuantKind::kF32><<<grid, 256, 0, stream>>>(q, numel, codes);
+      break;
+  }
+  return cudaGetLastError();
+}
 
 cudaError_t LaunchQuantScales(const QuantScaleLaunch& p) {
   cudaError_t err = cudaMemsetAsync(p.amax_bits, 0, p.groups * sizeof(unsigned int), p.stream);

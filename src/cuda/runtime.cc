@@ -486,6 +486,81 @@ Result<DiffResult> DiffOnDevice(Workspace& ws, const DeviceTensor& current, Devi
                  current.numel(), static_cast<uint32_t>(DTypeSize(current.dtype)), out, {});
 }
 
+namespace {
+
+// A weight's scale step done (QuantizeDiffOnDevice, QuantizeOnDevice): the
+// loader that encodes it, and its scales in the workspace's quant scratch.
+struct QuantSetup {
+  internal::QuantLoad load;
+  std::vector<int64_t> scale_shape;
+  DType scale_dtype = DType::kF32;
+  uint64_t groups = 0;
+  uint8_t* scales = nullptr;
+};
+
+Result<QuantSetup> CheckQuantWeight(Workspace& ws, const QuantRecipe& recipe,
+                                    const DeviceTensor& weight) {
+  const std::string who = Quoted(weight.name);
+  Status recipe_ok = CheckQuantRecipe(recipe);
+  if (!recipe_ok.ok()) return recipe_ok.WithContext(who);
+  QuantSetup q;
+  switch (weight.dtype) {
+    case DType::kBF16: q.load.kind = internal::QuantKind::kBf16; break;
+    case DType::kF16: q.load.kind = internal::QuantKind::kF16; break;
+    case DType::kF32: q.load.kind = internal::QuantKind::kF32; break;
+    default:
+      return Status::InvalidArgument(who + ": dtype " + std::string(DTypeName(weight.dtype)) +
+                                     " cannot be quantized (BF16, F16 or F32 only)");
+  }
+  DS_RETURN_IF_ERROR(CheckTensor(weight, "weight", Place::kDevice, ws.device()).status());
+  if (weight.shape.size() != 2 || weight.shape[0] < 1 || weight.shape[1] < 1) {
+    return Status::InvalidArgument(who + ": quantizing takes a 2-D weight with elements, not " +
+                                   ShapeToString(weight.shape));
+  }
+  DS_ASSIGN_OR_RETURN(q.scale_shape, QuantScaleShape(recipe, weight.shape[0], weight.shape[1]));
+  q.scale_dtype = QuantScaleDType(recipe.scale_format);
+  q.groups = 1;
+  for (int64_t d : q.scale_shape) q.groups *= static_cast<uint64_t>(d);
+  return q;
+}
+
+// The amax pass and the scale step: q.scales and the loader's inverses in
+// the quant scratch. InvalidArgument, with nothing else written, for a NaN
+// or an infinity.
+Status RunQuantScales(Workspace& ws, const QuantRecipe& recipe, const DeviceTensor& weight,
+                      QuantSetup* q) {
+  WorkspaceImpl& impl = Impl(ws);
+  // One 4-byte slot each per group: amax bits, inverses, the scales.
+  const uint64_t slots = RoundUp(q->groups, 64) * 4;
+  DS_ASSIGN_OR_RETURN(uint8_t * scratch, impl.QuantScratch(3 * slots));
+  q->load.weight = weight.data;
+  q->load.aligned16 = Aligned16(weight.data);
+  q->load.scheme = static_cast<uint32_t>(recipe.scheme);
+  q->load.cols = static_cast<uint64_t>(weight.shape[1]);
+  q->load.scale_cols = static_cast<uint64_t>(q->scale_shape.size() > 1 ? q->scale_shape[1] : 1);
+  q->load.inv = reinterpret_cast<const float*>(scratch + slots);
+  q->scales = scratch + 2 * slots;
+  internal::QuantScaleLaunch launch;
+  launch.load = q->load;
+  launch.rows = static_cast<uint64_t>(weight.shape[0]);
+  launch.scale_format = static_cast<uint32_t>(recipe.scale_format);
+  launch.groups = q->groups;
+  launch.amax_bits = reinterpret_cast<unsigned int*>(scratch);
+  launch.inv = reinterpret_cast<float*>(scratch + slots);
+  launch.scales = q->scales;
+  launch.results = impl.results();
+  launch.stream = AsStream(weight.stream);
+  DS_CUDA_RETURN(internal::LaunchQuantScales(launch), "quantize " + Quoted(weight.name));
+  DS_ASSIGN_OR_RETURN(const Results flag, impl.Fetch(launch.stream));
+  if (flag.count != 0) {
+    return Status::InvalidArgument(Quoted(weight.name) +
+                                   ": holds a NaN or an infinity; nothing was quantized");
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
 Result<QuantDiffResult> QuantizeDiffOnDevice(Workspace& ws, const QuantRecipe& recipe,
                                              const DeviceTensor& weight,
                                              DeviceTensor& code_snapshot,
@@ -494,84 +569,56 @@ Result<QuantDiffResult> QuantizeDiffOnDevice(Workspace& ws, const QuantRecipe& r
                                              const DiffOutput& scale_out) {
   const int device = ws.device();
   const std::string who = Quoted(weight.name);
-  Status recipe_ok = CheckQuantRecipe(recipe);
-  if (!recipe_ok.ok()) return recipe_ok.WithContext(who);
-  internal::QuantLoad load;
-  switch (weight.dtype) {
-    case DType::kBF16: load.kind = internal::QuantKind::kBf16; break;
-    case DType::kF16: load.kind = internal::QuantKind::kF16; break;
-    case DType::kF32: load.kind = internal::QuantKind::kF32; break;
-    default:
-      return Status::InvalidArgument(who + ": dtype " + std::string(DTypeName(weight.dtype)) +
-                                     " cannot be quantized (BF16, F16 or F32 only)");
-  }
-  DS_RETURN_IF_ERROR(CheckTensor(weight, "weight", Place::kDevice, device).status());
-  if (weight.shape.size() != 2 || weight.shape[0] < 1 || weight.shape[1] < 1) {
-    return Status::InvalidArgument(who + ": quantizing takes a 2-D weight with elements, not " +
-                                   ShapeToString(weight.shape));
-  }
+  DS_ASSIGN_OR_RETURN(QuantSetup q, CheckQuantWeight(ws, recipe, weight));
   DS_ASSIGN_OR_RETURN(const MemoryKind code_kind,
                       CheckTensor(code_snapshot, "code snapshot", Place::kDeviceOrPinned, device));
   DS_ASSIGN_OR_RETURN(const MemoryKind scale_kind, CheckTensor(scale_snapshot, "scale snapshot",
                                                                Place::kDeviceOrPinned, device));
-  const int64_t rows = weight.shape[0], cols = weight.shape[1];
-  DS_ASSIGN_OR_RETURN(const std::vector<int64_t> scale_shape, QuantScaleShape(recipe, rows, cols));
-  const DType scale_dtype = QuantScaleDType(recipe.scale_format);
   if (code_snapshot.dtype != DType::kF8_E4M3 || code_snapshot.shape != weight.shape) {
     return Status::InvalidArgument(
         who + ": its code snapshot is " + std::string(DTypeName(code_snapshot.dtype)) + " " +
         ShapeToString(code_snapshot.shape) + ", not F8_E4M3 " + ShapeToString(weight.shape));
   }
-  if (scale_snapshot.dtype != scale_dtype || scale_snapshot.shape != scale_shape) {
+  if (scale_snapshot.dtype != q.scale_dtype || scale_snapshot.shape != q.scale_shape) {
     return Status::InvalidArgument(
         who + ": its scale snapshot is " + std::string(DTypeName(scale_snapshot.dtype)) + " " +
         ShapeToString(scale_snapshot.shape) + ", the recipe's scales " +
-        std::string(DTypeName(scale_dtype)) + " " + ShapeToString(scale_shape));
+        std::string(DTypeName(q.scale_dtype)) + " " + ShapeToString(q.scale_shape));
   }
   const uint64_t numel = weight.numel();
-  const uint64_t groups = static_cast<uint64_t>(scale_shape[0]) *
-                          static_cast<uint64_t>(scale_shape.size() > 1 ? scale_shape[1] : 1);
   // Both outputs are checked before any kernel runs: a refusal writes
   // nothing.
-  const uint32_t scale_size = static_cast<uint32_t>(DTypeSize(scale_dtype));
+  const uint32_t scale_size = static_cast<uint32_t>(DTypeSize(q.scale_dtype));
   DS_RETURN_IF_ERROR(CheckDiffOutput(weight.name, code_out, numel, 1, device));
   DS_RETURN_IF_ERROR(
-      CheckDiffOutput(weight.name + " scales", scale_out, groups, scale_size, device));
-
-  // Scratch: amax bits, inverses and the current scales, one 4-byte slot
-  // each per group.
-  WorkspaceImpl& impl = Impl(ws);
-  DS_ASSIGN_OR_RETURN(uint8_t * scratch, impl.QuantScratch(RoundUp(groups, 64) * 12));
-  const uint64_t slots = RoundUp(groups, 64) * 4;
-  load.weight = weight.data;
-  load.aligned16 = Aligned16(weight.data);
-  load.scheme = static_cast<uint32_t>(recipe.scheme);
-  load.cols = static_cast<uint64_t>(cols);
-  load.scale_cols = static_cast<uint64_t>(scale_shape.size() > 1 ? scale_shape[1] : 1);
-  load.inv = reinterpret_cast<const float*>(scratch + slots);
-  internal::QuantScaleLaunch scales;
-  scales.load = load;
-  scales.rows = static_cast<uint64_t>(rows);
-  scales.scale_format = static_cast<uint32_t>(recipe.scale_format);
-  scales.groups = groups;
-  scales.amax_bits = reinterpret_cast<unsigned int*>(scratch);
-  scales.inv = reinterpret_cast<float*>(scratch + slots);
-  scales.scales = scratch + 2 * slots;
-  scales.results = impl.results();
-  scales.stream = AsStream(weight.stream);
-  DS_CUDA_RETURN(internal::LaunchQuantScales(scales), "quantize " + who);
-  DS_ASSIGN_OR_RETURN(const Results flag, impl.Fetch(scales.stream));
-  if (flag.count != 0) {
-    return Status::InvalidArgument(who + ": holds a NaN or an infinity; nothing was quantized");
-  }
-
+      CheckDiffOutput(weight.name + " scales", scale_out, q.groups, scale_size, device));
+  DS_RETURN_IF_ERROR(RunQuantScales(ws, recipe, weight, &q));
   QuantDiffResult result;
   DS_ASSIGN_OR_RETURN(result.codes, RunDiff(ws, weight.name, nullptr, weight.stream, code_snapshot,
-                                            code_kind, numel, 1, code_out, load));
+                                            code_kind, numel, 1, code_out, q.load));
   DS_ASSIGN_OR_RETURN(result.scales,
-                      RunDiff(ws, weight.name + " scales", scales.scales, weight.stream,
-                              scale_snapshot, scale_kind, groups, scale_size, scale_out, {}));
+                      RunDiff(ws, weight.name + " scales", q.scales, weight.stream, scale_snapshot,
+                              scale_kind, q.groups, scale_size, scale_out, {}));
   return result;
+}
+
+Status QuantizeOnDevice(Workspace& ws, const QuantRecipe& recipe, const DeviceTensor& weight,
+                        void* codes, void* scales) {
+  DS_ASSIGN_OR_RETURN(QuantSetup q, CheckQuantWeight(ws, recipe, weight));
+  const uint32_t scale_size = static_cast<uint32_t>(DTypeSize(q.scale_dtype));
+  DS_RETURN_IF_ERROR(CheckDevicePointer(codes, weight.name, "codes", 1, ws.device()));
+  DS_RETURN_IF_ERROR(CheckDevicePointer(scales, weight.name, "scales", scale_size, ws.device()));
+  DS_RETURN_IF_ERROR(RunQuantScales(ws, recipe, weight, &q));
+  const std::string what = "quantize " + Quoted(weight.name);
+  const cudaStream_t stream = AsStream(weight.stream);
+  DS_CUDA_RETURN(
+      internal::LaunchQuantEncode(q.load, weight.numel(), static_cast<uint8_t*>(codes), stream),
+      what);
+  DS_CUDA_RETURN(
+      cudaMemcpyAsync(scales, q.scales, q.groups * scale_size, cudaMemcpyDeviceToDevice, stream),
+      what);
+  DS_CUDA_RETURN(cudaStreamSynchronize(stream), what);
+  return Status::OK();
 }
 
 namespace {

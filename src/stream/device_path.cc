@@ -53,6 +53,9 @@ Result<std::unique_ptr<DeviceBatch>> DeviceBatch::Create(DeviceContext& ctx) {
 Result<std::unique_ptr<HostFrameUpload>> HostFrameUpload::Create(DeviceContext& ctx) {
   return NotBuilt("a frame on CUDA device " + std::to_string(ctx.device()));
 }
+Result<std::unique_ptr<DeviceQuantized>> DeviceQuantized::Create(DeviceContext& ctx) {
+  return NotBuilt("a weight quantized on CUDA device " + std::to_string(ctx.device()));
+}
 
 #else
 
@@ -843,7 +846,54 @@ class UploadImpl final : public HostFrameUpload {
   cuda::Buffer device_;
 };
 
+class QuantizedImpl final : public DeviceQuantized {
+ public:
+  explicit QuantizedImpl(ContextImpl& ctx) : ctx_(ctx) {}
+
+  Status Quantize(const QuantRecipe& recipe, const std::string& name, DType dtype,
+                  std::span<const int64_t> shape, const uint8_t* weight, void* stream) override {
+    if (shape.size() != 2) {
+      return Status::InvalidArgument(Quoted(name) + ": quantizing takes a 2-D weight");
+    }
+    DS_ASSIGN_OR_RETURN(const std::vector<int64_t> scale_shape,
+                        QuantScaleShape(recipe, shape[0], shape[1]));
+    uint64_t groups = 1;
+    for (int64_t d : scale_shape) groups *= static_cast<uint64_t>(d);
+    const uint64_t numel = static_cast<uint64_t>(shape[0]) * static_cast<uint64_t>(shape[1]);
+    codes_bytes_ = numel;
+    scales_bytes_ = groups * DTypeSize(QuantScaleDType(recipe.scale_format));
+    // Exactly the sizes: a weight keeps its shape from sync to sync.
+    DS_RETURN_IF_ERROR(Exactly(&codes_, codes_bytes_));
+    DS_RETURN_IF_ERROR(Exactly(&scales_, scales_bytes_));
+    cuda::DeviceTensor t;
+    t.name = name;
+    t.dtype = dtype;
+    t.shape.assign(shape.begin(), shape.end());
+    t.data = const_cast<uint8_t*>(weight);
+    t.stream = stream;
+    return cuda::QuantizeOnDevice(ctx_.ws(), recipe, t, codes_.data(), scales_.data());
+  }
+  Status Exactly(cuda::Buffer* buffer, uint64_t bytes) {
+    if (buffer->size() == bytes) return Status::OK();
+    *buffer = cuda::Buffer();
+    DS_ASSIGN_OR_RETURN(*buffer, cuda::Buffer::Device(bytes, ctx_.device()));
+    return Status::OK();
+  }
+  std::span<const uint8_t> codes() const override { return {Bytes(codes_), codes_bytes_}; }
+  std::span<const uint8_t> scales() const override { return {Bytes(scales_), scales_bytes_}; }
+  uint64_t buffer_bytes() const override { return codes_.size() + scales_.size(); }
+
+ private:
+  ContextImpl& ctx_;
+  cuda::Buffer codes_, scales_;
+  uint64_t codes_bytes_ = 0, scales_bytes_ = 0;
+};
+
 }  // namespace
+
+Result<std::unique_ptr<DeviceQuantized>> DeviceQuantized::Create(DeviceContext& ctx) {
+  return std::unique_ptr<DeviceQuantized>(new QuantizedImpl(Impl(ctx)));
+}
 
 Result<std::unique_ptr<DeviceContext>> DeviceContext::Create(int cuda_device) {
   DS_ASSIGN_OR_RETURN(std::unique_ptr<cuda::Workspace> ws, cuda::Workspace::Create(cuda_device));

@@ -27,6 +27,7 @@
 
 #include "deltasync/diff.h"
 #include "deltasync/dtype.h"
+#include "deltasync/quantize.h"
 #include "deltasync/status.h"
 #include "deltasync/stream.h"
 #include "stream/frame.h"
@@ -47,6 +48,26 @@ class DeviceContext {
   virtual ~DeviceContext() = default;
   virtual int device() const = 0;
   // Device and pinned host bytes held.
+  virtual uint64_t buffer_bytes() const = 0;
+};
+
+// A weight in device memory sent as FP8 (SenderOptions::quantize): its
+// codes and scales, held on its device and quantized there at each sync
+// (cuda::QuantizeOnDevice).
+class DeviceQuantized {
+ public:
+  // Unsupported without CUDA.
+  static Result<std::unique_ptr<DeviceQuantized>> Create(DeviceContext& ctx);
+  virtual ~DeviceQuantized() = default;
+  // Quantizes the [shape[0], shape[1]] weight of `dtype` at `weight`
+  // (device memory of the context's device; work ordered on `stream`) into
+  // codes() and scales(), growing them as needed. Returns when they hold
+  // it. InvalidArgument naming `name` for a weight the recipe cannot take.
+  virtual Status Quantize(const QuantRecipe& recipe, const std::string& name, DType dtype,
+                          std::span<const int64_t> shape, const uint8_t* weight, void* stream) = 0;
+  // Device memory: the codes (rows * cols bytes) and the scales.
+  virtual std::span<const uint8_t> codes() const = 0;
+  virtual std::span<const uint8_t> scales() const = 0;
   virtual uint64_t buffer_bytes() const = 0;
 };
 

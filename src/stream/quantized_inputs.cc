@@ -14,7 +14,8 @@ std::string Quoted(std::string_view name) { return "tensor '" + std::string(name
 }  // namespace
 
 Result<std::span<const SyncTensor>> QuantizedInputs::Expand(std::span<const SyncTensor> tensors,
-                                                            ThreadPool* pool) {
+                                                            ThreadPool* pool,
+                                                            const DeviceFor& device_for) {
   if (sends_.empty()) return tensors;
   struct Job {
     const SyncTensor* tensor;
@@ -34,12 +35,6 @@ Result<std::span<const SyncTensor>> QuantizedInputs::Expand(std::span<const Sync
     const QuantRecipe& recipe = send->second.recipe;
     Status recipe_ok = CheckQuantRecipe(recipe);
     if (!recipe_ok.ok()) return recipe_ok.WithContext(Quoted(t.name));
-    if (t.place.on_device()) {
-      return Status::InvalidArgument(Quoted(t.name) +
-                                     ": quantized before it is sent, which takes a weight in "
-                                     "host memory (copy it to the host, or quantize it on the "
-                                     "device and send the codes and scales)");
-    }
     if (t.shape.size() != 2 || t.shape[0] < 1 || t.shape[1] < 1) {
       return Status::InvalidArgument(Quoted(t.name) + ": quantizing takes a 2-D weight with " +
                                      "elements, not " + ShapeToString(t.shape));
@@ -58,23 +53,38 @@ Result<std::span<const SyncTensor>> QuantizedInputs::Expand(std::span<const Sync
                         QuantScaleShape(recipe, t.shape[0], t.shape[1]));
     const DType scale_dtype = QuantScaleDType(recipe.scale_format);
     Buffers& b = buffers_[t.name];
-    b.codes.resize(numel);
-    int64_t groups = 1;
-    for (int64_t d : scale_shape) groups *= d;  // [1] for a per-tensor scale
-    b.scales.resize(static_cast<size_t>(groups) * DTypeSize(scale_dtype));
-    jobs.push_back({&t, &recipe, &b});
+    std::span<const uint8_t> codes_bytes, scale_bytes;
+    if (t.place.on_device()) {
+      // On its device, now, one after the other (the kernels fill the GPU).
+      if (!b.device) {
+        DS_ASSIGN_OR_RETURN(DeviceContext * ctx, device_for(t.place.cuda_device, Quoted(t.name)));
+        DS_ASSIGN_OR_RETURN(b.device, DeviceQuantized::Create(*ctx));
+      }
+      DS_RETURN_IF_ERROR(
+          b.device->Quantize(recipe, t.name, t.dtype, t.shape, t.data.data(), t.place.cuda_stream));
+      codes_bytes = b.device->codes();
+      scale_bytes = b.device->scales();
+    } else {
+      b.codes.resize(numel);
+      int64_t groups = 1;
+      for (int64_t d : scale_shape) groups *= d;  // [1] for a per-tensor scale
+      b.scales.resize(static_cast<size_t>(groups) * DTypeSize(scale_dtype));
+      jobs.push_back({&t, &recipe, &b});
+      codes_bytes = b.codes;
+      scale_bytes = b.scales;
+    }
     SyncTensor codes;
     codes.name = t.name;
     codes.dtype = DType::kF8_E4M3;
     codes.shape = t.shape;
-    codes.data = b.codes;
+    codes.data = codes_bytes;
     codes.place = t.place;
     expanded_.push_back(std::move(codes));
     SyncTensor scales;
     scales.name = send->second.scale_name.empty() ? t.name + "_scale_inv" : send->second.scale_name;
     scales.dtype = scale_dtype;
     scales.shape = scale_shape;
-    scales.data = b.scales;
+    scales.data = scale_bytes;
     scales.place = t.place;
     expanded_.push_back(std::move(scales));
   }
@@ -105,7 +115,9 @@ Result<std::span<const SyncTensor>> QuantizedInputs::Expand(std::span<const Sync
 
 uint64_t QuantizedInputs::buffer_bytes() const {
   uint64_t bytes = 0;
-  for (const auto& [name, b] : buffers_) bytes += b.codes.capacity() + b.scales.capacity();
+  for (const auto& [name, b] : buffers_) {
+    bytes += b.codes.capacity() + b.scales.capacity() + (b.device ? b.device->buffer_bytes() : 0);
+  }
   return bytes;
 }
 

@@ -584,7 +584,10 @@ Result<SyncStats> Sender::SyncAlone(std::span<const SyncTensor> given) {
   const Clock::time_point start = Clock::now();
   if (sharded_) return Status::FailedPrecondition("a sharded sender syncs with SyncShards");
   // Tensors sent quantized become their codes and scales here.
-  DS_ASSIGN_OR_RETURN(const std::span<const SyncTensor> tensors, quantized_.Expand(given, Pool()));
+  DS_ASSIGN_OR_RETURN(const std::span<const SyncTensor> tensors,
+                      quantized_.Expand(given, Pool(), [this](int device, const std::string& what) {
+                        return DeviceFor(device, what);
+                      }));
   const double quantize_s = std::chrono::duration<double>(Clock::now() - start).count();
   std::vector<TensorMeta> metas;
   for (const SyncTensor& x : tensors) {

@@ -830,6 +830,14 @@ void CheckQuantizeDiff(Workspace& ws, std::mt19937_64& rng, const QuantRecipe& r
   ASSERT_TRUE(again.ok()) << again.status().ToString();
   EXPECT_EQ(again->codes.count, 0u);
   EXPECT_EQ(again->scales.count, 0u);
+
+  // The quantization alone, into fresh (poisoned) buffers.
+  DeviceCopy fresh_codes = ToDevice(std::vector<uint8_t>(n, 0xA5), 0);
+  DeviceCopy fresh_scales = ToDevice(std::vector<uint8_t>(q1.scales.size(), 0xA5), 0);
+  const Status s = QuantizeOnDevice(ws, recipe, weight_t, fresh_codes.data, fresh_scales.data);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(ToHost(fresh_codes.data, n), q1.codes) << "QuantizeOnDevice codes";
+  EXPECT_EQ(ToHost(fresh_scales.data, q1.scales.size()), q1.scales) << "QuantizeOnDevice scales";
 }
 
 const QuantRecipe kRecipes[] = {{QuantScheme::kBlock128, ScaleFormat::kF32},
@@ -886,6 +894,9 @@ TEST_F(CudaTest, QuantizeDiffRefusesNonFiniteWeightsAndBadSnapshotsAndWritesNoth
   wrong_codes.shape = {300, 200};
   got = QuantizeDiffOnDevice(*ws_, recipe, weight_t, wrong_codes, scales_t, code_out, scale_out);
   EXPECT_EQ(got.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(QuantizeOnDevice(*ws_, recipe, weight_t, codes.data, scales.data).code(),
+            StatusCode::kInvalidArgument);  // the NaN
+  EXPECT_EQ(ToHost(codes.data, n), q.codes);
   got = QuantizeDiffOnDevice(*ws_, {QuantScheme::kPerTensor, ScaleFormat::kUe8m0}, weight_t,
                              codes_t, scales_t, code_out, scale_out);
   EXPECT_EQ(got.status().code(), StatusCode::kInvalidArgument);

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -23,6 +24,7 @@
 #include "deltasync/checksum.h"
 #include "deltasync/cuda.h"
 #include "deltasync/diff.h"
+#include "deltasync/quantize.h"
 #include "deltasync/stream.h"
 #include "stream/device_path.h"
 #include "stream/frame.h"
@@ -369,6 +371,86 @@ TEST_F(StreamCudaTest, ATensorOfSeveralDiffChunksStaysBitExact) {
     EXPECT_EQ(Snapshots(*sender, m), m.bytes) << "step " << step;
   }
   Finish(sender, {&r});
+}
+
+// A sender given BF16 weights in device memory and a recipe for each
+// (SenderOptions::quantize) quantizes them on the GPU and sends their FP8
+// codes and scales: receivers in host and in device memory hold, after
+// every sync, exactly what the CPU quantizer makes of the weights.
+TEST_F(StreamCudaTest, DeviceWeightsSentQuantizedEqualTheCpuQuantizer) {
+  size_ = 3;
+  const QuantRecipe recipe{QuantScheme::kBlock128, ScaleFormat::kUe8m0};
+  const std::vector<std::vector<int64_t>> shapes = {{300, 200}, {129, 640}};
+  std::vector<Model::Spec> specs;
+  SenderOptions o;
+  o.bucket_bytes = 64 << 10;
+  for (size_t t = 0; t < shapes.size(); ++t) {
+    const std::string name = "layers." + std::to_string(t) + ".up_proj.weight";
+    specs.emplace_back(name, DType::kF8_E4M3, shapes[t]);
+    specs.emplace_back(name + "_scale_inv", DType::kF8_E8M0,
+                       *QuantScaleShape(recipe, shapes[t][0], shapes[t][1]));
+    o.quantize[name] = {recipe, ""};
+  }
+  specs.emplace_back("norm.weight", DType::kBF16, std::vector<int64_t>{64});
+  Model want = Model::Make(21, specs);
+  std::mt19937_64 rng(21);
+  std::normal_distribution<float> init(0.0f, 0.02f);
+  std::vector<std::vector<uint16_t>> weights;
+  std::vector<cuda::Buffer> device;
+  std::vector<SyncTensor> given;
+  for (size_t t = 0; t < shapes.size(); ++t) {
+    std::vector<uint16_t>& w = weights.emplace_back(shapes[t][0] * shapes[t][1]);
+    for (uint16_t& x : w) x = static_cast<uint16_t>(std::bit_cast<uint32_t>(init(rng)) >> 16);
+    Result<cuda::Buffer> b = cuda::Buffer::Device(w.size() * 2);
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    device.push_back(std::move(*b));
+    given.push_back({std::get<0>(specs[2 * t]),
+                     DType::kBF16,
+                     shapes[t],
+                     {static_cast<const uint8_t*>(device.back().data()), w.size() * 2},
+                     Placement::Cuda(0, stream_)});
+  }
+  given.push_back(want.tensors.back());  // on the host, as it is
+  std::unique_ptr<StreamSender> sender = MakeSender(o);
+  ReceiverRig on_host(want, Hold::kWhole, true, Factory(1));
+  ReceiverRig on_device(want, Hold::kWhole, false, Factory(2));
+  on_host.Start();
+  on_device.Start();
+  for (int step = 0; step < 4; ++step) {
+    for (size_t t = 0; t < shapes.size(); ++t) {
+      std::vector<uint16_t>& w = weights[t];
+      if (step > 0) {
+        for (int k = 0; k < 500; ++k) w[rng() % w.size()] ^= 1 + (rng() & 3);
+        w[step] = static_cast<uint16_t>(w[step] + 0x80);  // one binade up: a scale moves
+      }
+      ASSERT_TRUE(Fp8Quantize(recipe, {given[t].name, DType::kBF16, shapes[t]}, w.data(),
+                              want.bytes[2 * t].data(), want.bytes[2 * t + 1].data())
+                      .ok());
+      ASSERT_EQ(cudaMemcpy(device[t].data(), w.data(), w.size() * 2, cudaMemcpyHostToDevice),
+                cudaSuccess);
+    }
+    want.Rebind();
+    given.back() = want.tensors.back();
+    Result<SyncStats> r = sender->Sync(given);
+    ASSERT_TRUE(r.ok()) << "step " << step << ": " << r.status().ToString();
+    EXPECT_GT(r->quantize_s, 0.0);
+    EXPECT_TRUE(on_host.Matches(want).ok())
+        << "step " << step << ": " << on_host.Matches(want).ToString();
+    EXPECT_TRUE(on_device.Matches(want).ok())
+        << "step " << step << ": " << on_device.Matches(want).ToString();
+    if (step > 0) {
+      EXPECT_LT(r->sent_elements, want.bytes[0].size() / 2) << "a delta";
+    }
+  }
+  // A weight the recipe cannot take is refused by name; nothing is sent.
+  const uint16_t inf = 0x7F80;
+  ASSERT_EQ(cudaMemcpy(device[1].data(), &inf, 2, cudaMemcpyHostToDevice), cudaSuccess);
+  Result<SyncStats> bad = sender->Sync(given);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("'layers.1.up_proj.weight'"), std::string::npos)
+      << bad.status().ToString();
+  EXPECT_EQ(sender->committed_sync_id(), 4u);
+  Finish(sender, {&on_host, &on_device});
 }
 
 TEST_F(StreamCudaTest, MemoryThatIsNotWhereItsPlacementSaysIsRefusedByName) {
