@@ -89,7 +89,8 @@ Result<std::span<const SyncTensor>> QuantizedInputs::Expand(std::span<const Sync
     expanded_.push_back(std::move(scales));
   }
   if (found < sends_.size()) {
-    for (const auto& [name, send] : sends_) {
+    for (const auto& send : sends_) {
+      const std::string& name = send.first;
       if (std::none_of(tensors.begin(), tensors.end(),
                        [&](const SyncTensor& t) { return t.name == name; })) {
         return Status::NotFound(Quoted(name) +
