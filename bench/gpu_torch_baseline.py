@@ -39,8 +39,12 @@ def timed(fn, repeat):
 
 
 def per_block_cast_to_fp8(x):
-    """DeepGEMM's block quantization as vLLM (vllm/utils/deep_gemm.py) and
-    SGLang (srt/layers/quantization/fp8_utils.py) run it, ue8m0 scales."""
+    """DeepGEMM's block quantization as vLLM (vllm/utils/deep_gemm.py @
+    779d1fc154ee91e5decea00ab46e4ba6532c45e9) and SGLang
+    (python/sglang/srt/layers/quantization/fp8_utils.py @
+    6082c49139ac8f1c99a835840de73971faa15e8e) run it, ue8m0 scales: pad to
+    whole 128 x 128 blocks, amax clamped at 1e-4, / 448, rounded up to a
+    power of two, codes of x * (1 / scale)."""
     m, n = x.shape
     pm, pn = -(-m // 128) * 128, -(-n // 128) * 128
     padded = torch.zeros((pm, pn), dtype=x.dtype, device=x.device)
