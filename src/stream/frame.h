@@ -504,7 +504,9 @@ struct AppliedEntries {
 // of the memory they write rather than the frame's: entries next to each
 // other there form tasks balanced by their bytes, many small entries to a
 // task and a large one possibly alone, so that a frame of thousands of
-// small tensors costs about what the same bytes in a few tensors do. With
+// small tensors costs about what the same bytes in a few tensors do, and a
+// dense entry larger than a task is cut into pieces of a task's bytes (a
+// seed's frame of one large tensor is copied on every thread). With
 // `moves`, it is resized to the entries' count and moves[k] set to entry
 // k's digest move (the change ApplyEntry makes to a digest), for the
 // caller to add to each tensor's running digest; without it no digest is

@@ -280,7 +280,7 @@ AppliedEntries ApplyEntries(std::span<const FlushEntry> entries,
                                          U64(n) + " entries");
     return out;
   }
-  if (moves != nullptr) moves->resize(n);
+  if (moves != nullptr) moves->assign(n, StateDigest{});
   // The entries in the order of the memory they write (where each starts):
   // a frame lists a sender's tensors by name, which is not how a
   // receiver's small tensors lie, and a walk forwards through memory costs
@@ -293,51 +293,92 @@ AppliedEntries ApplyEntries(std::span<const FlushEntry> entries,
                 k};
   }
   if (!std::is_sorted(order.begin(), order.end())) std::sort(order.begin(), order.end());
-  // Each entry's elements written; a task's first failure (by entry index,
-  // n when none) and its error. Every entry is tried: one that fails
-  // writes nothing, and the caller learns of the first in the frame.
-  std::vector<uint64_t> written(n, 0);
+  const size_t threads = pool == nullptr ? 1 : pool->size() + 1;
+  uint64_t target = ~uint64_t{0};
+  if (threads > 1 && n > 0) {
+    uint64_t total = 0;
+    for (const FlushEntry& e : entries) total += EntryCost(e);
+    target = std::max(kMinTaskBytes, total / (threads * kTasksPerThread));
+  }
+  // What is applied, in memory order: whole entries, and a dense entry
+  // larger than a task in pieces of about a task's bytes (a seed's or a
+  // dense range's frame is one or a few large entries, which would
+  // otherwise each be copied on one thread). A piece is the entry over a
+  // sub-range of its elements; digest moves of disjoint ranges add up.
+  struct Piece {
+    size_t k = 0;
+    uint64_t first = 0, count = 0;  // of the entry's elements; count 0: whole
+  };
+  std::vector<Piece> pieces;
+  pieces.reserve(n);
+  for (const auto& [at, k] : order) {
+    const FlushEntry& e = entries[k];
+    const uint64_t w = DTypeSize(e.dtype);
+    const uint64_t bytes = e.count * w;
+    if (e.encoding != WireEncoding::kDense || !e.host_readable || bytes <= 2 * target ||
+        e.values.size() != bytes) {
+      pieces.push_back({k, 0, 0});
+      continue;
+    }
+    const uint64_t step = std::max<uint64_t>(1, target / w);
+    for (uint64_t lo = 0; lo < e.count; lo += step) {
+      pieces.push_back({k, e.first + lo, std::min(step, e.count - lo)});
+    }
+  }
+  // Each piece's elements written and digest move; a task's first failure
+  // (by entry index, n when none) and its error. Every entry is tried: one
+  // that fails writes nothing (a piece fails on the entry's own checks,
+  // before it writes, so all of an entry's pieces fail alike), and the
+  // caller learns of the first in the frame.
+  std::vector<uint64_t> written(pieces.size(), 0);
+  std::vector<StateDigest> piece_moves(moves != nullptr ? pieces.size() : 0);
   struct Task {
-    size_t begin = 0, end = 0;  // in `order`
+    size_t begin = 0, end = 0;  // in `pieces`
     size_t failed_at = 0;
     Status status;
   };
   const auto run = [&](Task& t) {
     t.failed_at = n;
     for (size_t i = t.begin; i < t.end; ++i) {
-      const size_t k = order[i].second;
-      StateDigest* move = nullptr;
-      if (moves != nullptr) {
-        move = &(*moves)[k];
-        *move = StateDigest{};
+      const Piece& piece = pieces[i];
+      const FlushEntry& whole = entries[piece.k];
+      FlushEntry part;
+      const FlushEntry* e = &whole;
+      if (piece.count > 0) {
+        const uint64_t w = DTypeSize(whole.dtype);
+        part = whole;
+        part.first = piece.first;
+        part.count = piece.count;
+        part.value_count = piece.count;
+        part.values = whole.values.subspan((piece.first - whole.first) * w, piece.count * w);
+        e = &part;
       }
-      Result<uint64_t> w = ApplyEntry(entries[k], *dests[k].map, dests[k].dest, move);
+      StateDigest* move = moves != nullptr ? &piece_moves[i] : nullptr;
+      Result<uint64_t> w = ApplyEntry(*e, *dests[piece.k].map, dests[piece.k].dest, move);
       if (w.ok()) {
-        written[k] = *w;
-      } else if (k < t.failed_at) {
-        t.failed_at = k;
+        written[i] = *w;
+      } else if (piece.k < t.failed_at) {
+        t.failed_at = piece.k;
         t.status = w.status();
       }
     }
   };
-  const size_t threads = pool == nullptr ? 1 : pool->size() + 1;
   std::vector<Task> tasks;
   const auto add_task = [&](size_t begin, size_t end) {
     tasks.emplace_back();
     tasks.back().begin = begin;
     tasks.back().end = end;
   };
-  if (threads == 1 || n <= 1) {
-    add_task(0, n);
+  if (threads == 1 || pieces.size() <= 1) {
+    add_task(0, pieces.size());
   } else {
-    uint64_t total = 0;
-    for (const FlushEntry& e : entries) total += EntryCost(e);
-    const uint64_t target = std::max(kMinTaskBytes, total / (threads * kTasksPerThread));
     uint64_t filled = 0;
     size_t begin = 0;
-    for (size_t i = 0; i < n; ++i) {
-      filled += EntryCost(entries[order[i].second]);
-      if (filled >= target || i + 1 == n) {
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const Piece& piece = pieces[i];
+      filled += piece.count > 0 ? piece.count * DTypeSize(entries[piece.k].dtype) + kEntryCostBytes
+                                : EntryCost(entries[piece.k]);
+      if (filled >= target || i + 1 == pieces.size()) {
         add_task(begin, i + 1);
         begin = i + 1;
         filled = 0;
@@ -356,7 +397,11 @@ AppliedEntries ApplyEntries(std::span<const FlushEntry> entries,
       out.failed = std::move(t.status);
     }
   }
-  for (size_t k = 0; k < out.applied; ++k) out.written += written[k];
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const size_t k = pieces[i].k;
+    if (moves != nullptr) (*moves)[k] += piece_moves[i];
+    if (k < out.applied) out.written += written[i];
+  }
   return out;
 }
 

@@ -1404,6 +1404,81 @@ TEST(Destination, ApplyEntriesReportsTheFirstEntryThatFails) {
   ExpectCode(refused.failed, StatusCode::kInvalidArgument, "0 destinations for 2002 entries");
 }
 
+// A frame of one large dense entry (a seed's) is cut into pieces across the
+// threads: the same bytes and digest move as one thread, through a map of
+// many runs (a partial receiver's rows, placed in another order), and a
+// refused entry writes none of its pieces.
+TEST(Destination, ApplyEntriesCutsALargeDenseEntryAcrossTheThreads) {
+  constexpr uint64_t kRows = 64, kCols = 4099, kNumel = kRows * kCols;
+  uint64_t seed = 5;
+  const Bytes before = RandomBytes(kNumel * 2, SplitMix(seed));
+  const Bytes after = RandomBytes(kNumel * 2, SplitMix(seed));
+  Bytes frame;
+  FlushWriter writer;
+  ASSERT_TRUE(writer.Begin({1}, uint64_t{1} << 22, &frame).ok());
+  const uint64_t first = 3 * kCols + 17, count = kNumel - first - 100;
+  const std::vector<int64_t> shape = {int64_t{kRows}, int64_t{kCols}};
+  const TensorRange range{"w", DType::kBF16, shape, first, count};
+  Result<bool> added = writer.AddDense(range, std::span(after).subspan(2 * first, 2 * count));
+  ASSERT_TRUE(added.ok() && *added);
+  ASSERT_TRUE(writer.Finish().ok());
+  FlushReader reader;
+  ASSERT_TRUE(reader.Read(frame).ok());
+  ASSERT_EQ(reader.entries().size(), 1u);
+  // Every odd row, placed in reverse order in a destination of half the rows.
+  std::vector<DestinationRun> runs;
+  for (uint64_t r = 1; r < kRows; r += 2)
+    runs.push_back({r * kCols, kCols, (kRows - r) / 2 * kCols, 1});
+  const Result<DestinationMap> map = DestinationMap::Create(kNumel, runs);
+  ASSERT_TRUE(map.ok());
+  const auto place = [&](const Bytes& full) {
+    Bytes out(kNumel, 0);  // kRows / 2 rows of 2-byte elements
+    for (const DestinationRun& r : runs) {
+      std::memcpy(&out[2 * r.dest_offset], &full[2 * r.hf_first], 2 * r.count);
+    }
+    return out;
+  };
+  Bytes expect = place(before);
+  uint64_t held = 0;  // the entry's elements the map holds
+  for (const DestinationRun& r : runs) {
+    const uint64_t lo = std::max(first, r.hf_first),
+                   hi = std::min(first + count, r.hf_first + r.count);
+    if (lo >= hi) continue;
+    std::memcpy(&expect[2 * (r.dest_offset + lo - r.hf_first)], &after[2 * lo], 2 * (hi - lo));
+    held += hi - lo;
+  }
+  ASSERT_GT(held, 0u);
+  ThreadPool pool(3);
+  std::vector<StateDigest> one_thread;
+  for (ThreadPool* threads : {static_cast<ThreadPool*>(nullptr), &pool}) {
+    Bytes dest = place(before);
+    const EntryDestination to{&*map, dest};
+    std::vector<StateDigest> moves;
+    const AppliedEntries done = ApplyEntries(reader.entries(), {&to, 1}, threads, &moves);
+    ASSERT_TRUE(done.failed.ok()) << done.failed.ToString();
+    EXPECT_EQ(done.applied, 1u);
+    EXPECT_EQ(done.written, held);
+    EXPECT_EQ(dest, expect);
+    ASSERT_EQ(moves.size(), 1u);
+    EXPECT_EQ(moves[0],
+              *DigestDestination(*map, expect, 2) - *DigestDestination(*map, place(before), 2));
+    if (threads == nullptr) {
+      one_thread = moves;
+    } else {
+      EXPECT_EQ(moves, one_thread);
+    }
+  }
+  // A map for another element count: every piece refused, nothing written.
+  const DestinationMap wrong = DestinationMap::Whole(kNumel + 1);
+  Bytes dest = place(before);
+  const EntryDestination to{&wrong, dest};
+  const AppliedEntries refused = ApplyEntries(reader.entries(), {&to, 1}, &pool, nullptr);
+  EXPECT_EQ(refused.applied, 0u);
+  EXPECT_EQ(refused.written, 0u);
+  ExpectCode(refused.failed, StatusCode::kInvalidArgument, "its destination map");
+  EXPECT_EQ(dest, place(before));
+}
+
 // ---------------------------------------------------------------------------
 // The fuzz target's seed corpus (fuzz/corpus/flush_frame): frames from the
 // writer, behind the target's mode byte (0: as is; 1: the target rewrites
