@@ -37,7 +37,7 @@ from .errors import *  # noqa: F401,F403 - the exception classes
 from .errors import DeltasyncError, error_for_code
 from .store import LocalCheckpoint, Publisher, prune, versions
 from .stream import Group, ShardSpec, StreamReceiver, StreamSender, built_communicators
-from .stream import quantize_fp8_shard, shard_spec_from_dtensor
+from .stream import Fp8ShardQuantizer, quantize_fp8_shard, shard_spec_from_dtensor
 from .torch_group import TorchGroup
 
 __version__ = _deltasync.__version__
@@ -52,6 +52,7 @@ __all__ = [
     "Agent",
     "Changes",
     "DeltasyncError",
+    "Fp8ShardQuantizer",
     "Group",
     "LocalCheckpoint",
     "Prepared",

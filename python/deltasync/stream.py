@@ -407,3 +407,45 @@ def quantize_fp8_shard(group: Any, window: Any, windows: Sequence[Sequence[int]]
     return _deltasync.quantize_fp8_shard(
         group, arg(name, window), [list(map(int, w)) for w in windows],
         list(map(int, shape)), scheme, scale_format)
+
+
+class Fp8ShardQuantizer:
+    """:func:`quantize_fp8_shard` over one communicator, formed once.
+
+    ``quantize_fp8_shard`` forms a communicator over ``group`` at every
+    call (a rendezvous for a :class:`Group`); a trainer that quantizes every
+    weight at every step makes one ``Fp8ShardQuantizer(group)`` instead
+    (a collective: every rank of the group makes it) and calls
+    :meth:`quantize` for each weight, every rank the same weights in the
+    same order. Use it as a context manager, or :meth:`close` it. After
+    the communicator fails (a peer gone, a timeout) every later call fails
+    too: close it and make a new one."""
+
+    def __init__(self, group: Any):
+        self._impl = _deltasync.Fp8ShardQuantizer(group)
+
+    @property
+    def rank(self) -> int:
+        return self._impl.rank
+
+    @property
+    def size(self) -> int:
+        return self._impl.size
+
+    def quantize(self, window: Any, windows: Sequence[Sequence[int]], shape: Sequence[int],
+                 scheme: str = "block128", scale_format: str = "f32", *,
+                 name: str = "weight") -> tuple:
+        """What :func:`quantize_fp8_shard` returns, over this quantizer's
+        communicator; the same arguments but ``group``."""
+        return self._impl.quantize(
+            arg(name, window), [list(map(int, w)) for w in windows],
+            list(map(int, shape)), scheme, scale_format)
+
+    def close(self) -> None:
+        self._impl.close()
+
+    def __enter__(self) -> "Fp8ShardQuantizer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -502,14 +502,14 @@ class PyReceiver {
 
 ShardSpec Named(Result<ShardSpec> r) { return Take(std::move(r)); }
 
-// Rank `group`.rank's window of a sharded weight quantized as the whole
+// Rank `comm`.rank's window of a sharded weight quantized as the whole
 // weight would be (Fp8QuantizeShard): (codes of the window, scales of the
 // scale groups it touches, (row_begin, row_end, col_begin, col_end) of
 // those groups in the scale grid).
-py::tuple PyQuantizeFp8Shard(const py::object& group, const TensorArg& window,
-                             const std::vector<std::vector<int64_t>>& windows,
-                             const std::vector<int64_t>& shape, const std::string& scheme,
-                             const std::string& scale_format) {
+py::tuple QuantizeShardOver(Communicator& comm, const TensorArg& window,
+                            const std::vector<std::vector<int64_t>>& windows,
+                            const std::vector<int64_t>& shape, const std::string& scheme,
+                            const std::string& scale_format) {
   Check(window.Validate());
   Check(RequireHost(window, "quantize_fp8_shard"));
   const QuantRecipe recipe = ParseQuantRecipe(scheme, scale_format);
@@ -522,23 +522,10 @@ py::tuple PyQuantizeFp8Shard(const py::object& group, const TensorArg& window,
     if (w.size() != 4) bad("each window is (row_begin, row_end, col_begin, col_end)");
     bounds.push_back({nullptr, w[0], w[1], w[2], w[3]});
   }
-  const Connect connect = MakeConnect(group);
   const QuantTensor tensor{window.name, window.ParsedDType(), shape};
-  std::unique_ptr<Communicator> comm;
-  Status formed;
-  {
-    py::gil_scoped_release release;
-    Result<std::unique_ptr<Communicator>> made = connect.Factory()();
-    if (made.ok()) {
-      comm = std::move(made).value();
-    } else {
-      formed = made.status();
-    }
-  }
-  Check(formed);
-  const int me = comm->rank();
+  const int me = comm.rank();
   if (me < 0 || me >= static_cast<int>(bounds.size())) {
-    bad(std::to_string(bounds.size()) + " windows for a group of " + std::to_string(comm->size()));
+    bad(std::to_string(bounds.size()) + " windows for a group of " + std::to_string(comm.size()));
   }
   const QuantWindow& mine = bounds[me];
   if ((mine.row_end - mine.row_begin) * (mine.col_end - mine.col_begin) !=
@@ -556,9 +543,8 @@ py::tuple PyQuantizeFp8Shard(const py::object& group, const TensorArg& window,
   Status s;
   {
     py::gil_scoped_release release;
-    s = Fp8QuantizeShard(*comm, recipe, tensor, bounds, static_cast<uint8_t*>(codes.mutable_data()),
+    s = Fp8QuantizeShard(comm, recipe, tensor, bounds, static_cast<uint8_t*>(codes.mutable_data()),
                          scales.mutable_data());
-    comm.reset();
   }
   Check(s);
   return py::make_tuple(
@@ -566,11 +552,68 @@ py::tuple PyQuantizeFp8Shard(const py::object& group, const TensorArg& window,
       py::make_tuple(groups.row_begin, groups.row_end, groups.col_begin, groups.col_end));
 }
 
+// Forms `group`'s communicator (a collective), the GIL released.
+std::unique_ptr<Communicator> FormCommunicator(const py::object& group) {
+  const Connect connect = MakeConnect(group);
+  Result<std::unique_ptr<Communicator>> made = Status::Internal("not formed");
+  {
+    py::gil_scoped_release release;
+    made = connect.Factory()();
+  }
+  return Take(std::move(made));
+}
+
+py::tuple PyQuantizeFp8Shard(const py::object& group, const TensorArg& window,
+                             const std::vector<std::vector<int64_t>>& windows,
+                             const std::vector<int64_t>& shape, const std::string& scheme,
+                             const std::string& scale_format) {
+  std::unique_ptr<Communicator> comm = FormCommunicator(group);
+  py::tuple out = QuantizeShardOver(*comm, window, windows, shape, scheme, scale_format);
+  py::gil_scoped_release release;
+  comm.reset();
+  return out;
+}
+
+// Fp8ShardQuantizer: one communicator over the trainer's ranks, formed
+// once, for every weight of every step (quantize_fp8_shard forms one per
+// call).
+class ShardQuantizer {
+ public:
+  explicit ShardQuantizer(const py::object& group) : comm_(FormCommunicator(group)) {}
+
+  py::tuple Quantize(const TensorArg& window, const std::vector<std::vector<int64_t>>& windows,
+                     const std::vector<int64_t>& shape, const std::string& scheme,
+                     const std::string& scale_format) {
+    if (!comm_) {
+      Raise(Status::FailedPrecondition("Fp8ShardQuantizer is closed (make a new one)"));
+    }
+    return QuantizeShardOver(*comm_, window, windows, shape, scheme, scale_format);
+  }
+
+  void Close() {
+    std::unique_ptr<Communicator> comm = std::move(comm_);
+    py::gil_scoped_release release;
+    comm.reset();
+  }
+  int rank() const { return comm_ ? comm_->rank() : -1; }
+  int size() const { return comm_ ? comm_->size() : 0; }
+
+ private:
+  std::unique_ptr<Communicator> comm_;
+};
+
 }  // namespace
 
 void BindStream(py::module_& m) {
   m.def("quantize_fp8_shard", &PyQuantizeFp8Shard, py::arg("group"), py::arg("window"),
         py::arg("windows"), py::arg("shape"), py::arg("scheme"), py::arg("scale_format"));
+  py::class_<ShardQuantizer>(m, "Fp8ShardQuantizer")
+      .def(py::init<const py::object&>(), py::arg("group"))
+      .def("quantize", &ShardQuantizer::Quantize, py::arg("window"), py::arg("windows"),
+           py::arg("shape"), py::arg("scheme"), py::arg("scale_format"))
+      .def("close", &ShardQuantizer::Close)
+      .def_property_readonly("rank", &ShardQuantizer::rank)
+      .def_property_readonly("size", &ShardQuantizer::size);
   py::class_<ShardPiece>(m, "ShardPiece",
                          "A box or flat range of one checkpoint tensor inside a local tensor.")
       .def_readonly("hf_name", &ShardPiece::hf_name)

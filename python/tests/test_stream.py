@@ -573,6 +573,24 @@ def _quantize_shard_worker(rank, size, init):
             bad[5, 5] = np.nan
         with pytest.raises(ds.InvalidArgumentError):
             ds.quantize_fp8_shard(group, bad, windows, w.shape)
+        # One communicator for many weights and steps: the same bytes, a
+        # refusal on every rank that leaves it usable, then closed.
+        with ds.Fp8ShardQuantizer(group) as q:
+            assert (q.rank, q.size) == (rank, size)
+            for step in range(3):
+                v = w * (1 + step / 7)
+                for scheme, fmt in [("block128", "ue8m0"), ("per_channel", "f32")]:
+                    whole_codes, whole_scales = ds.quantize_fp8(v, scheme, fmt)
+                    codes, scales, (g0, g1, h0, h1) = q.quantize(
+                        np.ascontiguousarray(v[r0:r1, c0:c1]), windows, v.shape, scheme, fmt)
+                    assert np.array_equal(codes, whole_codes[r0:r1, c0:c1]), (step, scheme, rank)
+                    grid = whole_scales.reshape(whole_scales.shape[0], -1)
+                    assert np.array_equal(scales, grid[g0:g1, h0:h1]), (step, scheme, rank)
+                if step == 1:
+                    with pytest.raises(ds.InvalidArgumentError, match="NaN|rank 2"):
+                        q.quantize(bad, windows, w.shape)
+        with pytest.raises(ds.FailedPreconditionError, match="closed"):
+            q.quantize(bad, windows, w.shape)
     finally:
         dist.destroy_process_group()
 
