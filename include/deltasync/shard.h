@@ -175,4 +175,23 @@ Status Fp8QuantizeShard(Communicator& trainer_group, const QuantRecipe& recipe,
                         const QuantTensor& tensor, std::span<const QuantWindow> windows,
                         uint8_t* codes, void* scales);
 
+// What rank `rank` passes a sharded sender (StreamSender::SyncShards) for
+// the codes and scales Fp8QuantizeShard gave it: `codes`, its window of the
+// F8_E4M3 [M, N] tensor named tensor.name (a box); `scales`, the scale
+// groups its window touches (Fp8WindowGroups: the local tensor is that
+// rectangle of the grid, [rows, cols], or [1] for a per-tensor scale) of
+// the scale tensor named `scale_name` (QuantScaleDType, QuantScaleShape).
+// A group that several windows touch is sent by the lowest of those ranks
+// only: its pieces on the others do not contribute. Across the ranks the
+// specs cover the codes and the scales once each. InvalidArgument as
+// Fp8QuantizeShard refuses windows (naming the rank), for a rank outside
+// them, and for a scale name that is empty or the weight's.
+struct Fp8ShardSpecs {
+  ShardSpec codes;
+  ShardSpec scales;
+};
+Result<Fp8ShardSpecs> Fp8ShardSpecsOf(const QuantRecipe& recipe, const QuantTensor& tensor,
+                                      std::span<const QuantWindow> windows, int rank,
+                                      const std::string& scale_name);
+
 }  // namespace deltasync

@@ -37,7 +37,8 @@ from .errors import *  # noqa: F401,F403 - the exception classes
 from .errors import DeltasyncError, error_for_code
 from .store import LocalCheckpoint, Publisher, prune, versions
 from .stream import Group, ShardSpec, StreamReceiver, StreamSender, built_communicators
-from .stream import Fp8ShardQuantizer, quantize_fp8_shard, shard_spec_from_dtensor
+from .stream import (Fp8ShardQuantizer, fp8_shard_specs, quantize_fp8_shard,
+                     shard_spec_from_dtensor)
 from .torch_group import TorchGroup
 
 __version__ = _deltasync.__version__
@@ -70,6 +71,7 @@ __all__ = [
     "dtype_size",
     "encode",
     "encodings",
+    "fp8_shard_specs",
     "error_for_code",
     "prepare",
     "prune",

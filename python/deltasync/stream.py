@@ -19,10 +19,18 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from . import _deltasync
 from ._closing import Closing
-from ._tensors import arg, dtype_name, is_torch, named, tensor_args
+from ._tensors import Raw, arg, dtype_name, is_torch, named, tensor_args
 from .errors import InvalidArgumentError, UnsupportedError
 
 ShardSpec = _deltasync.ShardSpec
+
+
+# FP8 dtypes a uint8 array stands for in sync_shards (a shard spec's dtype).
+_FP8_NAMES = frozenset({"F8_E4M3", "F8_E5M2", "F8_E8M0"})
+
+
+def _is_uint8(t: Any) -> bool:
+    return str(getattr(t, "dtype", "")) in ("uint8", "torch.uint8")
 
 
 @dataclasses.dataclass
@@ -182,7 +190,8 @@ class StreamSender(Closing):
         it). ``model`` is the whole model: ``{name: (dtype, shape)}`` or
         (name, dtype, shape) triples, the same on every rank; ``shards`` are
         this rank's (ShardSpec, local tensor) pairs (host or CUDA tensors; a
-        CUDA shard is diffed on its GPU)."""
+        CUDA shard is diffed on its GPU). A uint8 tensor stands for the
+        bytes of a spec's FP8 dtype (:func:`fp8_shard_specs`)."""
         if isinstance(model, Mapping):
             entries = [(n, d, list(s)) for n, (d, s) in model.items()]
         else:
@@ -195,6 +204,10 @@ class StreamSender(Closing):
                     f"sync_shards: expected (ShardSpec, tensor) pairs, got {type(spec).__name__}"
                 )
             name = spec.pieces[0].hf_name if spec.pieces else "shard"
+            if spec.dtype in _FP8_NAMES and not isinstance(t, Raw) and _is_uint8(t):
+                # FP8 bytes from a library without float8 types
+                # (quantize_fp8_shard's codes and ue8m0 scales).
+                t = Raw(t, spec.dtype)
             keep.append(t)
             pairs.append((spec, arg(name, t)))
         stats = self._live().sync_shards(entries, pairs)
@@ -407,6 +420,25 @@ def quantize_fp8_shard(group: Any, window: Any, windows: Sequence[Sequence[int]]
     return _deltasync.quantize_fp8_shard(
         group, arg(name, window), [list(map(int, w)) for w in windows],
         list(map(int, shape)), scheme, scale_format)
+
+
+def fp8_shard_specs(name: str, windows: Sequence[Sequence[int]], shape: Sequence[int],
+                    rank: int, scheme: str = "block128", scale_format: str = "f32",
+                    scale_name: Optional[str] = None) -> tuple:
+    """The :class:`ShardSpec` pair that rank ``rank`` passes
+    :meth:`StreamSender.sync_shards` with the ``codes`` and ``scales`` that
+    :func:`quantize_fp8_shard` (or :class:`Fp8ShardQuantizer`) gave it for
+    the weight ``name`` of ``shape``, with the same ``windows``, ``scheme``
+    and ``scale_format``: ``(codes_spec, scales_spec)``. The codes travel as
+    the ``F8_E4M3`` tensor ``name``, the scales as ``scale_name`` (default
+    ``name + "_scale_inv"``, as the engines' checkpoints name them). A scale
+    group that several ranks' windows touch is sent by the lowest of them
+    only, so every code and scale is sent once across the ranks; receivers
+    register ``name`` as ``F8_E4M3`` of ``shape`` and ``scale_name`` as the
+    recipe's scale tensor (the shape :func:`quantize_fp8` returns)."""
+    return _deltasync.fp8_shard_specs(
+        name, [list(map(int, w)) for w in windows], list(map(int, shape)), int(rank), scheme,
+        scale_format, scale_name if scale_name is not None else name + "_scale_inv")
 
 
 class Fp8ShardQuantizer:

@@ -574,6 +574,28 @@ py::tuple PyQuantizeFp8Shard(const py::object& group, const TensorArg& window,
   return out;
 }
 
+// The ShardSpecs of rank `rank`'s codes and scales (Fp8ShardSpecsOf).
+py::tuple PyFp8ShardSpecs(const std::string& name, const std::vector<std::vector<int64_t>>& windows,
+                          const std::vector<int64_t>& shape, int rank, const std::string& scheme,
+                          const std::string& scale_format, const std::string& scale_name) {
+  const QuantRecipe recipe = ParseQuantRecipe(scheme, scale_format);
+  if (shape.size() != 2) {
+    Raise(Status::InvalidArgument("tensor '" + name + "': the weight's shape must be 2-D"));
+  }
+  std::vector<QuantWindow> bounds;
+  for (const std::vector<int64_t>& w : windows) {
+    if (w.size() != 4) {
+      Raise(Status::InvalidArgument("tensor '" + name +
+                                    "': each window is (row_begin, row_end, col_begin, col_end)"));
+    }
+    bounds.push_back({nullptr, w[0], w[1], w[2], w[3]});
+  }
+  // The dtype only decides which elements a window reads; any will do.
+  const QuantTensor tensor{name, DType::kBF16, shape};
+  Fp8ShardSpecs specs = Take(Fp8ShardSpecsOf(recipe, tensor, bounds, rank, scale_name));
+  return py::make_tuple(std::move(specs.codes), std::move(specs.scales));
+}
+
 // Fp8ShardQuantizer: one communicator over the trainer's ranks, formed
 // once, for every weight of every step (quantize_fp8_shard forms one per
 // call).
@@ -607,6 +629,8 @@ class ShardQuantizer {
 void BindStream(py::module_& m) {
   m.def("quantize_fp8_shard", &PyQuantizeFp8Shard, py::arg("group"), py::arg("window"),
         py::arg("windows"), py::arg("shape"), py::arg("scheme"), py::arg("scale_format"));
+  m.def("fp8_shard_specs", &PyFp8ShardSpecs, py::arg("name"), py::arg("windows"), py::arg("shape"),
+        py::arg("rank"), py::arg("scheme"), py::arg("scale_format"), py::arg("scale_name"));
   py::class_<ShardQuantizer>(m, "Fp8ShardQuantizer")
       .def(py::init<const py::object&>(), py::arg("group"))
       .def("quantize", &ShardQuantizer::Quantize, py::arg("window"), py::arg("windows"),

@@ -343,6 +343,72 @@ def test_sharded_trainer_two_ranks(tmp_path):
 
     sync_two_trainer_ranks(tmp_path, w, spec, 3, shards_of, step)
 
+def test_sharded_fp8_two_ranks_send_every_code_and_scale_once(tmp_path):
+    """Two trainer ranks hold halves of a BF16 weight split through a 128-row
+    block; each quantizes its half with Fp8ShardQuantizer and sends codes
+    and scales with fp8_shard_specs: the receiver holds quantize_fp8 of the
+    whole weight at every step."""
+    g = torch.Generator().manual_seed(9)
+    shape = (300, 200)
+    w = (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+    windows = [(0, 150, 0, 200), (150, 300, 0, 200)]
+    syncs, errors = 3, []
+    steps = [w.clone()]
+    for k in range(1, syncs):
+        nxt = steps[-1].clone()
+        nxt += (torch.randn(*shape, generator=g) * 1e-3).to(torch.bfloat16)
+        nxt[140 + k] *= 4  # the shared block's scale moves
+        steps.append(nxt)
+    held = {"w": torch.zeros(*shape, dtype=torch.uint8),
+            "w_scale_inv": torch.zeros(3, 2, dtype=torch.uint8)}
+    dtypes = {"w": "F8_E4M3", "w_scale_inv": "F8_E8M0"}
+    model = {n: (dtypes[n], list(t.shape)) for n, t in held.items()}
+    received = []
+    stream = "file:" + str(tmp_path / "stream")
+    trainers = "file:" + str(tmp_path / "trainers")
+    quant = "file:" + str(tmp_path / "quant")
+
+    def receiver(r):
+        with ds.StreamReceiver(ds.Group(stream, 1, 2, timeout_s=30)) as rx:
+            for n, t in held.items():
+                rx.register(n, t, runs=[(0, t.numel(), 0, 1)], shape=list(t.shape),
+                            dtype=dtypes[n])
+            for _ in range(syncs):
+                rx.receive()
+                received.append({n: t.clone() for n, t in held.items()})
+
+    def trainer(rank):
+        r0, r1, c0, c1 = windows[rank]
+        codes_spec, scales_spec = ds.fp8_shard_specs("w", windows, shape, rank,
+                                                     "block128", "ue8m0")
+        group = ds.Group(stream, 0, 2, timeout_s=30) if rank == 0 else None
+        with ds.Fp8ShardQuantizer(ds.Group(quant, rank, 2, timeout_s=30)) as q, \
+                ds.StreamSender(group, trainers=ds.Group(trainers, rank, 2, timeout_s=30)) as tx:
+            for k in range(syncs):
+                part = steps[k][r0:r1, c0:c1].float().numpy()
+                codes, scales, _ = q.quantize(part, windows, shape, "block128", "ue8m0")
+                tx.sync_shards(model, [(codes_spec, codes), (scales_spec, scales)])
+
+    ts = run_receivers(1, receiver, errors)
+    t1 = threading.Thread(target=lambda: _guard(lambda _: trainer(1), 1, errors))
+    t1.start()
+    trainer(0)
+    t1.join()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    assert len(received) == syncs
+    for k in range(syncs):
+        codes, scales = ds.quantize_fp8(steps[k].float().numpy(), "block128", "ue8m0")
+        assert received[k]["w"].numpy().tobytes() == codes.tobytes(), k
+        assert received[k]["w_scale_inv"].numpy().tobytes() == scales.tobytes(), k
+    # Rank 1's row of the shared block row is not its to send.
+    _, scales_spec = ds.fp8_shard_specs("w", windows, shape, 1)
+    assert [p.contributes for p in scales_spec.pieces] == [False, True]
+    with pytest.raises(ds.InvalidArgumentError, match="rank 2 of 2"):
+        ds.fp8_shard_specs("w", windows, shape, 2)
+
+
 def _megatron_rank_weights(hf, heads, groups, head_dim, rank, tp):
     """A stand-in of how Megatron lays out one tensor-parallel rank's fused
     weights (NVIDIA/Megatron-LM d98e8a64): linear_qkv's rows interleave

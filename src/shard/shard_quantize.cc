@@ -112,4 +112,91 @@ Status Fp8QuantizeShard(Communicator& group, const QuantRecipe& recipe, const Qu
   return Fp8QuantizeWindow(recipe, tensor, windows[me], amax.data(), codes, scales);
 }
 
+Result<Fp8ShardSpecs> Fp8ShardSpecsOf(const QuantRecipe& recipe, const QuantTensor& tensor,
+                                      std::span<const QuantWindow> windows, int rank,
+                                      const std::string& scale_name) {
+  const int ranks = static_cast<int>(windows.size());
+  if (rank < 0 || rank >= ranks) {
+    return Status::InvalidArgument(Who(tensor) + ": rank " + std::to_string(rank) + " of " +
+                                   std::to_string(ranks) + " windows");
+  }
+  if (scale_name.empty() || scale_name == tensor.name) {
+    return Status::InvalidArgument(Who(tensor) + ": its scales need a name of their own, not '" +
+                                   scale_name + "'");
+  }
+  std::vector<QuantGroups> rects(static_cast<size_t>(ranks));
+  for (int r = 0; r < ranks; ++r) {
+    QuantWindow bounds = windows[r];
+    // Only the bounds matter here; the check wants a pointer.
+    if (bounds.data == nullptr) bounds.data = &rects;
+    Result<QuantGroups> g = Fp8WindowGroups(recipe, tensor, bounds);
+    if (!g.ok()) {
+      return Status::InvalidArgument("rank " + std::to_string(r) +
+                                     "'s window: " + g.status().message());
+    }
+    rects[r] = *g;
+  }
+  DS_ASSIGN_OR_RETURN(const std::vector<int64_t> scale_shape,
+                      QuantScaleShape(recipe, tensor.shape[0], tensor.shape[1]));
+  const DType scale_dtype = QuantScaleDType(recipe.scale_format);
+  const QuantWindow& w = windows[rank];
+  const std::vector<int64_t> shape(tensor.shape.begin(), tensor.shape.end());
+  Fp8ShardSpecs out;
+  DS_ASSIGN_OR_RETURN(
+      out.codes,
+      ShardSpec::Box(std::string(tensor.name), DType::kF8_E4M3, shape, {w.row_begin, w.col_begin},
+                     {w.row_end - w.row_begin, w.col_end - w.col_begin}));
+  // The lowest rank whose window touches grid group (r, c).
+  const auto owner = [&](int64_t r, int64_t c) {
+    for (int k = 0; k < ranks; ++k) {
+      const QuantGroups& g = rects[k];
+      if (r >= g.row_begin && r < g.row_end && c >= g.col_begin && c < g.col_end) return k;
+    }
+    return ranks;
+  };
+  if (scale_shape.size() == 1) {  // one per-tensor scale
+    DS_ASSIGN_OR_RETURN(out.scales, ShardSpec::Replicate(scale_name, scale_dtype, scale_shape,
+                                                         owner(0, 0) == rank));
+    return out;
+  }
+  // The rank's rectangle of the grid, in runs of columns that it sends or
+  // not; rows whose runs are alike form one box.
+  const QuantGroups& mine = rects[rank];
+  struct Run {
+    int64_t begin, end;
+    bool sends;
+    bool operator==(const Run&) const = default;
+  };
+  const auto runs_of = [&](int64_t r) {
+    std::vector<Run> runs;
+    for (int64_t c = mine.col_begin; c < mine.col_end; ++c) {
+      const bool sends = owner(r, c) == rank;
+      if (!runs.empty() && runs.back().sends == sends) {
+        runs.back().end = c + 1;
+      } else {
+        runs.push_back({c, c + 1, sends});
+      }
+    }
+    return runs;
+  };
+  ShardSpec& spec = out.scales;
+  spec.dtype = scale_dtype;
+  spec.local_shape = {mine.row_end - mine.row_begin, mine.col_end - mine.col_begin};
+  for (int64_t r = mine.row_begin; r < mine.row_end;) {
+    const std::vector<Run> runs = runs_of(r);
+    int64_t next = r + 1;
+    while (next < mine.row_end && runs_of(next) == runs) ++next;
+    for (const Run& run : runs) {
+      ShardPiece piece =
+          ShardPiece::Box(scale_name, scale_shape, {r - mine.row_begin, run.begin - mine.col_begin},
+                          {r, run.begin}, {next - r, run.end - run.begin});
+      piece.contributes = run.sends;
+      spec.pieces.push_back(std::move(piece));
+    }
+    r = next;
+  }
+  DS_RETURN_IF_ERROR(spec.Validate());
+  return out;
+}
+
 }  // namespace deltasync

@@ -191,6 +191,79 @@ TEST(Fp8QuantizeShard, RefusesWindowsThatDoNotFitTheGroup) {
 #endif
 }
 
+// The specs a sharded sender takes for each rank's codes and scales cover
+// the codes and the scale grid once each across the ranks: a group that
+// several windows touch is sent by the lowest of them, and every rank's
+// local scales lie as Fp8QuantizeShard writes them (its groups' rectangle,
+// row major).
+TEST_P(Fp8QuantizeShardGloo, SpecsSendEveryCodeAndScaleOnce) {
+  const QuantRecipe recipe = GetParam();
+  const std::vector<int64_t> shape = {kRows, kCols};
+  const QuantTensor tensor{"w", DType::kBF16, shape};
+  const std::vector<int64_t> grid = *QuantScaleShape(recipe, kRows, kCols);
+  const int64_t grid_cols = grid.size() == 2 ? grid[1] : 1;
+  for (const std::vector<Box>& boxes :
+       {std::vector<Box>{{0, 100, 0, kCols}, {100, 200, 0, kCols}, {200, 300, 0, kCols}},
+        std::vector<Box>{{0, 150, 0, kCols}, {150, 300, 0, 70}, {150, 300, 70, kCols}}}) {
+    std::vector<QuantWindow> windows;
+    for (const Box& b : boxes) windows.push_back({nullptr, b.r0, b.r1, b.c0, b.c1});
+    std::vector<int> code_sent(kRows * kCols, 0), scale_sent(grid[0] * grid_cols, 0);
+    for (int r = 0; r < static_cast<int>(boxes.size()); ++r) {
+      SCOPED_TRACE("rank " + std::to_string(r));
+      Result<Fp8ShardSpecs> specs = Fp8ShardSpecsOf(recipe, tensor, windows, r, "w_scale_inv");
+      ASSERT_TRUE(specs.ok()) << specs.status().ToString();
+      ASSERT_TRUE(specs->codes.Validate().ok());
+      ASSERT_TRUE(specs->scales.Validate().ok());
+      EXPECT_EQ(specs->codes.dtype, DType::kF8_E4M3);
+      EXPECT_EQ(specs->scales.dtype, QuantScaleDType(recipe.scale_format));
+      for (const ShardPiece& p : specs->codes.pieces) {
+        EXPECT_EQ(p.hf_name, "w");
+        for (int64_t i = 0; i < p.extent[0]; ++i) {
+          for (int64_t j = 0; j < p.extent[1]; ++j) {
+            code_sent[(p.hf_offset[0] + i) * kCols + p.hf_offset[1] + j] += p.contributes;
+          }
+        }
+      }
+      windows[r].data = &boxes;
+      const QuantGroups g = *Fp8WindowGroups(recipe, tensor, windows[r]);
+      windows[r].data = nullptr;
+      const ShardSpec& scales = specs->scales;
+      if (grid.size() == 1) {
+        EXPECT_EQ(scales.local_shape, std::vector<int64_t>{1});
+        scale_sent[0] += scales.contributes;
+        continue;
+      }
+      EXPECT_EQ(scales.local_shape,
+                (std::vector<int64_t>{g.row_end - g.row_begin, g.col_end - g.col_begin}));
+      for (const ShardPiece& p : scales.pieces) {
+        EXPECT_EQ(p.hf_name, "w_scale_inv");
+        EXPECT_EQ(p.hf_shape, grid);
+        for (int64_t i = 0; i < p.extent[0]; ++i) {
+          for (int64_t j = 0; j < p.extent[1]; ++j) {
+            // Local (row, col) of the rectangle is grid (row_begin + row, ...).
+            EXPECT_EQ(p.hf_offset[0] + i, g.row_begin + p.local_offset[0] + i);
+            EXPECT_EQ(p.hf_offset[1] + j, g.col_begin + p.local_offset[1] + j);
+            scale_sent[(p.hf_offset[0] + i) * grid_cols + p.hf_offset[1] + j] +=
+                p.contributes && scales.contributes;
+          }
+        }
+      }
+    }
+    EXPECT_EQ(code_sent, std::vector<int>(code_sent.size(), 1));
+    EXPECT_EQ(scale_sent, std::vector<int>(scale_sent.size(), 1));
+  }
+  // Refusals.
+  std::vector<QuantWindow> two = {{nullptr, 0, 150, 0, kCols}, {nullptr, 150, 300, 0, kCols}};
+  EXPECT_EQ(Fp8ShardSpecsOf(recipe, tensor, two, 2, "s").status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(Fp8ShardSpecsOf(recipe, tensor, two, 0, "w").status().code(),
+            StatusCode::kInvalidArgument);
+  two[1].row_end = kRows + 1;
+  const Status outside = Fp8ShardSpecsOf(recipe, tensor, two, 0, "s").status();
+  EXPECT_EQ(outside.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(outside.message().find("rank 1's window"), std::string::npos) << outside.ToString();
+}
+
 INSTANTIATE_TEST_SUITE_P(Recipes, Fp8QuantizeShardGloo,
                          ::testing::Values(QuantRecipe{QuantScheme::kBlock128, ScaleFormat::kF32},
                                            QuantRecipe{QuantScheme::kBlock128, ScaleFormat::kUe8m0},
