@@ -458,10 +458,12 @@ class Fp8ShardQuantizer:
 
     @property
     def rank(self) -> int:
+        """This rank in the group."""
         return self._impl.rank
 
     @property
     def size(self) -> int:
+        """The group's number of ranks."""
         return self._impl.size
 
     def quantize(self, window: Any, windows: Sequence[Sequence[int]], shape: Sequence[int],
@@ -474,6 +476,8 @@ class Fp8ShardQuantizer:
             list(map(int, shape)), scheme, scale_format)
 
     def close(self) -> None:
+        """Releases the communicator; later calls raise
+        FailedPreconditionError."""
         self._impl.close()
 
     def __enter__(self) -> "Fp8ShardQuantizer":
