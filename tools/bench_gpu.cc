@@ -111,9 +111,8 @@ struct SizeFigures {
   // of finite values (block-scaled 128 x 128, ue8m0 scales), the step's
   // density of its elements nudged: the fused pass against the snapshot of
   // codes and scales, and the quantization's changed codes and scales.
-  // Also with the snapshots kept (the one-read path a sender's diff takes).
-  uint64_t quant_changed = 0, quant_scales_changed = 0, quant_kept_changed = 0;
-  double quant_diff_s = 0, quant_kept_s = 0;
+  uint64_t quant_changed = 0, quant_scales_changed = 0;
+  double quant_diff_s = 0;
   bool have_torch = false;
   double torch_device_s = 0, torch_pinned_s = 0, torch_index_put_s = 0, torch_copy_s = 0,
          torch_quant_diff_s = 0;
@@ -511,27 +510,6 @@ Status MeasureQuantizeDiff(cuda::Workspace& ws, const GpuBenchConfig& config, ui
       },
       &ok);
   if (!first_error.ok()) return first_error;
-  if (!ok) return Status::Internal("a CUDA call failed during the quantize-then-diff");
-  // The snapshots hold a's quantization; b's diff against them, kept.
-  DS_RETURN_IF_ERROR(
-      cuda::QuantizeDiffOnDevice(ws, recipe, weight[0], codes_t, scales_t, code_out, scale_out)
-          .status());
-  cuda::DiffOutput keep_codes = code_out, keep_scales = scale_out;
-  keep_codes.refresh_snapshot = keep_scales.refresh_snapshot = false;
-  f->quant_kept_s = Median(
-      config.repeat,
-      [&] {
-        auto r = cuda::QuantizeDiffOnDevice(ws, recipe, weight[1], codes_t, scales_t, keep_codes,
-                                            keep_scales);
-        if (r.ok()) {
-          f->quant_kept_changed = r->codes.count;
-        } else if (first_error.ok()) {
-          first_error = r.status();
-        }
-        return r.ok();
-      },
-      &ok);
-  if (!first_error.ok()) return first_error;
   return ok ? Status::OK() : Status::Internal("a CUDA call failed during the quantize-then-diff");
 }
 
@@ -727,8 +705,6 @@ int RunGpuBench(const GpuBenchConfig& config, bool json) {
                           {"launch_each_s", f.launch_each_s},
                           {"quant_diff_s", f.quant_diff_s},
                           {"quant_changed", f.quant_changed},
-                          {"quant_kept_s", f.quant_kept_s},
-                          {"quant_kept_changed", f.quant_kept_changed},
                           {"quant_scales_changed", f.quant_scales_changed}};
       if (f.have_stream) {
         s["sync_device_s"] = f.sync_device_s;
@@ -799,9 +775,6 @@ int RunGpuBench(const GpuBenchConfig& config, bool json) {
     std::printf("    %llu codes and %llu scales changed\n",
                 static_cast<unsigned long long>(f.quant_changed),
                 static_cast<unsigned long long>(f.quant_scales_changed));
-    row("  the same, snapshots kept (one read of the weight)", f.quant_kept_s,
-        Ratio(f.quant_kept_s / f.copy_s) + " of the copy");
-    std::printf("    %llu codes changed\n", static_cast<unsigned long long>(f.quant_kept_changed));
     row("state digest (BF16 elements)", f.digest_s, Rate(f.bytes, f.digest_s));
     row("state digest (the same bytes as F32)", f.digest_f32_s, Rate(f.bytes, f.digest_f32_s));
     row("xxh3-128", f.xxh3_s, Rate(f.bytes, f.xxh3_s));

@@ -177,16 +177,10 @@ Result<DiffResult> DiffOnDevice(Workspace& ws, const DeviceTensor& current, Devi
 // it, compares its code with the snapshot's and compacts the changes, so the
 // codes are never written out whole. A group whose scale changed shows in
 // `scales` with its new scale, and every code of it that changed in `codes`.
-// With block128 scales and a code snapshot in device memory that is not
-// refreshed (code_out.refresh_snapshot false, as a sender diffs and commits
-// later), the amax pass and the diff are one launch: each 128-row band's
-// amax is taken a band or two ahead of the tiles that encode it, which read
-// the band again from L2, so the weight is read from memory once.
 // Waits for the weight's stream. InvalidArgument naming the tensor for a bad
 // argument (DiffOnDevice's, CheckQuantRecipe's, a weight that is not 2-D of
 // those dtypes, snapshots of the wrong dtype or shape) and for a weight that
-// holds a NaN or an infinity: then neither snapshot is written (the outputs
-// may be, on the one-launch path).
+// holds a NaN or an infinity: then nothing is written.
 struct QuantDiffResult {
   DiffResult codes;
   DiffResult scales;

@@ -52,27 +52,6 @@ struct QuantLoad {
   uint64_t scale_cols = 1;     // scale groups per scale row
   const float* inv = nullptr;  // per scale group: what its elements are multiplied by
   uint64_t first = 0;
-  // The inverses are written by the same kernel (DiffFused): read through
-  // L2, never a cache that may hold the line from before.
-  bool coherent_inv = false;
-};
-
-// The one-read quantize-then-diff (block128): the diff's tickets are also
-// the amax items of the weight's 128 x 128 blocks, handed out a 128-row band
-// at a time kFusedLookahead bands ahead of the tiles that read it, so the
-// tiles read the band from L2 just after its amax pass read it from memory.
-// An amax item writes its block's scale and inverse and counts itself in
-// its band; a tile waits until every band it touches is counted.
-inline constexpr uint64_t kFusedLookahead = 2;
-struct DiffFused {
-  uint64_t rows = 0;  // the weight's; 0: off
-  uint64_t bands = 0;
-  uint64_t blocks = 0;  // per band: the scale grid's columns
-  uint32_t scale_format = 0;
-  // Zeroed: per band, its amax items done; then the non-finite flag.
-  unsigned int* band_done = nullptr;
-  float* inv = nullptr;
-  void* scales = nullptr;
 };
 
 struct DiffLaunch {
@@ -103,7 +82,6 @@ struct DiffLaunch {
   Results* results = nullptr;
   cudaStream_t stream = nullptr;
   QuantLoad quant;  // elem_size 1 only
-  DiffFused fused;  // with quant, one launch over every tile
 };
 // Zeroes the tile states and the ticket for `tiles` tiles.
 cudaError_t LaunchDiffReset(const DiffLaunch& launch, uint64_t tiles);

@@ -111,59 +111,8 @@ __device__ uint64_t LookBack(unsigned long long* state, uint64_t tile, uint64_t 
   return exclusive;
 }
 
-// The one-read quantize-then-diff's schedule (DiffFused): tiles whose last
-// element lies below band b + 1, for b < the last band; every tile then.
-__device__ __forceinline__ uint64_t FusedTilesBelow(const DiffLaunch& p, long long band) {
-  if (band < 0) return 0;
-  if (static_cast<uint64_t>(band) + 1 >= p.fused.bands) return p.tiles;
-  const uint64_t end = (static_cast<uint64_t>(band) + 1) * kQuantBlock * p.quant.cols;
-  return min(p.tiles, end / DiffTileElems(1));
-}
-
-// The first ticket of band b's amax items: every band before it has had
-// its items, and the tiles kFusedLookahead bands behind them theirs.
-__device__ __forceinline__ uint64_t FusedBandTicket(const DiffLaunch& p, uint64_t band) {
-  return band * p.fused.blocks + FusedTilesBelow(p, static_cast<long long>(band) - 1 -
-                                                        static_cast<long long>(kFusedLookahead));
-}
-
-constexpr unsigned long long kAmaxItem = 1ull << 63;
-
-// Ticket k's item: kAmaxItem | (band * blocks + block), or a tile index.
-__device__ unsigned long long FusedItem(const DiffLaunch& p, unsigned long long k) {
-  uint64_t lo = 0, hi = p.fused.bands - 1;  // the last band whose first ticket is <= k
-  while (lo < hi) {
-    const uint64_t mid = (lo + hi + 1) / 2;
-    if (FusedBandTicket(p, mid) <= k) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  const uint64_t off = k - FusedBandTicket(p, lo);
-  if (off < p.fused.blocks) return kAmaxItem | (lo * p.fused.blocks + off);
-  return FusedTilesBelow(p,
-                         static_cast<long long>(lo) - 1 - static_cast<long long>(kFusedLookahead)) +
-         (off - p.fused.blocks);
-}
-
-// Waits (one thread) until every band that tile `tile` reads has its
-// scales: their amax items hold lower tickets, so they have all started.
-__device__ void FusedWait(const DiffLaunch& p, uint64_t tile) {
-  const uint64_t band_elems = kQuantBlock * p.quant.cols;
-  const uint64_t first = tile * DiffTileElems(1);
-  const uint64_t last = min(first + DiffTileElems(1), p.numel) - 1;
-  for (uint64_t b = first / band_elems; b <= last / band_elems; ++b) {
-    while (*reinterpret_cast<volatile unsigned int*>(p.fused.band_done + b) < p.fused.blocks) {
-      __nanosleep(64);
-    }
-  }
-  __threadfence();
-}
-
 // kQuant: the current elements are the codes of p.quant's weight, of that
-// kind (W == 1); -1: read from p.current. With p.fused (kQuant only), a
-// ticket may be an amax item instead of a tile.
+// kind (W == 1); -1: read from p.current.
 template <int W, bool kAligned, int kQuant = -1>
 __global__ void __launch_bounds__(kDiffThreads) DiffKernel(DiffLaunch p) {
   constexpr int E = 16 / W;
@@ -177,27 +126,8 @@ __global__ void __launch_bounds__(kDiffThreads) DiffKernel(DiffLaunch p) {
   __shared__ unsigned long long s_sum[64];
 
   const int t = threadIdx.x;
-  if (t == 0) {
-    unsigned long long k = atomicAdd(p.ticket, 1ull);
-    if constexpr (kQuant >= 0) {
-      if (p.fused.rows != 0) k = FusedItem(p, k);
-    }
-    s_ticket = k;
-  }
+  if (t == 0) s_ticket = atomicAdd(p.ticket, 1ull);
   __syncthreads();
-  if constexpr (kQuant >= 0) {
-    if (p.fused.rows != 0) {
-      const unsigned long long item = s_ticket;
-      if (item & kAmaxItem) {
-        const uint64_t g = item & ~kAmaxItem;
-        FusedAmaxItem<static_cast<QuantKind>(kQuant)>(p.quant, p.fused, g / p.fused.blocks,
-                                                      g % p.fused.blocks);
-        return;
-      }
-      if (t == 0) FusedWait(p, item);
-      __syncthreads();
-    }
-  }
   const uint64_t tile = s_ticket;
   const uint64_t tile_first = tile * kTileElems;
   const void* snap_read = p.snapshot_read != nullptr ? p.snapshot_read : p.snapshot;
@@ -309,7 +239,7 @@ __global__ void __launch_bounds__(kDiffThreads) DiffKernel(DiffLaunch p) {
 // tiles' sums), in one block.
 __global__ void FinishDiffKernel(const unsigned long long* state,
                                  const unsigned long long* tile_digest, uint64_t tiles, bool digest,
-                                 const unsigned int* nonfinite, Results* results) {
+                                 Results* results) {
   __shared__ unsigned long long s_sum[64];
   unsigned long long a = 0, b = 0;
   if (digest) {
@@ -321,7 +251,6 @@ __global__ void FinishDiffKernel(const unsigned long long* state,
   BlockSum2(a, b, s_sum);
   if (threadIdx.x == 0) {
     results->count = state[tiles - 1] & kValueMask;
-    results->pad = nonfinite != nullptr ? *nonfinite : 0;
     results->a = a;
     results->b = b;
   }
@@ -329,7 +258,7 @@ __global__ void FinishDiffKernel(const unsigned long long* state,
 
 template <int W, int kQuant = -1>
 cudaError_t LaunchDiffW(const DiffLaunch& p) {
-  const unsigned grid = static_cast<unsigned>(p.tiles + p.fused.bands * p.fused.blocks);
+  const unsigned grid = static_cast<unsigned>(p.tiles);
   if (p.aligned16) {
     DiffKernel<W, true, kQuant><<<grid, kDiffThreads, 0, p.stream>>>(p);
   } else {
@@ -364,9 +293,8 @@ cudaError_t LaunchDiffTiles(const DiffLaunch& p) {
 }
 
 cudaError_t LaunchDiffFinish(const DiffLaunch& p, uint64_t tiles) {
-  const unsigned int* nonfinite = p.fused.rows != 0 ? p.fused.band_done + p.fused.bands : nullptr;
   FinishDiffKernel<<<1, 1024, 0, p.stream>>>(p.tile_state, p.tile_digest, tiles, p.digest,
-                                             nonfinite, p.results);
+                                             p.results);
   return cudaGetLastError();
 }
 

@@ -50,10 +50,6 @@ __device__ __forceinline__ uint64_t QuantGroupOf(const QuantLoad& q, uint64_t ro
   return 0;
 }
 
-__device__ __forceinline__ float LoadInv(const QuantLoad& q, uint64_t group) {
-  return q.coherent_inv ? __ldcg(q.inv + group) : __ldg(q.inv + group);
-}
-
 // The codes of the diff's elements first .. first + 15 (those at or past
 // `numel` are 0): weight elements q.first + first on, each multiplied by
 // its group's inverse scale and encoded.
@@ -85,7 +81,7 @@ __device__ __forceinline__ uint4 QuantizeGroup(const QuantLoad& q, uint64_t firs
   if (q.cols % 16 == 0 && q.first % 16 == 0) {
     // The 16 lie in one row and one 128-column block (e and cols are
     // multiples of 16): one scale.
-    const float inv = LoadInv(q, QuantGroupOf(q, row, col));
+    const float inv = __ldg(q.inv + QuantGroupOf(q, row, col));
 #pragma unroll
     for (int k = 0; k < 16; ++k) {
       if (first + k < numel) SetElem<1>(codes, k, Fp8E4M3FromFloat(S::ToFloat(raw[k]) * inv));
@@ -95,7 +91,7 @@ __device__ __forceinline__ uint4 QuantizeGroup(const QuantLoad& q, uint64_t firs
 #pragma unroll
   for (int k = 0; k < 16; ++k) {
     if (first + k < numel) {
-      const float inv = LoadInv(q, QuantGroupOf(q, row, col));
+      const float inv = __ldg(q.inv + QuantGroupOf(q, row, col));
       SetElem<1>(codes, k, Fp8E4M3FromFloat(S::ToFloat(raw[k]) * inv));
     }
     if (++col == q.cols) {
@@ -104,63 +100,6 @@ __device__ __forceinline__ uint4 QuantizeGroup(const QuantLoad& q, uint64_t firs
     }
   }
   return codes;
-}
-
-// A one-read quantize-then-diff's amax item (DiffFused): block `block` of
-// band `band` read (kept in L2 for the tiles after it), its amax turned
-// into its scale and inverse as Fp8ScaleFor makes them, then counted in
-// its band. A NaN or an infinity sets the flag after the bands instead.
-// Every thread of the block calls it.
-template <QuantKind K>
-__device__ void FusedAmaxItem(const QuantLoad& q, const DiffFused& f, uint64_t band,
-                              uint64_t block) {
-  using S = QuantElem<K>;
-  using T = typename S::T;
-  constexpr uint64_t kPerLoad = 16 / sizeof(T);
-  __shared__ unsigned int s_max[32];
-  const uint64_t r0 = band * kQuantBlock, c0 = block * kQuantBlock;
-  const uint64_t nr = min(uint64_t{kQuantBlock}, f.rows - r0);
-  const uint64_t nc = min(uint64_t{kQuantBlock}, q.cols - c0);
-  const T* w = static_cast<const T*>(q.weight);
-  unsigned int m = 0;
-  if (q.aligned16 && q.cols % kPerLoad == 0) {
-    const uint64_t per = (nc + kPerLoad - 1) / kPerLoad;  // nc is a multiple of kPerLoad
-    for (uint64_t i = threadIdx.x; i < nr * per; i += blockDim.x) {
-      const uint64_t r = i / per, v = i - r * per;
-      const uint4 g = __ldg(reinterpret_cast<const uint4*>(w + (r0 + r) * q.cols + c0) + v);
-#pragma unroll
-      for (int k = 0; k < static_cast<int>(kPerLoad); ++k) {
-        m = max(m, static_cast<unsigned int>(ElemOf<sizeof(T)>(g, k)) & S::kAbsMask);
-      }
-    }
-  } else {
-    for (uint64_t i = threadIdx.x; i < nr * nc; i += blockDim.x) {
-      const uint64_t r = i / nc, c = i - r * nc;
-      m = max(m, static_cast<unsigned int>(w[(r0 + r) * q.cols + c0 + c]) & S::kAbsMask);
-    }
-  }
-  m = __reduce_max_sync(0xFFFFFFFFu, m);
-  if ((threadIdx.x & 31) == 0) s_max[threadIdx.x >> 5] = m;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (unsigned j = 1; j < blockDim.x / 32; ++j) m = max(m, s_max[j]);
-    const uint64_t g = band * f.blocks + block;
-    if (m >= S::kNonFinite) {
-      f.inv[g] = 0.0f;
-      atomicExch(f.band_done + f.bands, 1u);
-    } else {
-      const QuantRecipe recipe{QuantScheme::kBlock128, static_cast<ScaleFormat>(f.scale_format)};
-      const Fp8GroupScale s = Fp8ScaleFor(recipe, S::ToFloat(m));
-      f.inv[g] = s.inv;
-      if (recipe.scale_format == ScaleFormat::kUe8m0) {
-        static_cast<uint8_t*>(f.scales)[g] = Ue8m0Byte(s.sf);
-      } else {
-        static_cast<float*>(f.scales)[g] = s.sf;
-      }
-    }
-    __threadfence();
-    atomicAdd(f.band_done + band, 1u);
-  }
 }
 
 }  // namespace deltasync::cuda::internal

@@ -395,15 +395,10 @@ Status CheckDiffOutput(std::string_view name, const DiffOutput& out, uint64_t nu
 // `numel` elements of `w` bytes (or, with quant.weight set, is that weight,
 // quantized on the fly into 1-byte codes), `snapshot` as many, and `out` is
 // checked here.
-//
-// With fused.rows set (the one-read quantize-then-diff: quant set, a device
-// snapshot), one launch also runs the amax items, and *nonfinite says
-// whether the weight held a NaN or an infinity.
 Result<DiffResult> RunDiff(Workspace& ws, std::string_view name, const void* current,
                            StreamHandle stream, DeviceTensor& snapshot, MemoryKind snapshot_kind,
                            uint64_t numel, uint32_t w, const DiffOutput& out,
-                           const internal::QuantLoad& quant, const internal::DiffFused& fused = {},
-                           bool* nonfinite = nullptr) {
+                           const internal::QuantLoad& quant) {
   DiffResult result;
   result.wide = numel >= kNarrowLimit;
   DS_RETURN_IF_ERROR(CheckDiffOutput(name, out, numel, w, ws.device()));
@@ -433,7 +428,6 @@ Result<DiffResult> RunDiff(Workspace& ws, std::string_view name, const void* cur
   launch.ticket = scratch + state_words + (out.digest ? 2 * tiles : 0);
   launch.results = Impl(ws).results();
   launch.stream = AsStream(stream);
-  launch.fused = fused;
   const std::string what = "diff of " + Quoted(name);
   DS_CUDA_RETURN(internal::LaunchDiffReset(launch, tiles), what);
   if (snapshot_kind != MemoryKind::kPinnedHost) {
@@ -471,7 +465,6 @@ Result<DiffResult> RunDiff(Workspace& ws, std::string_view name, const void* cur
   DS_ASSIGN_OR_RETURN(const Results r, Impl(ws).Fetch(launch.stream));
   result.count = r.count;
   result.digest_change = {r.a, r.b};
-  if (nonfinite != nullptr) *nonfinite = r.pad != 0;
   return result;
 }
 
@@ -499,7 +492,6 @@ namespace {
 // loader that encodes it, and its scales in the workspace's quant scratch.
 struct QuantSetup {
   internal::QuantLoad load;
-  internal::DiffFused fused;
   std::vector<int64_t> scale_shape;
   DType scale_dtype = DType::kF32;
   uint64_t groups = 0;
@@ -567,37 +559,6 @@ Status RunQuantScales(Workspace& ws, const QuantRecipe& recipe, const DeviceTens
   return Status::OK();
 }
 
-// The one-read path's setup (block128): the loader reading inverses that
-// the launch's amax items write, and their scratch (per group: inverse and
-// scale; per band: its items done, then the non-finite flag), zeroed.
-// Returns where the scales will be.
-Result<uint8_t*> FusedScales(Workspace& ws, const QuantRecipe& recipe, const DeviceTensor& weight,
-                             QuantSetup* q) {
-  WorkspaceImpl& impl = Impl(ws);
-  const uint64_t rows = static_cast<uint64_t>(weight.shape[0]);
-  const uint64_t slots = RoundUp(q->groups, 64) * 4;
-  const uint64_t bands = (rows + kQuantBlock - 1) / kQuantBlock;
-  const uint64_t counters = RoundUp(bands + 1, 64) * 4;
-  DS_ASSIGN_OR_RETURN(uint8_t * scratch, impl.QuantScratch(2 * slots + counters));
-  q->load.weight = weight.data;
-  q->load.aligned16 = Aligned16(weight.data);
-  q->load.scheme = static_cast<uint32_t>(recipe.scheme);
-  q->load.cols = static_cast<uint64_t>(weight.shape[1]);
-  q->load.scale_cols = static_cast<uint64_t>(q->scale_shape[1]);
-  q->load.inv = reinterpret_cast<const float*>(scratch);
-  q->load.coherent_inv = true;
-  q->fused.rows = rows;
-  q->fused.bands = bands;
-  q->fused.blocks = q->load.scale_cols;
-  q->fused.scale_format = static_cast<uint32_t>(recipe.scale_format);
-  q->fused.inv = reinterpret_cast<float*>(scratch);
-  q->fused.scales = scratch + slots;
-  q->fused.band_done = reinterpret_cast<unsigned int*>(scratch + 2 * slots);
-  DS_CUDA_RETURN(cudaMemsetAsync(q->fused.band_done, 0, counters, AsStream(weight.stream)),
-                 "quantize " + Quoted(weight.name));
-  return scratch + slots;
-}
-
 }  // namespace
 
 Result<QuantDiffResult> QuantizeDiffOnDevice(Workspace& ws, const QuantRecipe& recipe,
@@ -631,28 +592,10 @@ Result<QuantDiffResult> QuantizeDiffOnDevice(Workspace& ws, const QuantRecipe& r
   DS_RETURN_IF_ERROR(CheckDiffOutput(weight.name, code_out, numel, 1, device));
   DS_RETURN_IF_ERROR(
       CheckDiffOutput(weight.name + " scales", scale_out, q.groups, scale_size, device));
+  DS_RETURN_IF_ERROR(RunQuantScales(ws, recipe, weight, &q));
   QuantDiffResult result;
-  if (recipe.scheme == QuantScheme::kBlock128 && !code_out.refresh_snapshot &&
-      code_kind != MemoryKind::kPinnedHost) {
-    // One read of the weight: the amax items and the tiles in one launch,
-    // a band of blocks ahead of the tiles that read it (DiffFused). A
-    // NaN is found only as the tiles run, so only where the snapshot is
-    // not written.
-    DS_ASSIGN_OR_RETURN(q.scales, FusedScales(ws, recipe, weight, &q));
-    bool nonfinite = false;
-    DS_ASSIGN_OR_RETURN(result.codes,
-                        RunDiff(ws, weight.name, nullptr, weight.stream, code_snapshot, code_kind,
-                                numel, 1, code_out, q.load, q.fused, &nonfinite));
-    if (nonfinite) {
-      return Status::InvalidArgument(Quoted(weight.name) +
-                                     ": holds a NaN or an infinity; no snapshot was written");
-    }
-  } else {
-    DS_RETURN_IF_ERROR(RunQuantScales(ws, recipe, weight, &q));
-    DS_ASSIGN_OR_RETURN(result.codes,
-                        RunDiff(ws, weight.name, nullptr, weight.stream, code_snapshot, code_kind,
-                                numel, 1, code_out, q.load));
-  }
+  DS_ASSIGN_OR_RETURN(result.codes, RunDiff(ws, weight.name, nullptr, weight.stream, code_snapshot,
+                                            code_kind, numel, 1, code_out, q.load));
   DS_ASSIGN_OR_RETURN(result.scales,
                       RunDiff(ws, weight.name + " scales", q.scales, weight.stream, scale_snapshot,
                               scale_kind, q.groups, scale_size, scale_out, {}));

@@ -481,10 +481,8 @@ TEST_F(CudaTest, U24PositionsScatterAndAreCheckedLikeTheOthers) {
     EXPECT_EQ(x, vals[k]) << k;
   }
   // Out of order: refused, nothing written.
-  // The first two positions swapped.
-  std::vector<uint8_t> bad(packed.begin() + 3, packed.begin() + 6);
-  bad.insert(bad.end(), packed.begin(), packed.begin() + 3);
-  bad.insert(bad.end(), packed.begin() + 6, packed.end());
+  std::vector<uint8_t> bad = packed;
+  std::swap_ranges(bad.begin(), bad.begin() + 3, bad.begin() + 3);
   DeviceCopy b = ToDevice(bad, 0);
   const std::vector<uint16_t> zeros(positions.size(), 0);
   DeviceCopy z = ToDevice(AsBytes(zeros), 0);
@@ -803,46 +801,30 @@ void CheckQuantizeDiff(Workspace& ws, std::mt19937_64& rng, const QuantRecipe& r
   DiffOutput code_out{positions->data(), values->data(), nullptr, n};
   code_out.first_position = 77;
   DiffOutput scale_out{scale_positions->data(), scale_values->data(), nullptr, groups};
+  auto got = QuantizeDiffOnDevice(ws, recipe, weight_t, codes_t, scales_t, code_out, scale_out);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  ASSERT_EQ(got->codes.count, want_codes.first.size());
+  ASSERT_EQ(got->scales.count, want_scales.first.size());
+  std::vector<uint32_t> pos(got->codes.count);
+  if (!pos.empty())
+    std::memcpy(pos.data(), ToHost(positions->data(), pos.size() * 4).data(), pos.size() * 4);
+  EXPECT_EQ(pos, want_codes.first);
+  EXPECT_EQ(ToHost(values->data(), pos.size()), want_codes.second);
+  std::vector<uint32_t> spos(got->scales.count);
+  if (!spos.empty())
+    std::memcpy(spos.data(), ToHost(scale_positions->data(), spos.size() * 4).data(),
+                spos.size() * 4);
+  EXPECT_EQ(spos, want_scales.first);
+  EXPECT_EQ(ToHost(scale_values->data(), spos.size() * sw), want_scales.second);
+  EXPECT_EQ(ToHost(codes.data, n), q1.codes) << "code snapshot";
+  EXPECT_EQ(ToHost(scales.data, q1.scales.size()), q1.scales) << "scale snapshot";
   stream::DigestOptions scalar;
   scalar.kernel = stream::DigestKernel::kScalar;
   auto d0 = stream::ComputeStateDigest(q0.codes, 1, 77, scalar);
   auto d1 = stream::ComputeStateDigest(q1.codes, 1, 77, scalar);
   ASSERT_TRUE(d0.ok() && d1.ok());
-  const auto expect_changes = [&](const QuantDiffResult& r) {
-    ASSERT_EQ(r.codes.count, want_codes.first.size());
-    ASSERT_EQ(r.scales.count, want_scales.first.size());
-    std::vector<uint32_t> pos(r.codes.count);
-    if (!pos.empty())
-      std::memcpy(pos.data(), ToHost(positions->data(), pos.size() * 4).data(), pos.size() * 4);
-    EXPECT_EQ(pos, want_codes.first);
-    EXPECT_EQ(ToHost(values->data(), pos.size()), want_codes.second);
-    std::vector<uint32_t> spos(r.scales.count);
-    if (!spos.empty())
-      std::memcpy(spos.data(), ToHost(scale_positions->data(), spos.size() * 4).data(),
-                  spos.size() * 4);
-    EXPECT_EQ(spos, want_scales.first);
-    EXPECT_EQ(ToHost(scale_values->data(), spos.size() * sw), want_scales.second);
-    EXPECT_EQ(r.codes.digest_change.a, (*d1 - *d0).a);
-    EXPECT_EQ(r.codes.digest_change.b, (*d1 - *d0).b);
-  };
-  // Snapshots kept (block128: the one-read path), twice: the same changes,
-  // the snapshots as they were.
-  DiffOutput keep_codes = code_out, keep_scales = scale_out;
-  keep_codes.refresh_snapshot = keep_scales.refresh_snapshot = false;
-  for (int k = 0; k < 2; ++k) {
-    SCOPED_TRACE("snapshots kept, call " + std::to_string(k));
-    auto kept =
-        QuantizeDiffOnDevice(ws, recipe, weight_t, codes_t, scales_t, keep_codes, keep_scales);
-    ASSERT_TRUE(kept.ok()) << kept.status().ToString();
-    expect_changes(*kept);
-    EXPECT_EQ(ToHost(codes.data, n), q0.codes) << "code snapshot";
-    EXPECT_EQ(ToHost(scales.data, q0.scales.size()), q0.scales) << "scale snapshot";
-  }
-  auto got = QuantizeDiffOnDevice(ws, recipe, weight_t, codes_t, scales_t, code_out, scale_out);
-  ASSERT_TRUE(got.ok()) << got.status().ToString();
-  expect_changes(*got);
-  EXPECT_EQ(ToHost(codes.data, n), q1.codes) << "code snapshot";
-  EXPECT_EQ(ToHost(scales.data, q1.scales.size()), q1.scales) << "scale snapshot";
+  EXPECT_EQ(got->codes.digest_change.a, (*d1 - *d0).a);
+  EXPECT_EQ(got->codes.digest_change.b, (*d1 - *d0).b);
 
   auto again = QuantizeDiffOnDevice(ws, recipe, weight_t, codes_t, scales_t, code_out, scale_out);
   ASSERT_TRUE(again.ok()) << again.status().ToString();
@@ -874,8 +856,6 @@ TEST_F(CudaTest, QuantizeDiffMatchesTheCpuQuantizerForEveryRecipeAndDtype) {
       CheckQuantizeDiff(*ws_, rng_, recipe, dtype, 3, 9000, 0);
       CheckQuantizeDiff(*ws_, rng_, recipe, dtype, 5, 3, 0);
       CheckQuantizeDiff(*ws_, rng_, recipe, dtype, 130, 256, 1);
-      // Many 128-row bands, their borders inside the diff's tiles.
-      CheckQuantizeDiff(*ws_, rng_, recipe, dtype, 1100, 700, 0);
     }
   }
 }
@@ -897,16 +877,6 @@ TEST_F(CudaTest, QuantizeDiffRefusesNonFiniteWeightsAndBadSnapshotsAndWritesNoth
   const DiffOutput code_out{positions->data(), values->data(), nullptr, n};
   const DiffOutput scale_out{positions->data(), values->data(), nullptr, 6};
   auto got = QuantizeDiffOnDevice(*ws_, recipe, weight_t, codes_t, scales_t, code_out, scale_out);
-  ASSERT_FALSE(got.ok());
-  EXPECT_EQ(got.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(got.status().message().find("'layer.w': holds a NaN"), std::string::npos)
-      << got.status().message();
-  EXPECT_EQ(ToHost(codes.data, n), q.codes);
-  EXPECT_EQ(ToHost(scales.data, q.scales.size()), q.scales);
-  // The one-read path (snapshots kept) finds it as it runs.
-  DiffOutput keep_codes = code_out, keep_scales = scale_out;
-  keep_codes.refresh_snapshot = keep_scales.refresh_snapshot = false;
-  got = QuantizeDiffOnDevice(*ws_, recipe, weight_t, codes_t, scales_t, keep_codes, keep_scales);
   ASSERT_FALSE(got.ok());
   EXPECT_EQ(got.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(got.status().message().find("'layer.w': holds a NaN"), std::string::npos)
