@@ -502,6 +502,23 @@ class PyReceiver {
 
 ShardSpec Named(Result<ShardSpec> r) { return Take(std::move(r)); }
 
+// The windows' bounds, (row_begin, row_end, col_begin, col_end) each, of
+// the 2-D weight `name` of `shape`; InvalidArgument otherwise.
+std::vector<QuantWindow> WindowBounds(const std::string& name,
+                                      const std::vector<std::vector<int64_t>>& windows,
+                                      const std::vector<int64_t>& shape, std::string_view caller) {
+  const auto bad = [&](const std::string& what) {
+    Raise(Status::InvalidArgument("tensor '" + name + "': " + std::string(caller) + ": " + what));
+  };
+  if (shape.size() != 2) bad("the weight's shape must be 2-D");
+  std::vector<QuantWindow> bounds;
+  for (const std::vector<int64_t>& w : windows) {
+    if (w.size() != 4) bad("each window is (row_begin, row_end, col_begin, col_end)");
+    bounds.push_back({nullptr, w[0], w[1], w[2], w[3]});
+  }
+  return bounds;
+}
+
 // Rank `comm`.rank's window of a sharded weight quantized as the whole
 // weight would be (Fp8QuantizeShard): (codes of the window, scales of the
 // scale groups it touches, (row_begin, row_end, col_begin, col_end) of
@@ -516,12 +533,7 @@ py::tuple QuantizeShardOver(Communicator& comm, const TensorArg& window,
   const auto bad = [&](const std::string& what) {
     Raise(Status::InvalidArgument("tensor '" + window.name + "': quantize_fp8_shard: " + what));
   };
-  if (shape.size() != 2) bad("the weight's shape must be 2-D");
-  std::vector<QuantWindow> bounds;
-  for (const std::vector<int64_t>& w : windows) {
-    if (w.size() != 4) bad("each window is (row_begin, row_end, col_begin, col_end)");
-    bounds.push_back({nullptr, w[0], w[1], w[2], w[3]});
-  }
+  std::vector<QuantWindow> bounds = WindowBounds(window.name, windows, shape, "quantize_fp8_shard");
   const QuantTensor tensor{window.name, window.ParsedDType(), shape};
   const int me = comm.rank();
   if (me < 0 || me >= static_cast<int>(bounds.size())) {
@@ -579,17 +591,7 @@ py::tuple PyFp8ShardSpecs(const std::string& name, const std::vector<std::vector
                           const std::vector<int64_t>& shape, int rank, const std::string& scheme,
                           const std::string& scale_format, const std::string& scale_name) {
   const QuantRecipe recipe = ParseQuantRecipe(scheme, scale_format);
-  if (shape.size() != 2) {
-    Raise(Status::InvalidArgument("tensor '" + name + "': the weight's shape must be 2-D"));
-  }
-  std::vector<QuantWindow> bounds;
-  for (const std::vector<int64_t>& w : windows) {
-    if (w.size() != 4) {
-      Raise(Status::InvalidArgument("tensor '" + name +
-                                    "': each window is (row_begin, row_end, col_begin, col_end)"));
-    }
-    bounds.push_back({nullptr, w[0], w[1], w[2], w[3]});
-  }
+  const std::vector<QuantWindow> bounds = WindowBounds(name, windows, shape, "fp8_shard_specs");
   // The dtype only decides which elements a window reads; any will do.
   const QuantTensor tensor{name, DType::kBF16, shape};
   Fp8ShardSpecs specs = Take(Fp8ShardSpecsOf(recipe, tensor, bounds, rank, scale_name));

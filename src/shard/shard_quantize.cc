@@ -22,6 +22,25 @@ constexpr uint32_t kRecordRefused = 1;
 
 std::string Who(const QuantTensor& tensor) { return "tensor '" + std::string(tensor.name) + "'"; }
 
+// The scale groups each window touches (Fp8WindowGroups of its bounds
+// alone: a window without data is checked as if it had some).
+// InvalidArgument naming the first rank whose window is refused.
+Result<std::vector<QuantGroups>> WindowGroups(const QuantRecipe& recipe, const QuantTensor& tensor,
+                                              std::span<const QuantWindow> windows) {
+  std::vector<QuantGroups> rects(windows.size());
+  for (size_t r = 0; r < windows.size(); ++r) {
+    QuantWindow bounds = windows[r];
+    if (bounds.data == nullptr) bounds.data = &rects;  // only the bounds matter here
+    Result<QuantGroups> g = Fp8WindowGroups(recipe, tensor, bounds);
+    if (!g.ok()) {
+      return Status::InvalidArgument("rank " + std::to_string(r) +
+                                     "'s window: " + g.status().message());
+    }
+    rects[r] = *g;
+  }
+  return rects;
+}
+
 }  // namespace
 
 Status Fp8QuantizeShard(Communicator& group, const QuantRecipe& recipe, const QuantTensor& tensor,
@@ -33,24 +52,7 @@ Status Fp8QuantizeShard(Communicator& group, const QuantRecipe& recipe, const Qu
   }
   // Every rank finds the same groups from the same bounds: the rectangle
   // of each window, and how many windows touch each group.
-  std::vector<QuantGroups> rects(ranks);
-  Status refused;
-  int refused_rank = -1;
-  for (int r = 0; r < ranks && refused.ok(); ++r) {
-    QuantWindow bounds = windows[r];
-    if (bounds.data == nullptr) bounds.data = windows[me].data;  // only bounds matter here
-    Result<QuantGroups> g = Fp8WindowGroups(recipe, tensor, bounds);
-    if (!g.ok()) {
-      refused = g.status();
-      refused_rank = r;
-    } else {
-      rects[r] = *g;
-    }
-  }
-  if (!refused.ok()) {
-    return Status::InvalidArgument("rank " + std::to_string(refused_rank) +
-                                   "'s window: " + refused.message());
-  }
+  DS_ASSIGN_OR_RETURN(const std::vector<QuantGroups> rects, WindowGroups(recipe, tensor, windows));
   Result<std::vector<int64_t>> scale_shape =
       QuantScaleShape(recipe, tensor.shape[0], tensor.shape[1]);
   if (!scale_shape.ok()) return scale_shape.status();
@@ -124,18 +126,7 @@ Result<Fp8ShardSpecs> Fp8ShardSpecsOf(const QuantRecipe& recipe, const QuantTens
     return Status::InvalidArgument(Who(tensor) + ": its scales need a name of their own, not '" +
                                    scale_name + "'");
   }
-  std::vector<QuantGroups> rects(static_cast<size_t>(ranks));
-  for (int r = 0; r < ranks; ++r) {
-    QuantWindow bounds = windows[r];
-    // Only the bounds matter here; the check wants a pointer.
-    if (bounds.data == nullptr) bounds.data = &rects;
-    Result<QuantGroups> g = Fp8WindowGroups(recipe, tensor, bounds);
-    if (!g.ok()) {
-      return Status::InvalidArgument("rank " + std::to_string(r) +
-                                     "'s window: " + g.status().message());
-    }
-    rects[r] = *g;
-  }
+  DS_ASSIGN_OR_RETURN(const std::vector<QuantGroups> rects, WindowGroups(recipe, tensor, windows));
   DS_ASSIGN_OR_RETURN(const std::vector<int64_t> scale_shape,
                       QuantScaleShape(recipe, tensor.shape[0], tensor.shape[1]));
   const DType scale_dtype = QuantScaleDType(recipe.scale_format);
