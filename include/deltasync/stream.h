@@ -295,10 +295,9 @@ struct DestinationRun {
 };
 
 struct ReceiverOptions {
-  // The largest frame this receiver takes; it holds one bucket of frames
-  // (the next coming in while it applies one, each at most half the
-  // sender's bucket) and one decode chunk. It says so in its hello, and a
-  // sender whose bucket is larger refuses it there, naming both sizes.
+  // The largest frame this receiver takes; it holds one frame and one
+  // decode chunk. It says so in its hello, and a sender whose bucket is
+  // larger refuses it there, naming both sizes.
   uint64_t max_frame_bytes = uint64_t{1} << 30;
   // How long ReceiveSync waits for the next sync to begin (and, before the
   // first sync of a formation, for the sender to take its hello); unset: no
@@ -324,8 +323,7 @@ struct ReceiverOptions {
   // Threads that apply a host frame's entries (each entry a range of one
   // tensor; the calling thread is one of them): 0 the cores this process
   // may run on (its CPU affinity), 1 the calling thread alone; at most
-  // 1024. With 4 or more, and every tensor in host memory, a frame is
-  // applied on another thread while the next comes in.
+  // 1024.
   uint32_t threads = 0;
   // Tests only: called before each entry is applied with the sync id, the
   // tensor and the entry's index in the sync; an error stops the apply

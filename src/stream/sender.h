@@ -364,11 +364,8 @@ class Sender final : public StreamSender {
     // that ends the sync still goes through `bucket`).
     std::unique_ptr<stream::DeviceFrame> device;
     uint32_t frames = 0;
-    // A host frame holds at most half a bucket, so that a receiver takes
-    // the next frame while it applies one (both in one bucket of its
-    // memory). A unit of work did not fit a first, small frame: the ramp
-    // ends (ramp_done); nor half a bucket: the rest are whole buckets.
-    bool ramp_done = false;
+    // A unit of work did not fit a first, small frame: the rest are whole
+    // buckets.
     bool full_frames = false;
     bool open = false;
     // Its finished frames travel on the flight thread while the next one
@@ -405,8 +402,7 @@ class Sender final : public StreamSender {
   ThreadPool* Pool();
   // The copies, cut into pieces, on the sender's threads.
   void CopyAll(std::span<const Copy> copies);
-  // A host frame's budget: the ramp of kFirstFrameBytes, then half the
-  // bucket (the whole bucket once a unit did not fit half of it).
+  // A host frame's budget: the ramp of kFirstFrameBytes, then the bucket.
   uint64_t FrameBudget(const Group& g) const;
   // `start`: when the sync call began (its total_s counts from there).
   Status BeginSync(Round* round, Clock::time_point start);

@@ -64,10 +64,8 @@ void Sender::CopyAll(std::span<const Copy> copies) {
 }
 
 uint64_t Sender::FrameBudget(const Group& g) const {
-  if (g.full_frames) return options_.bucket_bytes;
-  const uint64_t half = options_.bucket_bytes / 2;
-  if (g.ramp_done || g.frames >= 32) return half;
-  return std::min(half, kFirstFrameBytes << g.frames);
+  if (g.full_frames || g.frames >= 32) return options_.bucket_bytes;
+  return std::min(options_.bucket_bytes, kFirstFrameBytes << g.frames);
 }
 
 Status Sender::Begin(Group& g, uint64_t sync_id, bool last, bool verify_all) {
@@ -152,13 +150,9 @@ Status Sender::Add(Group& g, uint64_t sync_id, SyncStats* stats, AddFn&& add) {
     if (*fit) return Status::OK();
     if ((g.device ? g.device->entry_count() : g.writer.entry_count()) == 0) {
       // A unit bigger than a first, small frame: this frame, and every
-      // later one, takes half a bucket; bigger than that, a whole one.
-      if (g.device || g.full_frames) break;
-      if (FrameBudget(g) < options_.bucket_bytes / 2) {
-        g.ramp_done = true;
-      } else {
-        g.full_frames = true;
-      }
+      // later one, takes a whole bucket.
+      if (g.device || g.full_frames || FrameBudget(g) >= options_.bucket_bytes) break;
+      g.full_frames = true;
       g.open = false;
       continue;
     }

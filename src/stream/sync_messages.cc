@@ -5,7 +5,6 @@
 
 #include "core/endian.h"
 #include "deltasync/checksum.h"
-#include "stream/frame.h"
 
 namespace deltasync::stream {
 
@@ -167,11 +166,7 @@ Status RelayShared(Communicator& comm, int from, int to, std::span<uint8_t> into
   return comm.Relay(from, to == 0 ? -1 : to, into, kRelayChunkBytes, taken);
 }
 
-nlohmann::json RouteBody(const Route& route) {
-  nlohmann::json body = {{"from", route.from}, {"to", route.to}};
-  if (route.bucket > 0) body["bucket"] = route.bucket;
-  return body;
-}
+nlohmann::json RouteBody(const Route& route) { return {{"from", route.from}, {"to", route.to}}; }
 
 Result<Route> ParseRoute(const nlohmann::json& body, int self, int size) {
   Route r;
@@ -190,16 +185,6 @@ Result<Route> ParseRoute(const nlohmann::json& body, int self, int size) {
   if (r.to != 0 && r.to == r.from) {
     return Status::Corruption("stream route: frames come from and go to rank " +
                               std::to_string(r.to));
-  }
-  if (body.contains("bucket")) {
-    const nlohmann::json& b = body["bucket"];
-    if (!b.is_number_unsigned() || b.get<uint64_t>() == 0 ||
-        b.get<uint64_t>() > kMaxFlushFrameBytes) {
-      return Status::Corruption("stream route: \"bucket\" is " + b.dump() +
-                                ", not a frame size of 1 to " +
-                                std::to_string(kMaxFlushFrameBytes) + " bytes");
-    }
-    r.bucket = b.get<uint64_t>();
   }
   return r;
 }

@@ -66,14 +66,10 @@ Status RelayShared(Communicator& comm, int from, int to, std::span<uint8_t> into
 struct Route {
   int from = 0;
   int to = 0;
-  // The sender's bucket_bytes: a receiver takes a frame of at most half of
-  // it while it applies the one before. 0 (absent): one frame at a time.
-  uint64_t bucket = 0;
 };
 nlohmann::json RouteBody(const Route& route);
 // Corruption naming the field for a malformed route, or one naming a rank
-// outside the group of `size` (or this receiver's own, `self`), or a
-// bucket that is not a frame's size.
+// outside the group of `size` (or this receiver's own, `self`).
 Result<Route> ParseRoute(const nlohmann::json& body, int self, int size);
 
 // Takes an envelope from `peer` and checks it is of type `expected`

@@ -51,11 +51,6 @@ TEST(Route, ReadsWhereFramesComeFromAndGoTo) {
   ASSERT_TRUE(alone.ok()) << alone.status().ToString();
   EXPECT_EQ(alone->from, 0);
   EXPECT_EQ(alone->to, 0);
-  EXPECT_EQ(alone->bucket, 0u);  // absent: one frame at a time
-  Result<Route> bucket = ParseRoute(RouteBody({0, 2, uint64_t{16} << 20}), 1, 3);
-  ASSERT_TRUE(bucket.ok()) << bucket.status().ToString();
-  EXPECT_EQ(bucket->bucket, uint64_t{16} << 20);
-  EXPECT_EQ(bucket->to, 2);
 }
 
 TEST(Route, RefusesRanksOutsideTheGroupItsOwnAndMissingFields) {
@@ -70,10 +65,6 @@ TEST(Route, RefusesRanksOutsideTheGroupItsOwnAndMissingFields) {
   refused({{"from", -1}, {"to", 0}}, 1, 3, "\"from\" is rank -1");
   refused({{"from", 1}, {"to", 0}}, 1, 3, "\"from\" is rank 1");
   refused({{"from", 2}, {"to", 2}}, 1, 3, "frames come from and go to rank 2");
-  refused({{"from", 0}, {"to", 0}, {"bucket", 0}}, 1, 3, "\"bucket\" is 0, not a frame size");
-  refused({{"from", 0}, {"to", 0}, {"bucket", -5}}, 1, 3, "\"bucket\" is -5");
-  refused({{"from", 0}, {"to", 0}, {"bucket", "16"}}, 1, 3, "\"bucket\" is \"16\"");
-  refused({{"from", 0}, {"to", 0}, {"bucket", uint64_t{1} << 41}}, 1, 3, "not a frame size");
 }
 
 }  // namespace

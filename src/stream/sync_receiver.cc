@@ -5,7 +5,6 @@
 #include <map>
 #include <mutex>
 #include <set>
-#include <thread>
 #include <unordered_map>
 #include <utility>
 
@@ -55,6 +54,7 @@ struct Destination {
 
 // What one sync has done so far.
 struct SyncState {
+  uint64_t frames = 0;  // frames taken
   uint64_t sync_id = 0;
   FrameKind kind = FrameKind::kDelta;
   bool verify_all = false;
@@ -71,11 +71,6 @@ struct SyncState {
 
 // Failed syncs in a row after which a receiver forms the group again.
 constexpr uint32_t kRejoinAfterFailures = 3;
-// The fewest threads (ReceiverOptions::threads) with which a receiver
-// applies a frame while the next comes in. With two (2 cores, 2 receivers
-// and the sender on them) a dense sync took 1.15 s against 0.88 s one
-// frame at a time (bench --stream --bytes 256MiB --links none).
-constexpr uint32_t kApplyBesideThreads = 4;
 
 class Receiver final : public StreamReceiver {
  public:
@@ -101,22 +96,19 @@ class Receiver final : public StreamReceiver {
     std::lock_guard<std::mutex> lock(mu_);
     return cancelled_;
   }
-  // Checks and applies the sync's frame `index` just received: the host
-  // frame `frame` (in bucket_), or with `on_device` the `bytes` bytes in
-  // the device bucket. `checksum`: the xxh3-128 of the host frame's bytes
-  // before its trailer, taken as they came in (empty: computed here).
-  Status TakeFrame(uint64_t index, bool envelope_last, bool on_device,
-                   std::span<const uint8_t> frame, uint64_t bytes,
+  // Checks and applies the frame of `bytes` bytes just received (in
+  // bucket_, or in the device bucket with `on_device`). `checksum`: the
+  // xxh3-128 of the host frame's bytes before its trailer, taken as they
+  // came in (empty: computed here).
+  Status TakeFrame(bool envelope_last, bool on_device, uint64_t bytes,
                    std::span<const uint8_t> checksum, SyncState* sync, ReceiveStats* stats);
   // The device bucket frames are received into, when every registered
   // tensor lives on one device and the communicator takes device memory;
   // null otherwise.
   Result<stream::DeviceFrameReader*> DeviceFrames();
   // placed_: the checked frame's entries, those for device tensors put in
-  // device memory (HostFrameUpload), each device's in one copy; `frame`:
-  // the host frame they point into.
-  Status PlaceOnDevices(bool on_device, std::span<const uint8_t> frame,
-                        std::span<const FlushEntry> entries);
+  // device memory (HostFrameUpload), each device's in one copy.
+  Status PlaceOnDevices(bool on_device, std::span<const FlushEntry> entries);
   // The batched apply of a frame's entries in memory of CUDA device `device`.
   Result<stream::DeviceBatch*> Batch(int device);
   void Verify(SyncState* sync, ReceiveStats* stats);
@@ -157,9 +149,6 @@ class Receiver final : public StreamReceiver {
   uint64_t last_sync_id_ = 0;  // the highest sync id taken on this connection
   uint32_t failures_in_a_row_ = 0;
   FlushReader reader_;
-  // Host frames come in here: one at a time, or with a route's bucket
-  // frames of at most half of it each in a half, the next coming in while
-  // the one before is applied (TakeFrame on a thread of its own).
   std::vector<uint8_t> bucket_;
   // The running xxh3-128 of a host frame as its chunks come in.
   std::unique_ptr<Hasher> frame_hash_ = NewHasher(ChecksumAlgo::kXxh3_128);
@@ -374,9 +363,8 @@ Result<stream::DeviceBatch*> Receiver::Batch(int device) {
   return b.get();
 }
 
-Status Receiver::PlaceOnDevices(bool on_device, std::span<const uint8_t> host_frame,
-                                std::span<const FlushEntry> entries) {
-  const std::span<const uint8_t> frame = on_device ? device_frames_->host_copy() : host_frame;
+Status Receiver::PlaceOnDevices(bool on_device, std::span<const FlushEntry> entries) {
+  const std::span<const uint8_t> frame = on_device ? device_frames_->host_copy() : bucket_;
   const uint8_t* there = on_device ? device_frames_->bucket() : nullptr;
   placed_.assign(entries.begin(), entries.end());
   for (auto& [device, ctx] : devices_) {
@@ -402,16 +390,16 @@ Status Receiver::PlaceOnDevices(bool on_device, std::span<const uint8_t> host_fr
   return Status::OK();
 }
 
-Status Receiver::TakeFrame(uint64_t index, bool envelope_last, bool on_device,
-                           std::span<const uint8_t> host_frame, uint64_t bytes,
+Status Receiver::TakeFrame(bool envelope_last, bool on_device, uint64_t bytes,
                            std::span<const uint8_t> checksum, SyncState* sync,
                            ReceiveStats* stats) {
+  const uint64_t index = sync->frames - 1;
   const std::string where = "flush frame " + std::to_string(index) + " of the sync";
   Status read = Status::OK();
   if (on_device) {
     read = device_frames_->Read(&reader_, bytes);
   } else {
-    read = checksum.empty() ? reader_.Read(host_frame) : reader_.Read(host_frame, checksum);
+    read = checksum.empty() ? reader_.Read(bucket_) : reader_.Read(bucket_, checksum);
   }
   if (Status s = read; !s.ok()) {
     return Status(s.code(), where + ": " + s.message());
@@ -533,7 +521,7 @@ Status Receiver::TakeFrame(uint64_t index, bool envelope_last, bool on_device,
     // and each entry is scattered from there with no wait of its own.
     std::span<const FlushEntry> apply = entries;
     if (staged) {
-      if (Status s = PlaceOnDevices(on_device, host_frame, entries); !s.ok()) {
+      if (Status s = PlaceOnDevices(on_device, entries); !s.ok()) {
         return Status(s.code(), frame + ": " + s.message());
       }
       apply = placed_;
@@ -691,43 +679,17 @@ Result<ReceiveStats> Receiver::ReceiveSyncAlone() {
   }
   const int from = route->from;
   const int to = route->to;
-  // With the sender's bucket known, a host frame of at most half of it
-  // comes into one half of bucket_ while the frame before, in the other,
-  // is checked and applied on a thread of its own: the link and the apply
-  // overlap in one bucket of memory. Frames are still applied one at a
-  // time and in order, and a frame for device tensors one at a time. Only
-  // with threads to spare: on fewer, the extra thread takes the cores the
-  // link and the apply need.
-  const uint32_t threads = options_.threads ? options_.threads : ThreadPool::CoresAvailable();
-  bool host_only = threads >= kApplyBesideThreads;
-  for (const auto& [name, d] : dests_) host_only = host_only && !d.device;
-  const uint64_t half =
-      host_only && route->bucket <= options_.max_frame_bytes ? route->bucket / 2 : 0;
-  std::thread applying;
-  int applying_half = -1;  // the half of bucket_ the frame being applied is in
-  const auto settle = [&] {
-    if (applying.joinable()) applying.join();
-    applying_half = -1;
-  };
-  // Every way out waits for the frame being applied (sync and stats, which
-  // it writes, outlive this).
-  struct Settle {
-    const decltype(settle)& f;
-    ~Settle() { f(); }
-  } settle_on_return{settle};
   const auto leave = [&](const Status& s, const std::string& doing) {
-    settle();
     Drop();
     return Status(s.code(), doing + ": " + s.message());
   };
   // The shared frames come from `from` (passed on to `to`) until an `end`;
   // then this receiver's own from rank 0, the last flagged so.
   bool shared = true;
-  uint64_t frames = 0;  // taken
   for (;;) {
     const int source = shared ? from : 0;
-    const std::string taking = "taking the sync's frame " + std::to_string(frames) + " from rank " +
-                               std::to_string(source);
+    const std::string taking = "taking the sync's frame " + std::to_string(sync.frames) +
+                               " from rank " + std::to_string(source);
     Result<stream::Envelope> env = stream::RecvEnvelope(*comm_, source, MessageType::kFrame);
     if (!env.ok()) return leave(env.status(), taking);
     if ((!shared && env->end) || (shared && env->last)) {
@@ -745,7 +707,6 @@ Result<ReceiveStats> Receiver::ReceiveSyncAlone() {
       continue;
     }
     if (env->body_bytes > options_.max_frame_bytes) {
-      settle();
       Drop();
       return Status::OutOfRange("a flush frame of " + std::to_string(env->body_bytes) +
                                 " bytes, past this receiver's max_frame_bytes of " +
@@ -757,25 +718,13 @@ Result<ReceiveStats> Receiver::ReceiveSyncAlone() {
     Result<stream::DeviceFrameReader*> device = DeviceFrames();
     Status s = device.status();
     std::span<uint8_t> into;
-    const uint64_t n = env->body_bytes;
-    const bool beside = s.ok() && *device == nullptr && n <= half;  // in a half of bucket_
-    int in_half = 0;
-    if (beside) {
-      in_half = applying_half == 0 ? 1 : 0;
-    } else {
-      settle();
-    }
     if (s.ok() && *device != nullptr) {
-      Result<std::span<uint8_t>> b = (*device)->Bucket(n);
+      Result<std::span<uint8_t>> b = (*device)->Bucket(env->body_bytes);
       s = b.status();
       if (b.ok()) into = *b;
     } else if (s.ok()) {
-      const uint64_t need = beside ? 2 * half : n;
-      if (bucket_.size() < need) {
-        settle();  // the frame being applied may lie in what moves
-        bucket_.resize(need);
-      }
-      into = std::span<uint8_t>(bucket_).subspan(in_half * half, n);
+      bucket_.resize(env->body_bytes);
+      into = bucket_;
     }
     // A shared host frame is hashed chunk by chunk as it comes in (its
     // bytes before the trailer), while the next chunk is on its way.
@@ -797,23 +746,14 @@ Result<ReceiveStats> Receiver::ReceiveSyncAlone() {
     if (!s.ok()) return leave(s, "taking a flush frame");
     if (hash_in) checksum = frame_hash_->Digest();
     stats.receive_s += SecondsSince(t0);
-    stats.bytes += n;
-    const uint64_t index = frames++;
-    auto apply = [this, index, last = env->last, on_device = *device != nullptr, into, n,
-                  checksum = std::move(checksum), &sync, &stats] {
-      if (!sync.refused.ok()) return;
-      sync.refused = TakeFrame(index, last, on_device, into, n, checksum, &sync, &stats);
-    };
-    settle();  // frames are applied in order
-    if (beside && !env->last) {
-      applying = std::thread(std::move(apply));
-      applying_half = in_half;
-    } else {
-      apply();
+    ++sync.frames;
+    stats.bytes += env->body_bytes;
+    if (sync.refused.ok()) {
+      sync.refused =
+          TakeFrame(env->last, *device != nullptr, env->body_bytes, checksum, &sync, &stats);
     }
     if (env->last) break;
   }
-  settle();
   if (sync.refused.ok()) Verify(&sync, &stats);
   if (!sync.refused.ok() && !sync.clean) seeded_ = false;
   if (sync.refused.ok() && sync.kind == FrameKind::kSeed) seeded_ = true;
@@ -838,7 +778,7 @@ Result<ReceiveStats> Receiver::ReceiveSyncAlone() {
   stats.sync_id = sync.sync_id;
   stats.seed = sync.kind == FrameKind::kSeed;
   stats.verify_all = sync.verify_all;
-  stats.frames = frames;
+  stats.frames = sync.frames;
   if (!sync.refused.ok()) return sync.refused;
   return stats;
 }

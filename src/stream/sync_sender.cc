@@ -334,7 +334,6 @@ Status Sender::BeginSync(Round* round, Clock::time_point start) {
       stream::Route& route = routes[g->members[j]];
       route.from = j == 0 ? 0 : peers_[g->members[j - 1]].rank;
       route.to = j + 1 < g->members.size() ? peers_[g->members[j + 1]].rank : 0;
-      route.bucket = options_.bucket_bytes;
     }
   }
   for (size_t i = 0; i < peers_.size(); ++i) {

@@ -401,10 +401,8 @@ TEST_F(SyncTest, ALaterFrameRefusedFailsTheSyncAndTheNextRepairsIt) {
     return id == 3 && index == 2;
   };
   third.byte_offset = 100;  // in the payload
-  ReceiverOptions beside;
-  beside.threads = 4;  // it applies a frame while the next comes in
   ReceiverRig good(m, Hold::kWhole, Factory(1));
-  ReceiverRig victim(m, Hold::kWhole, Factory(2, {third}), beside);
+  ReceiverRig victim(m, Hold::kWhole, Factory(2, {third}));
   good.Start();
   victim.Start();
   for (int step = 0; step < 2; ++step) {
@@ -552,7 +550,7 @@ TEST_F(SyncTest, FramesSentWhileTheNextFillsKeepReceiversExactAndASendFailedInFl
   Finish(sender, {&one, &two});
 }
 
-TEST_F(SyncTest, ASyncsFirstFramesAreSmallAndAUnitTooBigForThemTakesHalfABucket) {
+TEST_F(SyncTest, ASyncsFirstFramesAreSmallAndAUnitTooBigForThemTakesAWholeBucket) {
   SetUpGroup(1);
   // 16 MiB buckets: a unit of 838,451 BF16 elements, 1.6 MiB dense, more
   // than the first frame's 1 MiB; a 10% delta of it 0.5 MB of indices.
@@ -563,12 +561,12 @@ TEST_F(SyncTest, ASyncsFirstFramesAreSmallAndAUnitTooBigForThemTakesHalfABucket)
   ReceiverRig one(m, Hold::kWhole, Factory(1));
   one.Start();
   // The seed: the first unit does not fit the first frame, which gives way
-  // to half a bucket, and the 6 MiB go in one.
+  // to a whole bucket, and the 6 MiB go in one.
   Result<SyncStats> seed = sender->Sync(m.tensors);
   ASSERT_TRUE(seed.ok()) << seed.status().ToString();
   EXPECT_TRUE(one.Matches(m).ok()) << one.Matches(m).ToString();
-  // The delta's 1.9 MB go in a 1 MiB frame, then a 2 MiB one, where half
-  // a bucket would have taken them all.
+  // The delta's 1.9 MB go in a 1 MiB frame, then a 2 MiB one, where one
+  // bucket would have taken them all.
   m.Step(81, 0.1);
   Result<SyncStats> delta = sender->Sync(m.tensors);
   ASSERT_TRUE(delta.ok()) << delta.status().ToString();
@@ -577,38 +575,6 @@ TEST_F(SyncTest, ASyncsFirstFramesAreSmallAndAUnitTooBigForThemTakesHalfABucket)
   EXPECT_TRUE(one.Matches(m).ok()) << one.Matches(m).ToString();
   EXPECT_EQ(Snapshots(*sender, m), m.bytes);
   Finish(sender, {&one});
-}
-
-// Host frames hold at most half the bucket, so that a receiver takes the
-// next while it applies one in one bucket of memory: a 1 MiB dense seed
-// with 256 KiB buckets goes in at least 8 frames (with whole buckets, in
-// five of about 250 KiB), and the receivers, one applying
-// beside the link (4 threads) and one a frame at a time (1), are exact.
-TEST_F(SyncTest, HostFramesHoldAtMostHalfABucket) {
-  SetUpGroup(2);
-  Model m = Model::Make(4, {{"w.weight", DType::kBF16, {1 << 19}}});
-  SenderOptions o;
-  o.bucket_bytes = 256 << 10;
-  std::unique_ptr<StreamSender> sender = MakeSender(Factory(0), o);
-  ReceiverOptions four;
-  four.threads = 4;
-  ReceiverOptions one;
-  one.threads = 1;
-  ReceiverRig beside(m, Hold::kWhole, Factory(1), four);
-  ReceiverRig alone(m, Hold::kWhole, Factory(2), one);
-  beside.Start();
-  alone.Start();
-  for (int step = 0; step < 3; ++step) {
-    if (step > 0) m.Step(60 + step, 0.4);
-    Result<SyncStats> s = sender->Sync(m.tensors);
-    ASSERT_TRUE(s.ok()) << s.status().ToString();
-    if (step == 0) {
-      EXPECT_GE(s->frames, (uint64_t{1} << 20) / (o.bucket_bytes / 2));
-    }
-    EXPECT_TRUE(beside.Matches(m).ok()) << beside.Matches(m).ToString();
-    EXPECT_TRUE(alone.Matches(m).ok()) << alone.Matches(m).ToString();
-  }
-  Finish(sender, {&beside, &alone});
 }
 
 TEST_F(SyncTest, ReceiversApplyingAFramesEntriesOnSeveralThreadsStayBitExact) {
