@@ -213,9 +213,10 @@ int RunShardedBench(const ShardedBenchConfig& config, bool json_out) {
 // 127.0.0.1; the trainer group
 // stays on loopback), and prints one JSON object: its shards' bytes, its
 // peak resident memory beyond them and its snapshot, the two syncs' times,
-// and rank 0's delta SyncStats. With --go-file, rank 0 makes PATH.seeded
-// after the seed and every rank waits for PATH before the delta (the
-// caller shapes the links in between).
+// and rank 0's delta SyncStats. With --go-file, each rank R makes
+// PATH.seeded.R after the seed and every rank waits for PATH before the
+// delta (the caller, once every rank is seeded, shapes the links in
+// between).
 int RunShardedBenchTrainer(const std::vector<std::string>& args) {
   std::map<std::string, std::string> a;
   for (size_t i = 0; i + 1 < args.size(); i += 2) a[args[i]] = args[i + 1];
@@ -293,7 +294,10 @@ int RunShardedBenchTrainer(const std::vector<std::string>& args) {
       shards.push_back({shard_specs[i], (*state)[i], {}});
     const bool seed = state == &before;
     if (!seed && !go.empty()) {
-      if (rank == 0) std::ofstream(go + ".seeded") << "1";
+      // Each rank once its seed is done (its snapshot taken): the delta's
+      // clock starts with every rank ready, not while one still settles
+      // the seed.
+      std::ofstream(go + ".seeded." + std::to_string(rank)) << "1";
       const auto deadline = Clock::now() + timeout;
       while (!std::filesystem::exists(go)) {
         if (Clock::now() > deadline) return Fail("bench-sharded-trainer: no " + go + " in time");

@@ -447,7 +447,13 @@ class Bench {
     }
     // The seed goes unshaped; the delta waits for the shaping.
     const auto deadline = Clock::now() + c_.timeout;
-    while (!fs::exists(go + ".seeded")) {
+    const auto all_seeded = [&] {
+      for (int r = 0; r < ranks; ++r) {
+        if (!fs::exists(go + ".seeded." + std::to_string(r))) return false;
+      }
+      return true;
+    };
+    while (!all_seeded()) {
       if (!trainers[0]->Running() || Clock::now() > deadline) {
         DS_RETURN_IF_ERROR(trainers[0]->Wait().status());
         return Status::DeadlineExceeded("the sharded trainer's seed did not end in time");
