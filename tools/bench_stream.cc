@@ -484,8 +484,14 @@ class Bench {
       return true;
     };
     while (!all_seeded()) {
-      if (!trainers[0]->Running() || Clock::now() > deadline) {
-        DS_RETURN_IF_ERROR(trainers[0]->Wait().status());
+      // A rank that ended before it said it is seeded fails the run with
+      // its own error, not after the deadline.
+      for (const std::unique_ptr<Child>& t : trainers) {
+        if (t->Running()) continue;
+        DS_RETURN_IF_ERROR(t->Wait().status());
+        return Status::Internal("a sharded trainer rank ended before its delta");
+      }
+      if (Clock::now() > deadline) {
         return Status::DeadlineExceeded("the sharded trainer's seed did not end in time");
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -561,7 +567,8 @@ class Bench {
   double read_s_ = 0;      // one thread
   double read_all_s_ = 0;  // every core: the bound's
   // A dense frame's work beyond the wire for the model's bytes: its
-  // xxh3-128 on one thread, and the copy into 16 MiB frames on every core.
+  // xxh3-128 on one thread, and the copy into bucket-sized frames on every
+  // core.
   double hash_s_ = 0, copy_s_ = 0;
   size_t threads_ = 1;
   std::map<std::string, std::vector<Run>> runs_;

@@ -44,6 +44,9 @@ TEST(StreamBenchTest, ReportsEachEncodingAgainstTheFullBroadcastAndItsBound) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const json j = json::parse(r.out);
   EXPECT_EQ(j["mode"], "stream");
+  // What a dense frame costs beyond the wire, measured in the run.
+  EXPECT_GT(j["frame_hash_s"].get<double>(), 0);
+  EXPECT_GT(j["frame_copy_s"].get<double>(), 0);
   const json& loop = j["links"]["loopback"];
   EXPECT_GT(loop["bytes_per_s"].get<double>(), 0);
   std::vector<std::string> what;
